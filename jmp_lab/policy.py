@@ -1,0 +1,280 @@
+"""Precision policies: which dtype params, computation and outputs use.
+
+A :class:`Policy` is three dtypes and three cast methods, in the spirit of
+jmp. :func:`get_policy` parses the jmp string grammar (and agrees with
+``jmp.get_policy`` on every string jmp accepts), plus a few named presets.
+
+Example::
+
+  >>> import jmp_lab
+  >>> policy = jmp_lab.get_policy("params=float32,compute=bfloat16,output=float32")
+  >>> policy == jmp_lab.get_policy("mixed_bfloat16")
+  True
+  >>> str(policy)
+  'params=float32,compute=bfloat16,output=float32'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab._tree import is_floating_array
+
+T = TypeVar("T")
+
+# The dtypes a policy may hold. fp8 is deliberately absent: fp8 training
+# needs per-tensor scaling of every matmul operand, which a three-dtype
+# policy cannot express.
+SUPPORTED_DTYPES = (
+    np.dtype(jnp.float16),
+    np.dtype(jnp.bfloat16),
+    np.dtype(jnp.float32),
+    np.dtype(jnp.float64),
+)
+
+# Canonical name first: it is what ``str(policy)`` prints.
+_DTYPE_NAMES = {
+    np.dtype(jnp.float32): ("float32", "f32", "full", "single"),
+    np.dtype(jnp.bfloat16): ("bfloat16", "bf16"),
+    np.dtype(jnp.float16): ("float16", "f16"),
+    np.dtype(jnp.float64): ("float64", "f64"),
+}
+_NAME_TO_DTYPE = {
+    name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names
+}
+_ACCEPTED_DTYPE_NAMES = tuple(_NAME_TO_DTYPE) + ("half",)
+
+_KEY_TO_FIELD = {
+    "params": "param_dtype",
+    "p": "param_dtype",
+    "compute": "compute_dtype",
+    "c": "compute_dtype",
+    "output": "output_dtype",
+    "o": "output_dtype",
+}
+
+DTypeLike = Union[str, np.dtype, type, Any]
+
+
+def half_dtype(device: jax.Device | None = None) -> np.dtype:
+  """The 16-bit float that runs fastest on ``device`` (default: first device).
+
+  The rule:
+
+  * TPU: ``bfloat16``.
+  * NVIDIA GPU of compute capability >= 8.0 (Ampere, Hopper and later):
+    ``bfloat16``, which has tensor-core support and fp32's exponent range, so
+    it rarely needs loss scaling.
+  * Anything else (older GPUs, CPU): ``float16``.
+
+  Note that jmp maps ``"half"`` to ``float16`` on every GPU; jmp_lab prefers
+  ``bfloat16`` where the hardware supports it.
+  """
+  if device is None:
+    device = jax.local_devices()[0]
+  if device.platform == "tpu":
+    return np.dtype(jnp.bfloat16)
+  if device.platform == "gpu":
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and float(capability) >= 8.0:
+      return np.dtype(jnp.bfloat16)
+  return np.dtype(jnp.float16)
+
+
+def canonicalize_dtype(dtype: DTypeLike, *, what: str = "dtype") -> np.dtype:
+  """Turns a dtype, a scalar type or a dtype name into a supported ``np.dtype``.
+
+  Raises:
+    ValueError: for names or dtypes that are not one of float16, bfloat16,
+      float32 or float64.
+  """
+  if isinstance(dtype, str):
+    return parse_dtype(dtype, what=what)
+  try:
+    canonical = np.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(
+        f"{what} must be a floating dtype or dtype name, got {dtype!r}; "
+        f"accepted: {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+    ) from e
+  if canonical not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"{what} {canonical.name!r} is not supported; accepted: "
+        f"{', '.join(d.name for d in SUPPORTED_DTYPES)}"
+        + (" (fp8 needs per-tensor scaling, which policies do not do)"
+           if "float8" in canonical.name else "")
+    )
+  return canonical
+
+
+def parse_dtype(name: str, *, what: str = "dtype") -> np.dtype:
+  """Parses a dtype name such as ``"bf16"`` or ``"half"`` (see module doc)."""
+  normalized = name.strip().lower()
+  if normalized == "half":
+    return half_dtype()
+  try:
+    return _NAME_TO_DTYPE[normalized]
+  except KeyError:
+    raise ValueError(
+        f"unknown {what} {name!r}; accepted names: "
+        f"{', '.join(_ACCEPTED_DTYPE_NAMES)}"
+    ) from None
+
+
+def cast_floating(tree: T, dtype: DTypeLike) -> T:
+  """Casts every floating array leaf of ``tree`` to ``dtype``.
+
+  Integer, boolean and PRNG-key leaves, Python scalars and non-array leaves
+  pass through untouched. Leaves already in ``dtype`` are returned as-is.
+  """
+  dtype = np.dtype(dtype)
+
+  def cast(x):
+    # Python scalars are left alone on purpose: they are weakly typed in JAX
+    # and adopt the dtype of whatever array they meet.
+    if is_floating_array(x) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree_util.tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Which dtype parameters, computation and outputs use.
+
+  Dtypes may be given as dtypes, scalar types or names (``"bf16"``); they are
+  stored as ``np.dtype``. Two policies are equal when their dtypes are.
+
+  Attributes:
+    param_dtype: dtype the parameters are stored in.
+    compute_dtype: dtype matmuls and most activations are computed in.
+    output_dtype: dtype a module's outputs are returned in.
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = canonicalize_dtype(getattr(self, field.name), what=field.name)
+      # Frozen dataclass: bypass __setattr__ once, at construction.
+      object.__setattr__(self, field.name, value)
+
+  def cast_to_param(self, tree: T) -> T:
+    """Casts floating leaves of ``tree`` to ``param_dtype``."""
+    return cast_floating(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: T) -> T:
+    """Casts floating leaves of ``tree`` to ``compute_dtype``."""
+    return cast_floating(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: T) -> T:
+    """Casts floating leaves of ``tree`` to ``output_dtype``."""
+    return cast_floating(tree, self.output_dtype)
+
+  def with_param_dtype(self, dtype: DTypeLike) -> "Policy":
+    return dataclasses.replace(self, param_dtype=dtype)
+
+  def with_compute_dtype(self, dtype: DTypeLike) -> "Policy":
+    return dataclasses.replace(self, compute_dtype=dtype)
+
+  def with_output_dtype(self, dtype: DTypeLike) -> "Policy":
+    return dataclasses.replace(self, output_dtype=dtype)
+
+  def __str__(self) -> str:
+    return "params={},compute={},output={}".format(
+        _DTYPE_NAMES[self.param_dtype][0],
+        _DTYPE_NAMES[self.compute_dtype][0],
+        _DTYPE_NAMES[self.output_dtype][0],
+    )
+
+
+PRESETS = {
+    "float32": Policy(jnp.float32, jnp.float32, jnp.float32),
+    "mixed_bfloat16": Policy(jnp.float32, jnp.bfloat16, jnp.float32),
+    "mixed_float16": Policy(jnp.float32, jnp.float16, jnp.float32),
+}
+
+
+def get_policy(spec: Union[Policy, str]) -> Policy:
+  """Returns the policy named or described by ``spec``.
+
+  Args:
+    spec: a :class:`Policy` (returned unchanged); a preset name
+      (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``); a bare dtype
+      name, which sets all three dtypes (``"bf16"``); or comma-separated
+      ``key=dtype`` pairs with keys ``params``/``p``, ``compute``/``c`` and
+      ``output``/``o``. Unset keys follow jmp: params defaults to float32,
+      compute follows params and output follows compute. Dtype names are
+      ``float32``/``f32``/``full``/``single``, ``bfloat16``/``bf16``,
+      ``float16``/``f16``, ``float64``/``f64`` and ``half`` (see
+      :func:`half_dtype`).
+
+  Returns:
+    The :class:`Policy`.
+
+  Raises:
+    TypeError: if ``spec`` is neither a Policy nor a string.
+    ValueError: for an empty string, an unknown key, a duplicate key or an
+      unknown or non-floating dtype name; the message names the bad part.
+
+  Example::
+
+    >>> get_policy("c=bf16")  # params f32, compute and output bf16
+    Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), \
+output_dtype=dtype(bfloat16))
+  """
+  if isinstance(spec, Policy):
+    return spec
+  if not isinstance(spec, str):
+    raise TypeError(
+        f"policy spec must be a Policy or a string, got {type(spec).__name__} "
+        f"{spec!r}"
+    )
+  stripped = spec.strip()
+  if not stripped:
+    raise ValueError(
+        "policy spec is empty; give a preset "
+        f"({', '.join(PRESETS)}), a dtype name, or 'params=...,compute=...,"
+        "output=...'"
+    )
+  if stripped in PRESETS:
+    return PRESETS[stripped]
+  if "=" not in stripped:
+    dtype = parse_dtype(stripped, what=f"dtype in policy {spec!r}")
+    return Policy(dtype, dtype, dtype)
+  return _parse_key_values(spec)
+
+
+def _parse_key_values(spec: str) -> Policy:
+  chosen: dict[str, np.dtype] = {}
+  for part in spec.split(","):
+    key, sep, value = part.partition("=")
+    key = key.strip().lower()
+    if not sep:
+      raise ValueError(
+          f"policy part {part!r} in {spec!r} is not 'key=dtype'; keys: "
+          f"{', '.join(_KEY_TO_FIELD)}"
+      )
+    if key not in _KEY_TO_FIELD:
+      raise ValueError(
+          f"unknown key {key!r} in policy {spec!r}; accepted keys: "
+          f"{', '.join(_KEY_TO_FIELD)}"
+      )
+    field = _KEY_TO_FIELD[key]
+    if field in chosen:
+      raise ValueError(
+          f"duplicate key {key!r} in policy {spec!r}: {field} is already set"
+      )
+    chosen[field] = parse_dtype(value, what=f"dtype for {key!r} in {spec!r}")
+  param = chosen.get("param_dtype", np.dtype(jnp.float32))
+  compute = chosen.get("compute_dtype", param)
+  output = chosen.get("output_dtype", compute)
+  return Policy(param, compute, output)
