@@ -3,9 +3,14 @@
 The public API lives here; each concept has its own module:
 
 * :mod:`jmp_lab.policy` -- precision policies and cast helpers;
-* :mod:`jmp_lab.loss_scale` -- loss scales, ``all_finite`` and ``select_tree``.
+* :mod:`jmp_lab.loss_scale` -- loss scales, ``all_finite`` and ``select_tree``;
+* :mod:`jmp_lab.optimizer` -- ``mixed_precision``: fp32 master weights and
+  loss-scale state inside an optax transformation;
+* :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
+* :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step.
 """
 
+from jmp_lab import linen
 from jmp_lab.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -14,6 +19,13 @@ from jmp_lab.loss_scale import (
     all_finite,
     select_tree,
 )
+from jmp_lab.optimizer import (
+    MixedPrecisionState,
+    current_loss_scale,
+    master_params,
+    mixed_precision,
+    skipped_steps,
+)
 from jmp_lab.policy import (
     PRESETS,
     Policy,
@@ -21,19 +33,34 @@ from jmp_lab.policy import (
     get_policy,
     half_dtype,
 )
+from jmp_lab.training import (
+    TrainState,
+    make_train_step,
+    scaled_value_and_grad,
+    train_step,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
     "LossScale",
+    "MixedPrecisionState",
+    "current_loss_scale",
+    "master_params",
+    "mixed_precision",
+    "skipped_steps",
     "NoOpLossScale",
     "PRESETS",
     "Policy",
     "StaticLossScale",
+    "TrainState",
     "all_finite",
     "cast_floating",
     "get_policy",
     "half_dtype",
+    "linen",
+    "make_train_step",
+    "scaled_value_and_grad",
     "select_tree",
 ]

@@ -1,0 +1,262 @@
+"""Precision policies for Flax linen modules, without touching module code.
+
+:func:`with_policy` wraps any linen module. Its ``init``/``apply`` mirror
+linen's functional API, and inside ``apply`` every module call is intercepted
+(``flax.linen.intercept_methods``):
+
+* floating inputs are cast to the module's compute dtype;
+* the module's params are cast to its compute dtype before it reads them;
+* outputs are cast to the compute dtype (the top-level module's outputs to the
+  policy's ``output_dtype``).
+
+Overrides give a module (and everything inside it) another policy, chosen by
+class or by a regular expression over its path (``"Block_0/Dense_1"``); a path
+pattern also matches single params (``"head/kernel"``). By default the
+normalisation layers (LayerNorm, RMSNorm, BatchNorm, GroupNorm) compute in
+fp32 and hand back the compute dtype; BatchNorm's ``batch_stats`` stay fp32.
+Only the ``params`` collection is ever cast.
+
+Softmax and cross-entropy stay fp32 through the helpers here:
+:func:`softmax`, :func:`softmax_cross_entropy_with_integer_labels`, and
+:data:`dot_product_attention` (pass it as ``attention_fn`` to
+``nn.MultiHeadDotProductAttention``).
+
+Example::
+
+  >>> model = jmp_lab.linen.with_policy(MyCNN(), "mixed_bfloat16")
+  >>> variables = model.init(jax.random.key(0), x)   # params in param_dtype
+  >>> logits = model.apply(variables, x)             # bf16 inside, f32 out
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Mapping, Optional, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_lab.policy import Policy, cast_floating, get_policy
+
+DEFAULT_FP32_MODULES: tuple[type, ...] = (
+    nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
+
+PolicySpec = Union[Policy, str]
+
+
+def fp32_island(policy: Policy) -> Policy:
+  """The policy of an fp32 island (e.g. a norm) inside ``policy``.
+
+  It keeps params in ``policy.param_dtype``, computes in fp32 and hands its
+  output back in ``policy.compute_dtype``, so the half-precision activations
+  around it stay half precision.
+  """
+  return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyModule:
+  """A linen module with a precision policy; see :func:`with_policy`."""
+
+  module: nn.Module
+  policy: Policy
+  class_overrides: tuple[tuple[type, Policy], ...]
+  path_overrides: tuple[tuple[re.Pattern, Policy], ...]
+
+  # ---- which policy applies where ------------------------------------------
+
+  def module_policy(self, module: nn.Module) -> Optional[Policy]:
+    """The override for ``module`` itself or its nearest overridden parent."""
+    while isinstance(module, nn.Module):
+      path = "/".join(module.path)
+      for pattern, policy in self.path_overrides:
+        if path and pattern.search(path):
+          return policy
+      for cls, policy in self.class_overrides:
+        if isinstance(module, cls):
+          return policy
+      module = module.parent
+    return None
+
+  def _param_policies(self, params: Any, module_policies: Mapping[tuple, Policy]
+                      ) -> Any:
+    """For every param leaf, the policy whose compute dtype it is cast to."""
+
+    def for_leaf(path, _):
+      names = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+      joined = "/".join(str(n) for n in names)
+      for pattern, policy in self.path_overrides:
+        if pattern.search(joined):
+          return policy
+      # The longest module path that owns this param decides.
+      for end in range(len(names) - 1, -1, -1):
+        if names[:end] in module_policies:
+          return module_policies[names[:end]]
+      return self.policy
+
+    return jax.tree_util.tree_map_with_path(for_leaf, params)
+
+  # ---- linen's functional API ---------------------------------------------
+
+  def init(self, rngs, *args, method=None, **kwargs) -> dict:
+    """``module.init`` with the params cast to ``policy.param_dtype``."""
+    with nn.intercept_methods(self._interceptor()):
+      variables = self.module.init(rngs, *args, method=method, **kwargs)
+    variables = dict(variables)
+    if "params" in variables:
+      variables["params"] = self.policy.cast_to_param(variables["params"])
+    return variables
+
+  def apply(self, variables: Mapping[str, Any], *args, rngs=None,
+            mutable=False, method=None, **kwargs) -> Any:
+    """``module.apply`` under the policy; same arguments and results."""
+    variables = dict(variables)
+    if "params" in variables:
+      module_policies = self._trace_module_policies(
+          variables, args, kwargs, rngs=rngs, mutable=mutable, method=method)
+      leaf_policies = self._param_policies(variables["params"],
+                                           module_policies)
+      variables["params"] = jax.tree_util.tree_map(
+          lambda x, policy: cast_floating(x, policy.compute_dtype),
+          variables["params"], leaf_policies,
+          is_leaf=lambda x: isinstance(x, Policy))
+    with nn.intercept_methods(self._interceptor()):
+      return self.module.apply(variables, *args, rngs=rngs, mutable=mutable,
+                               method=method, **kwargs)
+
+  def __call__(self, variables, *args, **kwargs):
+    return self.apply(variables, *args, **kwargs)
+
+  # ---- interception ---------------------------------------------------------
+
+  def _trace_module_policies(self, variables, args, kwargs, **apply_kwargs
+                             ) -> dict[tuple, Policy]:
+    """Maps each overridden module's path to its policy, by an abstract trace.
+
+    Which module owns which param is only known by running the model, so the
+    model is traced once abstractly (``jax.eval_shape``: no FLOPs, no memory).
+    """
+    found: dict[tuple, Policy] = {}
+
+    def record(next_fun, call_args, call_kwargs, context):
+      policy = self.module_policy(context.module)
+      if policy is not None:
+        found[tuple(context.module.path)] = policy
+      return next_fun(*call_args, **call_kwargs)
+
+    def run(variables):
+      with nn.intercept_methods(record):
+        return self.module.apply(variables, *args, **apply_kwargs, **kwargs)
+
+    jax.eval_shape(run, variables)
+    return found
+
+  def _interceptor(self):
+    depth = [0]
+
+    def intercept(next_fun, args, kwargs, context):
+      name = context.method_name
+      if name == "setup" or (name.startswith("_") and name != "__call__"):
+        return next_fun(*args, **kwargs)
+      is_top_level = depth[0] == 0
+      override = self.module_policy(context.module)
+      compute = (override or self.policy).compute_dtype
+      if is_top_level and override is None:
+        output = self.policy.output_dtype
+      elif override is not None:
+        output = override.output_dtype
+      else:
+        output = self.policy.compute_dtype
+      args, kwargs = cast_floating((args, kwargs), compute)
+      depth[0] += 1
+      try:
+        out = next_fun(*args, **kwargs)
+      finally:
+        depth[0] -= 1
+      return cast_floating(out, output)
+
+    return intercept
+
+
+def with_policy(
+    module: nn.Module,
+    policy: PolicySpec,
+    *,
+    class_overrides: Optional[Mapping[type, PolicySpec]] = None,
+    path_overrides: Optional[Mapping[str, PolicySpec]] = None,
+    fp32_norms: bool = True,
+) -> PolicyModule:
+  """Applies ``policy`` to a linen module.
+
+  Args:
+    module: any ``flax.linen.Module``; its code is not changed.
+    policy: the default policy (or its spec).
+    class_overrides: ``{ModuleClass: policy}``; a module of that class and all
+      modules inside it use that policy. Added to (and taking precedence over)
+      the fp32 norm defaults.
+    path_overrides: ``{regex: policy}`` matched with ``re.search`` against
+      module paths (``"Block_0/Dense_1"``) and param paths
+      (``"Block_0/Dense_1/kernel"``); these take precedence over classes.
+    fp32_norms: compute LayerNorm, RMSNorm, BatchNorm and GroupNorm in fp32
+      (see :func:`fp32_island`).
+
+  Returns:
+    A :class:`PolicyModule` with ``init`` and ``apply``.
+
+  Raises:
+    TypeError: if ``module`` is not a linen Module or an override key is not
+      a class.
+    ValueError: for a bad policy spec or an invalid regular expression.
+  """
+  if not isinstance(module, nn.Module):
+    raise TypeError(
+        f"with_policy needs a flax.linen.Module, got {type(module).__name__}")
+  policy = get_policy(policy)
+  classes: dict[type, Policy] = {}
+  for cls, spec in (class_overrides or {}).items():
+    if not isinstance(cls, type):
+      raise TypeError(f"class_overrides keys must be classes, got {cls!r}")
+    classes[cls] = get_policy(spec)
+  if fp32_norms:
+    for cls in DEFAULT_FP32_MODULES:
+      classes.setdefault(cls, fp32_island(policy))
+  patterns = []
+  for pattern, spec in (path_overrides or {}).items():
+    try:
+      patterns.append((re.compile(pattern), get_policy(spec)))
+    except re.error as e:
+      raise ValueError(f"invalid path_overrides pattern {pattern!r}: {e}"
+                       ) from None
+  return PolicyModule(module, policy, tuple(classes.items()), tuple(patterns))
+
+
+# --------------------------------------------------------------------------
+# fp32 helpers for the numerically sensitive ops.
+# --------------------------------------------------------------------------
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Softmax computed in fp32, returned in ``x``'s dtype."""
+  return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Log-softmax computed and returned in fp32."""
+  return jax.nn.log_softmax(x.astype(jnp.float32), axis=axis)
+
+
+def softmax_cross_entropy_with_integer_labels(logits: jax.Array,
+                                              labels: jax.Array) -> jax.Array:
+  """Per-example cross-entropy, computed and returned in fp32."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels)
+
+
+# ``attention_fn`` for nn.MultiHeadDotProductAttention / nn.SelfAttention:
+# flax computes the attention softmax in the input dtype unless told not to.
+dot_product_attention = functools.partial(
+    nn.dot_product_attention, force_fp32_for_softmax=True)

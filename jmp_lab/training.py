@@ -1,0 +1,204 @@
+"""One mixed-precision training step, readable top to bottom.
+
+* :func:`scaled_value_and_grad` -- differentiates ``loss * scale``; returns
+  the unscaled loss (with aux) and the scaled gradients in the param dtype.
+* :class:`TrainState` -- ``params``, ``opt_state``, ``apply_fn`` and
+  ``policy`` (plus ``model_state`` for collections such as ``batch_stats``),
+  with ``apply_gradients``, in the spirit of ``flax.training.train_state``.
+* :func:`train_step` / :func:`make_train_step` -- the jitted, donated step.
+
+The data flow of one step (see :func:`train_step`):
+
+1. the master params (fp32) live in the optimizer state; ``state.params`` are
+   in the policy's ``param_dtype``;
+2. forward: the policy casts params and inputs to ``compute_dtype`` (fp32 for
+   norms), outputs to ``output_dtype``; the loss is fp32;
+3. ``loss * scale`` is differentiated; gradients come back scaled, in the
+   param dtype;
+4. the optimizer (:func:`jmp_lab.mixed_precision`) unscales, checks
+   finiteness, updates the fp32 master, skips on overflow and adjusts the
+   scale; the params handed back equal ``cast(master)`` exactly;
+5. on a skipped step nothing else changes either: ``model_state`` (e.g. batch
+   statistics) and ``step`` keep their old values.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence, Union
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_lab import _tree
+from jmp_lab.loss_scale import LossScale, select_tree
+from jmp_lab.optimizer import current_loss_scale, master_params, skipped_steps
+from jmp_lab.policy import Policy, get_policy
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    has_aux: bool = False,
+    argnums: Union[int, Sequence[int]] = 0,
+) -> Callable[..., tuple[Any, Any]]:
+  """Like ``jax.value_and_grad``, but differentiates ``loss * scale``.
+
+  Args:
+    fun: returns a scalar floating loss, or ``(loss, aux)`` with ``has_aux``.
+    loss_scale: the :class:`~jmp_lab.LossScale` to scale the loss by.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    argnums: which positional arguments to differentiate.
+
+  Returns:
+    A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
+    ``has_aux``): ``loss`` is the *unscaled* fp32 loss and ``grads`` are the
+    gradients of the scaled loss, in the dtypes of the differentiated
+    arguments. Hand them to a :func:`~jmp_lab.mixed_precision` optimizer,
+    which unscales them.
+
+  Example::
+
+    >>> (loss, aux), grads = jmp_lab.scaled_value_and_grad(
+    ...     loss_fn, loss_scale, has_aux=True)(params, batch)
+  """
+
+  def scaled_fun(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    if jnp.ndim(loss) != 0 or not _tree.is_floating_value(loss):
+      raise TypeError(
+          f"the loss must be a floating scalar, got "
+          f"{_tree.leaf_description(loss)}")
+    # The loss is fp32 whatever the compute dtype: scaling a half-precision
+    # loss would overflow long before the gradients do.
+    loss = jnp.asarray(loss).astype(jnp.float32)
+    return loss_scale.scale(loss), (loss, aux)
+
+  def value_and_scaled_grad(*args, **kwargs):
+    (_, (loss, aux)), grads = jax.value_and_grad(
+        scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return value_and_scaled_grad
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """Params, optimizer state and model state for mixed-precision training.
+
+  Attributes:
+    step: applied (not skipped) optimizer steps, int32.
+    params: params in ``policy.param_dtype``.
+    opt_state: the optimizer state; holds the fp32 master and loss scale.
+    model_state: other variable collections (e.g. ``{"batch_stats": ...}``);
+      ``{}`` when the model has none.
+    apply_fn: the model's apply function (e.g. from ``jmp_lab.linen``).
+    tx: the optimizer, normally :func:`jmp_lab.mixed_precision`.
+    policy: the precision policy.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  model_state: Any
+  apply_fn: Callable[..., Any] = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  policy: Policy = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def create(cls, *, apply_fn: Callable[..., Any], params: Any,
+             tx: optax.GradientTransformation, policy: Union[Policy, str],
+             model_state: Optional[Any] = None) -> "TrainState":
+    """Casts ``params`` to the policy's param dtype and initialises ``tx``."""
+    policy = get_policy(policy)
+    params = policy.cast_to_param(params)
+    return cls(step=jnp.zeros((), jnp.int32), params=params,
+               opt_state=tx.init(params),
+               model_state={} if model_state is None else model_state,
+               apply_fn=apply_fn, tx=tx, policy=policy)
+
+  @property
+  def loss_scale(self) -> LossScale:
+    """The loss scale for the next forward pass."""
+    return current_loss_scale(self.opt_state)
+
+  @property
+  def master_params(self) -> Any:
+    """The fp32 master params (the params themselves if they are fp32)."""
+    master = master_params(self.opt_state)
+    return self.params if master is None else master
+
+  @property
+  def skipped_steps(self) -> jax.Array:
+    return skipped_steps(self.opt_state)
+
+  def apply_gradients(self, *, grads: Any, model_state: Optional[Any] = None,
+                      **extra_args) -> "TrainState":
+    """Applies the gradients of the *scaled* loss.
+
+    On a non-finite step only the loss scale and the skip counter change:
+    ``params``, ``step`` and ``model_state`` keep their old values.
+    """
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params,
+                                        **extra_args)
+    params = optax.apply_updates(self.params, updates)
+    applied = skipped_steps(opt_state) == skipped_steps(self.opt_state)
+    new_model_state = self.model_state
+    if model_state is not None:
+      new_model_state = select_tree(applied, model_state, self.model_state)
+    return self.replace(step=self.step + applied.astype(jnp.int32),
+                        params=params, opt_state=opt_state,
+                        model_state=new_model_state)
+
+
+LossFn = Callable[[Any, TrainState, Any], tuple[jax.Array, tuple[Any, Any]]]
+
+
+def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
+               ) -> tuple[TrainState, dict[str, Any]]:
+  """One mixed-precision training step.
+
+  Args:
+    state: the :class:`TrainState`.
+    batch: whatever ``loss_fn`` reads (inputs, labels, a dropout key...).
+    loss_fn: ``loss_fn(params, state, batch) -> (loss, (model_state,
+      metrics))``. It runs the forward pass with ``params`` (not
+      ``state.params``: those are what is differentiated) and returns the fp32
+      loss, the updated model state (``state.model_state`` if it has none)
+      and a dict of extra metrics.
+
+  Returns:
+    ``(new_state, metrics)``; metrics hold ``loss``, the ``loss_scale`` used,
+    ``grads_finite``, ``skipped_steps`` and the loss_fn's own metrics.
+  """
+  # 1-3. Forward in the compute dtype, backward through the scaled loss.
+  loss_scale = state.loss_scale
+  (loss, (model_state, metrics)), scaled_grads = scaled_value_and_grad(
+      loss_fn, loss_scale, has_aux=True)(state.params, state, batch)
+
+  # 4-5. Unscale, check, update the fp32 master or skip; adjust the scale.
+  new_state = state.apply_gradients(grads=scaled_grads,
+                                    model_state=model_state)
+
+  metrics = dict(metrics or {})
+  metrics.update(
+      loss=loss,
+      loss_scale=loss_scale.loss_scale,
+      grads_finite=new_state.skipped_steps == state.skipped_steps,
+      skipped_steps=new_state.skipped_steps)
+  return new_state, metrics
+
+
+def make_train_step(loss_fn: LossFn, *, donate: bool = True
+                    ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+  """``jax.jit(train_step)`` for ``loss_fn``, donating the old state.
+
+  With ``donate=True`` the old state's buffers (params, master, optimizer
+  moments) are reused for the new one, so a step needs no second copy of
+  them; do not use the old state after the call.
+  """
+  step = functools.partial(train_step, loss_fn=loss_fn)
+  return jax.jit(step, donate_argnums=(0,) if donate else ())
