@@ -1,11 +1,12 @@
-"""Quick start: a small Flax MLP on scikit-learn's handwritten digits.
+"""Quick start: a small Flax CNN on scikit-learn's handwritten digits, in fp16.
 
-Shows the two jmp_lab primitives by hand, in one jitted step:
+Shows the jmp_lab API end to end in one jitted, donated step:
 
-* a precision policy casts params and inputs to the compute dtype and the
-  logits to the output dtype;
-* a dynamic loss scale scales the loss, unscales the gradients, and backs off
-  (skipping the step) when they overflow.
+* ``jmp_lab.linen.with_policy`` runs the unmodified module in the compute
+  dtype (norms in fp32) and returns logits in the output dtype;
+* ``jmp_lab.mixed_precision`` keeps fp32 master weights and a dynamic loss
+  scale inside the optax state, and skips steps whose gradients overflow;
+* ``jmp_lab.make_train_step`` differentiates the scaled loss and applies it.
 
 Run:  python examples/quickstart.py [--policy mixed_float16] [--steps 300]
 """
@@ -20,54 +21,33 @@ import optax
 from sklearn.datasets import load_digits
 
 import jmp_lab
+from jmp_lab import linen as jl
 
 
-class MLP(nn.Module):
-  hidden: int = 128
-
+class CNN(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = nn.relu(nn.Dense(self.hidden)(x))
-    return nn.Dense(10)(x)
+    x = nn.relu(nn.Conv(16, (3, 3))(x))
+    x = nn.LayerNorm()(x)
+    x = nn.relu(nn.Conv(32, (3, 3), strides=2)(x))
+    x = x.reshape((x.shape[0], -1))
+    return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
 
 
 def load_data(seed: int = 0):
   """The 1,797 8x8 digits that scikit-learn ships, split 80/20."""
   digits = load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
+  x = (digits.images / 16.0).astype(np.float32)[..., None]
   y = digits.target.astype(np.int32)
   order = np.random.default_rng(seed).permutation(len(x))
   split = int(0.8 * len(x))
   return (x[order[:split]], y[order[:split]]), (x[order[split:]], y[order[split:]])
 
 
-def make_train_step(model, tx, policy):
-  @jax.jit
-  def train_step(params, opt_state, loss_scale, x, y):
-    def scaled_loss(p):
-      logits = model.apply({"params": policy.cast_to_compute(p)},
-                           policy.cast_to_compute(x))
-      logits = policy.cast_to_output(logits).astype(jnp.float32)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      return loss_scale.scale(loss), loss
-
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-    grads = loss_scale.unscale(grads)
-    finite = jmp_lab.all_finite(grads)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    # Skip the step on device (no host sync) if the gradients overflowed.
-    params, opt_state = jmp_lab.select_tree(
-        finite, (new_params, new_opt_state), (params, opt_state))
-    return params, opt_state, loss_scale.adjust(finite), loss, finite
-
-  return train_step
-
-
-def accuracy(model, params, policy, x, y):
-  logits = model.apply({"params": policy.cast_to_compute(params)},
-                       policy.cast_to_compute(x))
-  return float(jnp.mean(jnp.argmax(logits, -1) == y))
+def loss_fn(params, state, batch):
+  logits = state.apply_fn({"params": params}, batch["x"])
+  loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss, (state.model_state, {})
 
 
 def main(argv=None):
@@ -79,29 +59,28 @@ def main(argv=None):
 
   policy = jmp_lab.get_policy(args.policy)
   (x_train, y_train), (x_test, y_test) = load_data()
-  model = MLP()
-  params = policy.cast_to_param(
-      model.init(jax.random.key(0), jnp.zeros((1, 64)))["params"])
-  tx = optax.adam(1e-3)
-  opt_state = tx.init(params)
-  loss_scale = jmp_lab.DynamicLossScale(2.0**15, growth_interval=100)
-  train_step = make_train_step(model, tx, policy)
+  model = jl.with_policy(CNN(), policy)
+  params = model.init(jax.random.key(0), x_train[:1])["params"]
+  tx = jmp_lab.mixed_precision(
+      optax.adamw(1e-3), policy=policy,
+      loss_scale=jmp_lab.DynamicLossScale(2.0**15, growth_interval=100))
+  state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                    tx=tx, policy=policy)
+  train_step = jmp_lab.make_train_step(loss_fn)
 
   rng = np.random.default_rng(0)
-  skipped = 0
   print(f"policy: {policy}")
   for step in range(1, args.steps + 1):
     idx = rng.integers(0, len(x_train), args.batch_size)
-    params, opt_state, loss_scale, loss, finite = train_step(
-        params, opt_state, loss_scale,
-        x_train[idx], y_train[idx])
-    skipped += int(not finite)
+    state, metrics = train_step(state, {"x": x_train[idx], "y": y_train[idx]})
     if step % 100 == 0 or step == args.steps:
-      print(f"step {step:4d}  loss {float(loss):.4f}  "
-            f"loss scale {float(loss_scale.loss_scale):.0f}  skipped {skipped}")
-  acc = accuracy(model, params, policy, x_test, y_test)
-  print(f"test accuracy: {acc:.3f}")
-  return acc
+      print(f"step {step:4d}  loss {float(metrics['loss']):.4f}  "
+            f"loss scale {float(metrics['loss_scale']):.0f}  "
+            f"skipped {int(metrics['skipped_steps'])}")
+  logits = model.apply({"params": state.params}, x_test)
+  accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
+  print(f"test accuracy: {accuracy:.3f}")
+  return accuracy
 
 
 if __name__ == "__main__":

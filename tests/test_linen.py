@@ -1,0 +1,199 @@
+"""Tests for jmp_lab.linen: policies applied to unmodified linen modules."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import jmp_lab
+from jmp_lab import linen as jl
+
+F32 = np.dtype(jnp.float32)
+
+
+class ConvNet(nn.Module):
+  """Conv + BatchNorm + Dense + LayerNorm + dropout: every default override."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    x = nn.relu(x).reshape((x.shape[0], -1))
+    x = nn.Dense(32)(x)
+    x = nn.LayerNorm()(x)
+    x = nn.Dropout(0.1, deterministic=not train)(x)
+    x = nn.GroupNorm(num_groups=4)(x)
+    x = nn.RMSNorm()(x)
+    return nn.Dense(10, name="head")(x)
+
+
+def primitive_operand_dtypes(jaxpr, names):
+  """(primitive, operand dtypes) for every eqn named in ``names``, recursively."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in names:
+      found.append((eqn.primitive.name,
+                    tuple(np.dtype(v.aval.dtype) for v in eqn.invars)))
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (list, tuple)) else [param]):
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None:
+          found += primitive_operand_dtypes(
+              inner if hasattr(inner, "eqns") else inner.jaxpr, names)
+  return found
+
+
+def init_and_trace(spec, **kwargs):
+  model = jl.with_policy(ConvNet(), spec, **kwargs)
+  x = jnp.ones((2, 6, 6, 1))
+  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  variables = model.init(rngs, x)
+
+  def forward(variables, x):
+    return model.apply(variables, x, rngs={"dropout": jax.random.key(2)},
+                       mutable=["batch_stats"])
+
+  return model, variables, x, jax.make_jaxpr(forward)(variables, x), forward
+
+
+@pytest.mark.parametrize("spec", ["float32", "mixed_bfloat16", "mixed_float16",
+                                  "p=bf16,c=bf16,o=bf16"])
+def test_matmuls_in_compute_dtype_and_norm_reductions_in_fp32(spec):
+  policy = jmp_lab.get_policy(spec)
+  _, _, _, jaxpr, _ = init_and_trace(spec)
+  matmuls = primitive_operand_dtypes(jaxpr.jaxpr,
+                                     {"dot_general", "conv_general_dilated"})
+  assert {name for name, _ in matmuls} == {"dot_general", "conv_general_dilated"}
+  for name, dtypes in matmuls:
+    assert dtypes == (policy.compute_dtype,) * 2, (name, dtypes)
+  reductions = primitive_operand_dtypes(jaxpr.jaxpr, {"reduce_sum"})
+  assert len(reductions) >= 6  # batch, layer, group and rms norm statistics
+  assert all(dtypes == (F32,) for _, dtypes in reductions), reductions
+
+
+@pytest.mark.parametrize("spec", ["float32", "mixed_bfloat16", "mixed_float16",
+                                  "p=bf16,c=bf16,o=bf16"])
+def test_dtypes_of_params_stats_and_outputs(spec):
+  policy = jmp_lab.get_policy(spec)
+  _, variables, x, _, forward = init_and_trace(spec)
+  chex.assert_type(jax.tree_util.tree_leaves(variables["params"]),
+                   policy.param_dtype)
+  out, mutated = forward(variables, x)
+  chex.assert_type(out, policy.output_dtype)
+  chex.assert_type(jax.tree_util.tree_leaves(variables["batch_stats"]), F32)
+  chex.assert_type(jax.tree_util.tree_leaves(mutated["batch_stats"]), F32)
+  chex.assert_tree_all_finite(mutated)
+
+
+class Probe(nn.Module):
+  """Records the dtypes it sees: its input and its param."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.ones, (x.shape[-1],))
+    self.sow("intermediates", "x_dtype", jnp.zeros((), x.dtype))
+    self.sow("intermediates", "w_dtype", jnp.zeros((), w.dtype))
+    return x * w
+
+
+class ProbedLayerNorm(nn.LayerNorm):
+  """A LayerNorm (so the fp32 default applies) that records its input dtype."""
+
+  @nn.compact
+  def __call__(self, x, *args, **kwargs):
+    self.sow("intermediates", "x_dtype", jnp.zeros((), x.dtype))
+    return super().__call__(x, *args, **kwargs)
+
+
+class Wrapper(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = Probe(name="body")(nn.Dense(4)(x))
+    x = ProbedLayerNorm(name="norm")(x)
+    return Probe(name="head")(x)
+
+
+def seen_dtypes(model, x):
+  variables = model.init(jax.random.key(0), x)
+  _, state = model.apply(variables, x, mutable=["intermediates"])
+  return jax.tree_util.tree_map(lambda a: a.dtype, state["intermediates"])
+
+
+def test_fp32_norm_default_and_its_output_back_in_compute_dtype():
+  seen = seen_dtypes(jl.with_policy(Wrapper(), "mixed_bfloat16"), jnp.ones((2, 3)))
+  assert seen["norm"]["x_dtype"] == (F32,)
+  assert seen["head"]["x_dtype"] == (np.dtype(jnp.bfloat16),)
+  seen = seen_dtypes(jl.with_policy(Wrapper(), "mixed_bfloat16", fp32_norms=False),
+                     jnp.ones((2, 3)))
+  assert seen["norm"]["x_dtype"] == (np.dtype(jnp.bfloat16),)
+
+
+def test_class_override_applies_to_inputs_and_params():
+  model = jl.with_policy(Wrapper(), "mixed_float16",
+                         class_overrides={Probe: "float32"})
+  seen = seen_dtypes(model, jnp.ones((2, 3)))
+  for name in ("body", "head"):
+    assert seen[name]["x_dtype"] == (F32,) and seen[name]["w_dtype"] == (F32,)
+
+
+def test_path_override_on_a_module_and_on_a_single_param():
+  model = jl.with_policy(Wrapper(), "mixed_float16",
+                         path_overrides={"^head$": "float32"})
+  seen = seen_dtypes(model, jnp.ones((2, 3)))
+  assert seen["head"]["w_dtype"] == (F32,)
+  assert seen["body"]["w_dtype"] == (np.dtype(jnp.float16),)
+  model = jl.with_policy(Wrapper(), "mixed_float16",
+                         path_overrides={"body/w$": "float32"})
+  seen = seen_dtypes(model, jnp.ones((2, 3)))
+  assert seen["body"]["w_dtype"] == (F32,)
+  assert seen["body"]["x_dtype"] == (np.dtype(jnp.float16),)
+
+
+def test_integer_inputs_pass_through_embed():
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      return nn.Dense(5)(nn.Embed(11, 8)(tokens))
+
+  model = jl.with_policy(LM(), "mixed_bfloat16")
+  tokens = jnp.array([[1, 2, 3]], jnp.int32)
+  variables = model.init(jax.random.key(0), tokens)
+  chex.assert_type(model.apply(variables, tokens), jnp.float32)
+  jaxpr = jax.make_jaxpr(model.apply)(variables, tokens)
+  dots = primitive_operand_dtypes(jaxpr.jaxpr, {"dot_general"})
+  assert all(d == (np.dtype(jnp.bfloat16),) * 2 for _, d in dots)
+
+
+def test_dropout_rng_is_used():
+  model = jl.with_policy(ConvNet(), "mixed_bfloat16")
+  x = jnp.ones((2, 6, 6, 1))
+  variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+  outs = [model.apply(variables, x, rngs={"dropout": jax.random.key(k)},
+                      mutable=["batch_stats"])[0] for k in (1, 2)]
+  assert not np.allclose(outs[0], outs[1])
+
+
+def test_fp32_softmax_helpers():
+  x = jnp.array([[10.0, 0.0, -3.0]], jnp.bfloat16)
+  chex.assert_type(jl.softmax(x), jnp.bfloat16)
+  chex.assert_type(jl.log_softmax(x), jnp.float32)
+  chex.assert_type(jl.softmax_cross_entropy_with_integer_labels(
+      x, jnp.array([0])), jnp.float32)
+  q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(jl.dot_product_attention)(q, q, q)
+  exps = primitive_operand_dtypes(jaxpr.jaxpr, {"exp"})
+  assert exps and all(d == (F32,) for _, d in exps)
+
+
+def test_bad_arguments():
+  with pytest.raises(TypeError, match="flax.linen.Module"):
+    jl.with_policy(lambda x: x, "float32")
+  with pytest.raises(ValueError, match="invalid path_overrides pattern"):
+    jl.with_policy(Wrapper(), "float32", path_overrides={"(": "float32"})
+  with pytest.raises(TypeError, match="must be classes"):
+    jl.with_policy(Wrapper(), "float32", class_overrides={"Dense": "float32"})
+  with pytest.raises(ValueError, match="unknown key"):
+    jl.with_policy(Wrapper(), "q=f32")
