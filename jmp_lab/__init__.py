@@ -6,11 +6,14 @@ The public API lives here; each concept has its own module:
 * :mod:`jmp_lab.loss_scale` -- loss scales, ``all_finite`` and ``select_tree``;
 * :mod:`jmp_lab.optimizer` -- ``mixed_precision``: fp32 master weights and
   loss-scale state inside an optax transformation;
+* :mod:`jmp_lab.fused` -- ``fused_adamw``: the same, as one Pallas kernel
+  pass (:mod:`jmp_lab.kernels` holds the backends);
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
 * :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step.
 """
 
-from jmp_lab import linen
+from jmp_lab import kernels, linen
+from jmp_lab.fused import FusedAdamWState, fused_adamw
 from jmp_lab.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -44,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "FusedAdamWState",
     "LossScale",
     "MixedPrecisionState",
     "current_loss_scale",
@@ -57,6 +61,8 @@ __all__ = [
     "TrainState",
     "all_finite",
     "cast_floating",
+    "fused_adamw",
+    "kernels",
     "get_policy",
     "half_dtype",
     "linen",

@@ -1,0 +1,124 @@
+"""Flat, padded buffers for the fused optimizer.
+
+The fused update streams the master weights and Adam moments as persistent
+2-D buffers of shape ``(rows, LANES)``: TMA copies on Hopper move at most 256
+elements per dimension, and a 2-D tile keeps every backend's block shape a
+power of two. The number of rows is padded so that every kernel program gets
+the same whole number of ``BLOCK_ROWS x LANES`` blocks.
+
+Leaves are laid out weight-decayed first, then the rest, so the kernel learns
+whether an element decays from one boundary index instead of reading a mask
+buffer (which would cost a byte per parameter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab import _tree
+
+LANES = 256
+BLOCK_ROWS = 8
+BLOCK_ELEMENTS = LANES * BLOCK_ROWS
+# Programs for the persistent Mosaic grid: an H100/H200 has 132 SMs.
+MAX_PROGRAMS = 132
+
+
+def num_programs(size: int) -> int:
+  """Kernel programs for ``size`` elements: one per SM, fewer if tiny."""
+  return max(1, min(MAX_PROGRAMS, math.ceil(size / BLOCK_ELEMENTS)))
+
+
+def padded_size(size: int) -> int:
+  quantum = BLOCK_ELEMENTS * num_programs(size)
+  return max(quantum, math.ceil(size / quantum) * quantum)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+  """Where each trainable leaf lives in the flat buffers (static, no leaves).
+
+  Attributes:
+    treedef: the params' tree structure.
+    trainable: per leaf (in tree order), whether it is a floating param.
+    shapes: per leaf, its shape.
+    offsets: per leaf, its start in the flat buffer (None if not trainable).
+    size: trainable elements; ``decay_boundary``: elements that decay.
+    padded: the flat length, a multiple of ``BLOCK_ELEMENTS * programs``.
+  """
+
+  treedef: Any
+  trainable: tuple[bool, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  offsets: tuple[Optional[int], ...]
+  size: int
+  decay_boundary: int
+  padded: int
+
+  @property
+  def rows(self) -> int:
+    return self.padded // LANES
+
+  @property
+  def programs(self) -> int:
+    return num_programs(self.size)
+
+
+jax.tree_util.register_static(FlatLayout)
+
+
+def make_layout(params: Any, decay_mask: Any) -> FlatLayout:
+  """Lays out ``params``' floating leaves, weight-decayed leaves first.
+
+  Args:
+    params: the params tree.
+    decay_mask: a tree of bools with the params' structure (True: decay).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  masks = treedef.flatten_up_to(decay_mask)
+  trainable = tuple(_tree.is_floating_array(x) for x in leaves)
+  shapes = tuple(tuple(np.shape(x)) for x in leaves)
+  offsets: list[Optional[int]] = [None] * len(leaves)
+  cursor = 0
+  for want_decay in (True, False):
+    for i, (leaf_trainable, mask) in enumerate(zip(trainable, masks)):
+      if leaf_trainable and bool(mask) == want_decay:
+        offsets[i] = cursor
+        cursor += math.prod(shapes[i])
+    if want_decay:
+      boundary = cursor
+  return FlatLayout(treedef, trainable, shapes, tuple(offsets), cursor,
+                    boundary, padded_size(cursor))
+
+
+def pack(layout: FlatLayout, tree: Any, dtype) -> jax.Array:
+  """The trainable leaves of ``tree`` as one padded ``(rows, LANES)`` buffer."""
+  leaves = layout.treedef.flatten_up_to(tree)
+  order = sorted((off, i) for i, off in enumerate(layout.offsets)
+                 if off is not None)
+  parts = [jnp.ravel(leaves[i]).astype(dtype) for _, i in order]
+  parts.append(jnp.zeros((layout.padded - layout.size,), dtype))
+  return jnp.concatenate(parts).reshape(layout.rows, LANES)
+
+
+def unpack(layout: FlatLayout, flat: jax.Array, rest: Any = None) -> Any:
+  """The tree held in ``flat``; non-trainable leaves come from ``rest``.
+
+  Without ``rest`` the non-trainable leaves are None.
+  """
+  flat = flat.reshape(-1)
+  rest_leaves = (layout.treedef.flatten_up_to(rest) if rest is not None
+                 else [None] * len(layout.shapes))
+  leaves = []
+  for offset, shape, other in zip(layout.offsets, layout.shapes, rest_leaves):
+    if offset is None:
+      leaves.append(other)
+    else:
+      leaves.append(flat[offset:offset + math.prod(shape)].reshape(shape))
+  return layout.treedef.unflatten(leaves)

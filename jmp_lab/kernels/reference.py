@@ -1,0 +1,113 @@
+"""The fused AdamW update in plain jnp: the reference and the fallback.
+
+:func:`adamw_elementwise` is the one definition of the arithmetic. Every
+backend (this reference, the Pallas interpret/Triton kernel and the Mosaic GPU
+kernel) calls it on the values it has loaded, so they cannot drift apart. It
+follows ``optax.adamw``'s operation order exactly, so the fused optimizer
+tracks ``mixed_precision(optax.adamw(...))`` to within fp32 rounding.
+
+Scalars travel as two small arrays, because a kernel takes arrays:
+
+* ``hyper`` (f32[4]): learning rate, Adam's two bias corrections, loss scale;
+* ``flags`` (i32[2]): 1 if every gradient is finite (else 0), and the index of
+  the first element that is *not* weight-decayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LR, BIAS1, BIAS2, SCALE = range(4)
+FINITE, DECAY_BOUNDARY = range(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+  """The static part of the update (baked into the kernel).
+
+  ``half_dtype`` is the params' dtype when a separate fp32 master is kept
+  (the kernel then also writes the half copy), or None when the params are
+  fp32 and *are* the master (the kernel then writes the update itself, so
+  that ``p + u`` outside is the very sum the master took).
+  """
+
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  half_dtype: Optional[np.dtype]
+
+
+class Outputs(NamedTuple):
+  master: jax.Array   # new fp32 master (new params when half_dtype is None)
+  mu: jax.Array
+  nu: jax.Array
+  extra: jax.Array    # the half copy, or the fp32 update when no master
+
+
+def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
+                      lr, bias1, bias2, scale, *, sqrt=jnp.sqrt) -> Outputs:
+  """One AdamW step on loaded values (any backend's arrays).
+
+  Args:
+    config: static hyperparameters.
+    g: scaled gradients (param dtype); p, mu, nu: fp32 master and moments.
+    decays: bool array, whether each element is weight-decayed.
+    lr, bias1, bias2, scale: f32 scalars (``bias = 1 - b ** count``).
+    sqrt: the square root the backend can lower (Mosaic GPU has only rsqrt).
+  """
+  g = g.astype(jnp.float32) / scale
+  # optax.scale_by_adam: moments, then bias correction, then the ratio.
+  mu = (1 - config.b1) * g + config.b1 * mu
+  nu = (1 - config.b2) * (g * g) + config.b2 * nu
+  step = (mu / bias1) / (sqrt(nu / bias2) + config.eps)
+  # optax.add_decayed_weights, then scale_by_learning_rate (flipped sign).
+  if config.weight_decay:
+    step = jnp.where(decays, step + config.weight_decay * p, step)
+  update = step * -lr
+  new_p = p + update
+  if config.half_dtype is None:
+    return Outputs(new_p, mu, nu, update)
+  # The params outside are cast(old master); optax.apply_updates will add
+  # u = cast(new) - cast(old) in fp32. Where that sum cannot land on
+  # cast(new) (see optimizer.exact_half_updates) snap the master to where it
+  # does land, so params == cast(master) holds bit for bit.
+  target = new_p.astype(config.half_dtype).astype(jnp.float32)
+  old = p.astype(config.half_dtype).astype(jnp.float32)
+  reached = (old + (target - old)).astype(config.half_dtype)
+  reached32 = reached.astype(jnp.float32)
+  new_p = jnp.where(reached32 == target, new_p, reached32)
+  return Outputs(new_p, mu, nu, reached)
+
+
+def bias_corrections(b1: float, b2: float, count_inc: jax.Array):
+  """``1 - b ** count`` exactly as optax computes it."""
+  return 1 - b1**count_inc, 1 - b2**count_inc
+
+
+def element_indices(shape: tuple[int, int], row_offset) -> jax.Array:
+  """Flat indices of a ``(rows, lanes)`` block that starts at ``row_offset``."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + row_offset
+  lanes = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  return rows * shape[1] + lanes
+
+
+def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
+  """The whole update on flat ``(rows, lanes)`` buffers, in jnp.
+
+  On a non-finite step every output equals its input (the "extra" output is
+  the old half copy, or a zero update).
+  """
+  decays = element_indices(p.shape, 0) < flags[DECAY_BOUNDARY]
+  out = adamw_elementwise(config, g, p, mu, nu, decays, hyper[LR],
+                          hyper[BIAS1], hyper[BIAS2], hyper[SCALE])
+  finite = flags[FINITE] == 1
+  unchanged_extra = (jnp.zeros_like(p) if config.half_dtype is None
+                     else p.astype(config.half_dtype))
+  return Outputs(*(jnp.where(finite, new, old) for new, old in
+                   zip(out, (p, mu, nu, unchanged_extra))))
