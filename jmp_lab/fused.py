@@ -37,7 +37,7 @@ import optax
 
 from jmp_lab import _tree, kernels
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels.reference import AdamWConfig, bias_corrections
+from jmp_lab.kernels.reference import AdamWConfig, inverse_bias_corrections
 from jmp_lab.loss_scale import LossScale
 from jmp_lab.optimizer import (check_grads, check_params, keeps_master_copy,
                                unscale_and_check)
@@ -65,11 +65,14 @@ class FusedAdamWState(NamedTuple):
 
 
 def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay):
-  if not callable(learning_rate):
-    if isinstance(learning_rate, bool) or not isinstance(
-        learning_rate, (int, float)) and jnp.ndim(learning_rate) != 0:
-      raise TypeError(
-          f"learning_rate must be a number or a schedule, got {learning_rate!r}")
+  is_number = isinstance(learning_rate, (int, float)) and not isinstance(
+      learning_rate, bool)
+  is_scalar_array = (_tree.is_floating_array(learning_rate)
+                     and jnp.ndim(learning_rate) == 0)
+  if not (callable(learning_rate) or is_number or is_scalar_array):
+    raise TypeError(
+        f"learning_rate must be a number, a scalar float array or a schedule, "
+        f"got {learning_rate!r}")
   for name, value in (("b1", b1), ("b2", b2)):
     if not 0 <= value < 1:
       raise ValueError(f"{name} must be in [0, 1), got {value}")
@@ -131,12 +134,14 @@ def fused_adamw(
   def init_fn(params):
     check_params(params, policy)
     layout = flat_layout.make_layout(params, _decay_mask(mask, params))
-    zeros = jnp.zeros((layout.rows, flat_layout.LANES), jnp.float32)
+    # Two separate buffers: one array for both moments would make a donated
+    # state donate the same buffer twice.
+    zeros = lambda: jnp.zeros((layout.rows, flat_layout.LANES), jnp.float32)  # noqa: E731
     return FusedAdamWState(
         count=jnp.zeros((), jnp.int32),
         master_params=(flat_layout.pack(layout, params, jnp.float32)
                        if keep_master else None),
-        mu=zeros, nu=zeros, loss_scale=loss_scale,
+        mu=zeros(), nu=zeros(), loss_scale=loss_scale,
         skipped_steps=jnp.zeros((), jnp.int32), layout=layout)
 
   def update_fn(grads, state, params=None, **extra_args):
@@ -157,9 +162,9 @@ def fused_adamw(
     flat_params = (state.master_params if keep_master
                    else flat_layout.pack(layout, params, jnp.float32))
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    bias1, bias2 = bias_corrections(b1, b2, state.count + 1)
+    inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, state.count + 1)
     hyper = jnp.stack([jnp.asarray(x, jnp.float32) for x in
-                       (lr, bias1, bias2, state.loss_scale.loss_scale)])
+                       (lr, inv_bias1, inv_bias2, state.loss_scale.loss_scale)])
     flags = jnp.stack([finite.astype(jnp.int32),
                        jnp.asarray(layout.decay_boundary, jnp.int32)])
     out = kernels.fused_update(backend, config, flat_grads, flat_params,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels.reference import (BIAS1, BIAS2, DECAY_BOUNDARY, FINITE,
+from jmp_lab.kernels.reference import (INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
                                        LR, SCALE, AdamWConfig, Outputs,
                                        adamw_elementwise, element_indices)
 
@@ -38,7 +38,7 @@ def _kernel(config: AdamWConfig, hyper_ref, flags_ref, g_ref, p_ref, mu_ref,
     decays = element_indices(g_ref.shape, row0) < flags_ref[DECAY_BOUNDARY]
     out = adamw_elementwise(config, g_ref[...], p_ref[...], mu_ref[...],
                             nu_ref[...], decays, hyper_ref[LR],
-                            hyper_ref[BIAS1], hyper_ref[BIAS2],
+                            hyper_ref[INV_BIAS1], hyper_ref[INV_BIAS2],
                             hyper_ref[SCALE])
     p_out[...] = out.master
     mu_out[...] = out.mu

@@ -3,12 +3,18 @@
 :func:`adamw_elementwise` is the one definition of the arithmetic. Every
 backend (this reference, the Pallas interpret/Triton kernel and the Mosaic GPU
 kernel) calls it on the values it has loaded, so they cannot drift apart. It
-follows ``optax.adamw``'s operation order exactly, so the fused optimizer
-tracks ``mixed_precision(optax.adamw(...))`` to within fp32 rounding.
+follows ``optax.adamw``'s operation order, with one deliberate change: the
+bias corrections are applied as multiplications by reciprocals computed once
+per step. Compilers rewrite ``x / scalar`` into ``x * (1 / scalar)`` in some
+code paths and not others (XLA does inside Pallas interpret mode), which made
+backends disagree by an ulp; an explicit reciprocal leaves nothing to rewrite.
+The fused optimizer therefore tracks ``mixed_precision(optax.adamw(...))`` to
+about one fp32 ulp of the bias-corrected moments per step.
 
 Scalars travel as two small arrays, because a kernel takes arrays:
 
-* ``hyper`` (f32[4]): learning rate, Adam's two bias corrections, loss scale;
+* ``hyper`` (f32[4]): learning rate, the reciprocals of Adam's two bias
+  corrections, loss scale;
 * ``flags`` (i32[2]): 1 if every gradient is finite (else 0), and the index of
   the first element that is *not* weight-decayed.
 """
@@ -22,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LR, BIAS1, BIAS2, SCALE = range(4)
+LR, INV_BIAS1, INV_BIAS2, SCALE = range(4)
 FINITE, DECAY_BOUNDARY = range(2)
 
 
@@ -51,21 +57,23 @@ class Outputs(NamedTuple):
 
 
 def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
-                      lr, bias1, bias2, scale, *, sqrt=jnp.sqrt) -> Outputs:
+                      lr, inv_bias1, inv_bias2, scale, *, sqrt=jnp.sqrt
+                      ) -> Outputs:
   """One AdamW step on loaded values (any backend's arrays).
 
   Args:
     config: static hyperparameters.
     g: scaled gradients (param dtype); p, mu, nu: fp32 master and moments.
     decays: bool array, whether each element is weight-decayed.
-    lr, bias1, bias2, scale: f32 scalars (``bias = 1 - b ** count``).
+    lr, inv_bias1, inv_bias2, scale: f32 scalars
+      (``inv_bias = 1 / (1 - b ** count)``).
     sqrt: the square root the backend can lower (Mosaic GPU has only rsqrt).
   """
   g = g.astype(jnp.float32) / scale
   # optax.scale_by_adam: moments, then bias correction, then the ratio.
   mu = (1 - config.b1) * g + config.b1 * mu
   nu = (1 - config.b2) * (g * g) + config.b2 * nu
-  step = (mu / bias1) / (sqrt(nu / bias2) + config.eps)
+  step = (mu * inv_bias1) / (sqrt(nu * inv_bias2) + config.eps)
   # optax.add_decayed_weights, then scale_by_learning_rate (flipped sign).
   if config.weight_decay:
     step = jnp.where(decays, step + config.weight_decay * p, step)
@@ -85,9 +93,9 @@ def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
   return Outputs(new_p, mu, nu, reached)
 
 
-def bias_corrections(b1: float, b2: float, count_inc: jax.Array):
-  """``1 - b ** count`` exactly as optax computes it."""
-  return 1 - b1**count_inc, 1 - b2**count_inc
+def inverse_bias_corrections(b1: float, b2: float, count_inc: jax.Array):
+  """``1 / (1 - b ** count)``, the bias correction as optax computes it."""
+  return 1 / (1 - b1**count_inc), 1 / (1 - b2**count_inc)
 
 
 def element_indices(shape: tuple[int, int], row_offset) -> jax.Array:
@@ -105,7 +113,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
   """
   decays = element_indices(p.shape, 0) < flags[DECAY_BOUNDARY]
   out = adamw_elementwise(config, g, p, mu, nu, decays, hyper[LR],
-                          hyper[BIAS1], hyper[BIAS2], hyper[SCALE])
+                          hyper[INV_BIAS1], hyper[INV_BIAS2], hyper[SCALE])
   finite = flags[FINITE] == 1
   unchanged_extra = (jnp.zeros_like(p) if config.half_dtype is None
                      else p.astype(config.half_dtype))

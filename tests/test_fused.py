@@ -1,0 +1,213 @@
+"""Tests for jmp_lab.fused_adamw: same semantics as
+mixed_precision(optax.adamw(...)), flat state, backends and bad input."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from absl.testing import parameterized
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jmp_lab
+
+FLOAT0 = jax.dtypes.float0
+SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 40)
+
+
+def make_params(dtype):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"dense": {"kernel": (jax.random.normal(k1, (37, 11)) * 0.1).astype(dtype),
+                    "bias": (jax.random.normal(k2, (11,)) * 0.01).astype(dtype)},
+          "step": jnp.int32(3)}
+
+
+def not_bias(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "bias" not in jax.tree_util.keystr(path), params)
+
+
+def scaled_grads(params, loss_scale, step, poison=False):
+  def leaf(x, salt):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return np.zeros(x.shape, FLOAT0)
+    g = jnp.sin(jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape) * (step + 1) + salt)
+    if poison:
+      g = g.at[(0,) * x.ndim].set(jnp.nan)
+    return (g * loss_scale).astype(x.dtype)
+  return {"dense": {"kernel": leaf(params["dense"]["kernel"], 0.0),
+                    "bias": leaf(params["dense"]["bias"], 1.0)},
+          "step": leaf(params["step"], 0.0)}
+
+
+def run(tx, params, steps=12, poison_at=(4,)):
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for step in range(steps):
+    scale = float(jmp_lab.current_loss_scale(state).loss_scale)
+    grads = scaled_grads(params, scale, step, poison=step in poison_at)
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    master = jmp_lab.master_params(state)
+    if master is not None:  # params == cast(master), bit for bit, every step
+      chex.assert_trees_all_equal(
+          params["dense"], jax.tree_util.tree_map(
+              lambda m, p: m.astype(p.dtype), master["dense"], params["dense"]))
+  return params, state
+
+
+POLICIES = ["p=bf16,c=bf16,o=f32", "p=f16,c=f16,o=f32", "float32"]
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("spec", POLICIES)
+def test_trajectory_matches_mixed_precision_adamw(spec, backend):
+  policy = jmp_lab.get_policy(spec)
+  params = make_params(policy.param_dtype)
+  loss_scale = jmp_lab.DynamicLossScale(2.0**10, growth_interval=3)
+  want, want_state = run(jmp_lab.mixed_precision(
+      optax.adamw(SCHEDULE, weight_decay=0.1, mask=not_bias), policy=policy,
+      loss_scale=loss_scale), params)
+  got, got_state = run(jmp_lab.fused_adamw(
+      SCHEDULE, weight_decay=0.1, mask=not_bias, policy=policy,
+      loss_scale=loss_scale, backend=backend), params)
+  # The fused update applies Adam's bias corrections as reciprocals (see
+  # kernels.reference): within an fp32 ulp or two of optax per step.
+  tol = {"float32": 1e-6}.get(spec, 0.0)
+  chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
+  chex.assert_trees_all_equal(got["step"], params["step"])
+  assert int(got_state.skipped_steps) == int(want_state.skipped_steps) == 1
+  chex.assert_trees_all_equal(got_state.loss_scale.loss_scale,
+                              want_state.loss_scale.loss_scale)
+  assert int(got_state.count) == 11  # 12 steps, one skipped
+
+
+class FusedStateTest(parameterized.TestCase):
+
+  def test_state_fields_and_flat_layout(self):
+    params = make_params(jnp.bfloat16)
+    tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16",
+                             loss_scale=jmp_lab.DynamicLossScale())
+    state = tx.init(params)
+    for field in ("master_params", "mu", "nu"):
+      buffer = getattr(state, field)
+      assert buffer.ndim == 2 and buffer.shape[1] == 256
+      chex.assert_type(buffer, jnp.float32)
+    assert isinstance(optax.tree_utils.tree_get(state, "loss_scale"),
+                      jmp_lab.DynamicLossScale)
+    chex.assert_trees_all_equal(optax.tree_utils.tree_get(state, "skipped_steps"),
+                                jnp.int32(0))
+    master = jmp_lab.master_params(optax.chain(optax.identity(), tx).init(params))
+    chex.assert_trees_all_equal(
+        master["dense"], jax.tree_util.tree_map(
+            lambda p: p.astype(jnp.float32), params["dense"]))
+    assert master["step"] is None
+
+  def test_fp32_params_keep_no_master(self):
+    tx = jmp_lab.fused_adamw(1e-3, policy="float32",
+                             loss_scale=jmp_lab.NoOpLossScale())
+    state = tx.init(make_params(jnp.float32))
+    assert state.master_params is None and jmp_lab.master_params(state) is None
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_skip_changes_only_scale_and_counter(self):
+    params = make_params(jnp.float16)
+    tx = jmp_lab.fused_adamw(SCHEDULE, policy="p=f16,c=f16",
+                             loss_scale=jmp_lab.DynamicLossScale(64.0),
+                             backend="interpret")
+    state = tx.init(params)
+    updates, new_state = self.variant(tx.update)(
+        scaled_grads(params, 64.0, 0, poison=True), state, params)
+    chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
+    for field in ("count", "master_params", "mu", "nu"):
+      chex.assert_trees_all_equal(getattr(new_state, field), getattr(state, field))
+    assert int(new_state.skipped_steps) == 1
+    assert float(new_state.loss_scale.loss_scale) == 32.0
+
+  def test_donated_state_is_updated_in_place(self):
+    params = make_params(jnp.bfloat16)
+    tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16",
+                             loss_scale=jmp_lab.StaticLossScale(8.0),
+                             backend="interpret")
+    state = tx.init(params)
+    old_mu = state.mu
+    update = jax.jit(tx.update, donate_argnums=1)
+    _, state = update(scaled_grads(params, 8.0, 0), state, params)
+    assert old_mu.is_deleted()
+    assert float(jnp.max(jnp.abs(state.mu))) > 0
+
+  def test_sharded_non_finite_gradient_skips(self):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    sharded = NamedSharding(mesh, P("data"))
+    params = jax.device_put({"w": jnp.ones(4, jnp.bfloat16)}, sharded)
+    tx = jmp_lab.fused_adamw(1.0, policy="p=bf16",
+                             loss_scale=jmp_lab.StaticLossScale(1.0))
+    state = tx.init(params)
+    grads = jax.device_put({"w": jnp.array([1, 1, 1, jnp.inf], jnp.bfloat16)},
+                           sharded)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
+    assert int(state.skipped_steps) == 1
+
+  def test_works_in_the_train_step(self):
+    import flax.linen as nn
+    from jmp_lab import linen as jl
+    model = jl.with_policy(nn.Dense(3), "p=bf16,c=bf16,o=f32")
+    params = model.init(jax.random.key(0), jnp.ones((2, 4)))["params"]
+    state = jmp_lab.TrainState.create(
+        apply_fn=model.apply, params=params, policy="p=bf16,c=bf16,o=f32",
+        tx=jmp_lab.fused_adamw(1e-2, policy="p=bf16,c=bf16,o=f32",
+                               loss_scale=jmp_lab.DynamicLossScale()))
+
+    def loss_fn(params, state, batch):
+      out = state.apply_fn({"params": params}, batch)
+      return jnp.mean(out.astype(jnp.float32) ** 2), (state.model_state, {})
+
+    step = jmp_lab.make_train_step(loss_fn)
+    losses = []
+    for _ in range(20):
+      state, metrics = step(state, jnp.ones((2, 4)))
+      losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+class FusedBadInputTest(parameterized.TestCase):
+
+  def make(self, **kwargs):
+    defaults = dict(policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale())
+    defaults.update(kwargs)
+    return jmp_lab.fused_adamw(1e-3, **defaults)
+
+  @parameterized.parameters("triton", "mosaic")
+  def test_unavailable_backend(self, backend):
+    with pytest.raises(ValueError, match="not available"):
+      self.make(backend=backend)
+
+  def test_unknown_backend(self):
+    with pytest.raises(ValueError, match="unknown fused backend"):
+      self.make(backend="pallas")
+
+  @parameterized.parameters(("b1", 1.0), ("b2", -0.1), ("eps", -1.0),
+                            ("weight_decay", -1e-4), ("weight_decay", float("nan")))
+  def test_bad_hyperparameters(self, name, value):
+    with pytest.raises(ValueError, match=name):
+      jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale(),
+                          **{name: value})
+
+  def test_bad_learning_rate(self):
+    with pytest.raises(TypeError, match="learning_rate"):
+      jmp_lab.fused_adamw("fast", policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale())
+
+  def test_params_dtype_and_grads_checked(self):
+    tx = self.make()
+    with pytest.raises(ValueError, match=r"param \['dense'\]\['bias'\]"):
+      tx.init(make_params(jnp.float32))
+    params = make_params(jnp.bfloat16)
+    state = tx.init(params)
+    grads = scaled_grads(params, 1.0, 0)
+    grads["dense"]["bias"] = grads["dense"]["bias"].astype(jnp.float32)
+    with pytest.raises(ValueError, match=r"gradient \['dense'\]\['bias'\]"):
+      tx.update(grads, state, params)
+    with pytest.raises(ValueError, match="needs params"):
+      tx.update(scaled_grads(params, 1.0, 0), state)

@@ -1,0 +1,212 @@
+"""Tests for jmp_lab.kernels: flat layout, the Pallas kernel against the jnp
+reference, CUDA cross-lowering of the GPU kernels, and the backend chooser."""
+
+import logging
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmp_lab import kernels
+from jmp_lab.kernels import layout as flat_layout
+from jmp_lab.kernels import pallas_triton, reference
+from jmp_lab.kernels.reference import AdamWConfig
+
+F32 = np.dtype(jnp.float32)
+
+
+# --- layout ----------------------------------------------------------------
+
+
+def test_pack_unpack_round_trip_decayed_first():
+  params = {"bias": jnp.arange(3.0), "kernel": jnp.arange(6.0).reshape(2, 3) + 10,
+            "step": jnp.int32(4)}
+  mask = {"bias": False, "kernel": True, "step": False}
+  layout = flat_layout.make_layout(params, mask)
+  assert layout.size == 9 and layout.decay_boundary == 6
+  assert layout.padded % (flat_layout.BLOCK_ELEMENTS * layout.programs) == 0
+  flat = flat_layout.pack(layout, params, jnp.float32)
+  assert flat.shape == (layout.rows, flat_layout.LANES)
+  chex.assert_trees_all_equal(flat.reshape(-1)[:9],
+                              jnp.array([10, 11, 12, 13, 14, 15, 0, 1, 2.0]))
+  chex.assert_trees_all_equal(flat.reshape(-1)[9:], jnp.zeros(layout.padded - 9))
+  restored = flat_layout.unpack(layout, flat, rest=params)
+  chex.assert_trees_all_equal(restored, params)
+  assert flat_layout.unpack(layout, flat)["step"] is None
+
+
+@pytest.mark.parametrize("size", [1, 127, 2049, 10**6 + 3, 10**9])
+def test_padding_is_whole_blocks_per_program(size):
+  padded = flat_layout.padded_size(size)
+  programs = flat_layout.num_programs(size)
+  assert padded >= size
+  assert padded % (flat_layout.BLOCK_ELEMENTS * programs) == 0
+  assert padded - size < flat_layout.BLOCK_ELEMENTS * programs
+
+
+# --- kernel against reference ----------------------------------------------
+
+
+def ulps_apart(a, b):
+  """Distance in units in the last place of fp32 (0 where both are equal)."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  spacing = np.spacing(np.maximum(np.abs(a), np.abs(b)))
+  return np.where(a == b, 0.0, np.abs(a - b) / spacing)
+
+
+# Measured on this CPU build (jax 0.10.2): with bf16 gradients the kernel and
+# the reference agree bit for bit; with fp16 gradients XLA fuses the
+# reference differently (it recomputes the moments inside the step's fusion,
+# FMA-contracted), and >= 99.75% of master elements are within one ulp, the
+# worst at 4.
+MAX_ULPS = 4
+
+
+def kernel_inputs(size, grad_dtype, key, poison=None):
+  rows = flat_layout.padded_size(size) // flat_layout.LANES
+  shape = (rows, flat_layout.LANES)
+  k = jax.random.split(jax.random.key(key), 4)
+  valid = (jnp.arange(rows * flat_layout.LANES) < size).reshape(shape)
+  g = jnp.where(valid, jax.random.normal(k[0], shape) * 300.0, 0.0)
+  if poison is not None:
+    g = g.reshape(-1).at[size // 2].set(poison).reshape(shape)
+  p = jnp.where(valid, jax.random.normal(k[1], shape) * 0.05, 0.0)
+  mu = jnp.where(valid, jax.random.normal(k[2], shape) * 1e-3, 0.0)
+  nu = jnp.where(valid, jax.random.uniform(k[3], shape) * 1e-5, 0.0)
+  return g.astype(grad_dtype), p, mu, nu
+
+
+def hyper_and_flags(finite, boundary, count=7, b1=0.9, b2=0.999):
+  inv1, inv2 = reference.inverse_bias_corrections(b1, b2, jnp.int32(count))
+  hyper = jnp.stack([jnp.float32(3e-3), inv1, inv2, jnp.float32(256.0)])
+  return hyper, jnp.array([int(finite), boundary], jnp.int32)
+
+
+@pytest.mark.parametrize("size", [1, 127, 2049, 10**6 + 3])
+@pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("keep_master", [True, False])
+def test_interpret_kernel_matches_reference_within_one_ulp(size, grad_dtype,
+                                                           keep_master):
+  if size == 10**6 + 3 and not keep_master:
+    pytest.skip("the large size runs once, with a master")
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01,
+                       np.dtype(grad_dtype) if keep_master else None)
+  g, p, mu, nu = kernel_inputs(size, grad_dtype, key=size)
+  hyper, flags = hyper_and_flags(True, boundary=size // 3)
+  want = jax.jit(lambda *a: reference.fused_update(config, *a))(
+      g, p, mu, nu, hyper, flags)
+  got = jax.jit(lambda *a: pallas_triton.fused_update(config, *a, interpret=True))(
+      g, p, mu, nu, hyper, flags)
+  for w, x in zip(want, got):
+    chex.assert_type(x, w.dtype)
+  # The moments agree bit for bit. The step (about seven fp32 operations) is
+  # fused and FMA-contracted differently by XLA in the two programs, so a
+  # few elements round up to MAX_ULPS apart; nearly all are within one ulp.
+  # The master is p + step * -lr, measured at the scale of its operands.
+  chex.assert_trees_all_equal((got.mu, got.nu), (want.mu, want.nu))
+  scale = np.maximum(np.abs(np.asarray(p)), np.abs(np.asarray(want.master)))
+  master_ulps = np.abs(np.asarray(got.master) - np.asarray(want.master)) / np.spacing(
+      scale.astype(np.float32))
+  assert master_ulps.max() <= MAX_ULPS, master_ulps.max()
+  assert np.mean(master_ulps <= 1) > 0.99
+  if keep_master:  # the half copy: at most one half-precision ulp apart
+    half_w, half_x = (np.asarray(v, np.float32) for v in (want.extra, got.extra))
+    half_ulp = np.asarray(jnp.spacing(jnp.abs(want.extra)), np.float32)
+    assert np.all(np.abs(half_w - half_x) <= half_ulp)
+  else:  # the fp32 update itself
+    update_ulps = ulps_apart(want.extra, got.extra)  # at its own scale
+    assert update_ulps.max() <= MAX_ULPS and np.mean(update_ulps <= 1) > 0.95
+  if grad_dtype == jnp.bfloat16:  # no fp16 conversions: XLA fuses alike
+    chex.assert_trees_all_equal(got, want)
+  # Something really happened: weights moved, decayed and undecayed alike.
+  assert float(jnp.max(jnp.abs(got.master - p))) > 0
+
+
+@pytest.mark.parametrize("poison", [jnp.inf, -jnp.inf, jnp.nan])
+@pytest.mark.parametrize("backend_fn", ["reference", "interpret"])
+def test_non_finite_flag_writes_nothing_new(poison, backend_fn):
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.bfloat16))
+  g, p, mu, nu = kernel_inputs(5000, jnp.bfloat16, key=1, poison=poison)
+  hyper, flags = hyper_and_flags(False, boundary=100)
+  out = kernels.fused_update(backend_fn, config, g, p, mu, nu, hyper, flags)
+  chex.assert_trees_all_equal((out.master, out.mu, out.nu), (p, mu, nu))
+  chex.assert_trees_all_equal(out.extra, p.astype(jnp.bfloat16))
+
+
+def test_padding_stays_zero():
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.float16))
+  g, p, mu, nu = kernel_inputs(127, jnp.float16, key=2)
+  hyper, flags = hyper_and_flags(True, boundary=127)
+  out = kernels.fused_update("interpret", config, g, p, mu, nu, hyper, flags)
+  chex.assert_trees_all_equal(out.master.reshape(-1)[127:],
+                              jnp.zeros(out.master.size - 127))
+
+
+# --- the GPU kernels lower for CUDA on a CPU-only machine -------------------
+
+
+def lowered_for_cuda(fn, *args):
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("keep_master", [True, False])
+def test_triton_kernel_lowers_for_cuda_with_in_place_aliases(keep_master):
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01,
+                       np.dtype(jnp.bfloat16) if keep_master else None)
+  args = kernel_inputs(3000, jnp.bfloat16, key=3) + hyper_and_flags(True, 10)
+  text = lowered_for_cuda(
+      lambda *a: pallas_triton.fused_update(config, *a, interpret=False), *args)
+  assert "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text
+  assert "output_operand_aliases" in text
+
+
+@pytest.mark.parametrize("keep_master", [True, False])
+def test_mosaic_kernel_lowers_for_cuda(keep_master):
+  from jmp_lab.kernels import mosaic
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01,
+                       np.dtype(jnp.bfloat16) if keep_master else None)
+  args = kernel_inputs(300_000, jnp.bfloat16, key=4) + hyper_and_flags(True, 10)
+  text = lowered_for_cuda(lambda *a: mosaic.fused_update(config, *a), *args)
+  assert "mosaic_gpu" in text
+
+
+def test_mosaic_sqrt_keeps_zero_and_is_close():
+  from jmp_lab.kernels import mosaic
+  x = jnp.array([0.0, 1e-12, 2.0, 1e8])
+  got = mosaic.sqrt_via_rsqrt(x)
+  assert float(got[0]) == 0.0
+  assert ulps_apart(got, jnp.sqrt(x)).max() <= 2
+
+
+# --- chooser ---------------------------------------------------------------
+
+
+def test_auto_picks_reference_on_cpu_and_logs(caplog):
+  with caplog.at_level(logging.INFO, logger="jmp_lab"):
+    assert kernels.resolve_backend("auto") == "reference"
+  assert "reference" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_unavailable_backend_raises_clearly(backend):
+  with pytest.raises(ValueError, match=rf"'{backend}' is not available.*available here: interpret, reference"):
+    kernels.resolve_backend(backend)
+
+
+def test_unknown_backend_raises():
+  with pytest.raises(ValueError, match="unknown fused backend 'cuda'.*mosaic"):
+    kernels.resolve_backend("cuda")
+
+
+def test_gpu_availability_rule():
+  class FakeGpu:
+    platform = "gpu"
+    device_kind = "fake"
+    def __init__(self, capability):
+      self.compute_capability = capability
+  assert kernels.available_backends(FakeGpu("9.0"))[:2] == ("mosaic", "triton")
+  assert kernels.available_backends(FakeGpu("8.6"))[0] == "triton"
+  assert "triton" not in kernels.available_backends(FakeGpu("7.5"))
