@@ -13,7 +13,8 @@ The public API lives here; each concept has its own module:
 """
 
 from jmp_lab import kernels, linen
-from jmp_lab.fused import FusedAdamWState, fused_adamw
+from jmp_lab.fused import (FusedAdamWState, flat_params, fused_adamw,
+                           unflatten_params)
 from jmp_lab.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -61,6 +62,7 @@ __all__ = [
     "TrainState",
     "all_finite",
     "cast_floating",
+    "flat_params",
     "fused_adamw",
     "kernels",
     "get_policy",

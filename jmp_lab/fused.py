@@ -14,8 +14,11 @@ written and 2 B for the flag pass: about 30 B.
 
 State layout: ``master_params``, ``mu`` and ``nu`` are ``(rows, 256)`` fp32
 buffers, padded to whole kernel blocks; :func:`jmp_lab.master_params` still
-returns the master as a tree. Gradients arrive as a tree and are packed into
-one buffer first (see ``benchmarks/fused_update.py`` for what that costs).
+returns the master as a tree. Gradients that arrive as a tree are packed into
+one buffer first, which costs a pass over memory (``benchmarks/
+fused_update.py`` measures it); a model that reads its params from the flat
+buffer (:func:`flat_params`, :func:`unflatten_params`) hands in flat
+gradients and gets flat updates back, and skips that pass.
 
 Example::
 
@@ -38,8 +41,9 @@ import optax
 from jmp_lab import _tree, kernels
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels.reference import AdamWConfig, inverse_bias_corrections
-from jmp_lab.loss_scale import LossScale
-from jmp_lab.optimizer import (check_grads, check_params, keeps_master_copy,
+from jmp_lab.loss_scale import LossScale, fresh_copy
+from jmp_lab.optimizer import (check_grads, check_params,
+                               find_mixed_precision_state, keeps_master_copy,
                                unscale_and_check)
 from jmp_lab.policy import Policy, get_policy
 
@@ -62,6 +66,35 @@ class FusedAdamWState(NamedTuple):
     if self.master_params is None:
       return None
     return flat_layout.unpack(self.layout, self.master_params)
+
+
+def is_flat(layout: flat_layout.FlatLayout, params: Any) -> bool:
+  """Whether ``params`` is the flat buffer form (see :func:`flat_params`)."""
+  return isinstance(params, jax.Array) and params.shape == (
+      layout.rows, flat_layout.LANES)
+
+
+def flat_params(opt_state: Any, params: Any) -> jax.Array:
+  """``params`` as one flat ``(rows, 256)`` buffer in the param dtype.
+
+  Keep the params in this form and let the model read them through
+  :func:`unflatten_params`: the gradients then arrive flat, and
+  ``update(flat_grads, state, flat_params)`` skips packing the gradient tree
+  (a pass over memory) and returns flat updates.
+  """
+  state = find_mixed_precision_state(opt_state)
+  if not isinstance(state, FusedAdamWState):
+    raise TypeError("flat params need a fused_adamw optimizer state")
+  dtype = jax.tree_util.tree_leaves(params)[0].dtype
+  return flat_layout.pack(state.layout, params, dtype)
+
+
+def unflatten_params(opt_state: Any, flat: jax.Array) -> Any:
+  """The params tree viewed from a flat buffer (integer leaves are None)."""
+  state = find_mixed_precision_state(opt_state)
+  if not isinstance(state, FusedAdamWState):
+    raise TypeError("flat params need a fused_adamw optimizer state")
+  return flat_layout.unpack(state.layout, flat)
 
 
 def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay):
@@ -141,7 +174,7 @@ def fused_adamw(
         count=jnp.zeros((), jnp.int32),
         master_params=(flat_layout.pack(layout, params, jnp.float32)
                        if keep_master else None),
-        mu=zeros(), nu=zeros(), loss_scale=loss_scale,
+        mu=zeros(), nu=zeros(), loss_scale=fresh_copy(loss_scale),
         skipped_steps=jnp.zeros((), jnp.int32), layout=layout)
 
   def update_fn(grads, state, params=None, **extra_args):
@@ -153,14 +186,20 @@ def fused_adamw(
     check_params(params, policy)
     check_grads(grads, params)
     layout = state.layout
+    flat = is_flat(layout, params)
 
     # Pass 1: the global finite flag (fused unscale + isfinite + reduce).
     _, finite = unscale_and_check(grads, params, state.loss_scale, axis_name)
 
-    # Pass 2: one kernel over flat buffers.
-    flat_grads = flat_layout.pack(layout, grads, policy.param_dtype)
-    flat_params = (state.master_params if keep_master
-                   else flat_layout.pack(layout, params, jnp.float32))
+    # Pass 2: one kernel over flat buffers. Tree gradients are packed first
+    # (a pass); flat ones, from a model reading flat params, are used as is.
+    flat_grads = grads if flat else flat_layout.pack(layout, grads,
+                                                     policy.param_dtype)
+    if keep_master:
+      flat_params = state.master_params
+    else:
+      flat_params = params if flat else flat_layout.pack(layout, params,
+                                                         jnp.float32)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, state.count + 1)
     hyper = jnp.stack([jnp.asarray(x, jnp.float32) for x in
@@ -172,7 +211,8 @@ def fused_adamw(
 
     # Updates: the half copy minus the params (exact: see the kernel), or
     # the fp32 update itself when the params are the master.
-    new_values = flat_layout.unpack(layout, out.extra, rest=params)
+    new_values = out.extra if flat else flat_layout.unpack(
+        layout, out.extra, rest=params)
     updates = jax.tree_util.tree_map(
         lambda new, p: (new.astype(jnp.float32) - p.astype(jnp.float32)
                         if keep_master else new)

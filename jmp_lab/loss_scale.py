@@ -360,6 +360,16 @@ class DynamicLossScale(LossScale):
         counter=new_counter.astype(jnp.int32))
 
 
+def fresh_copy(loss_scale: LossScale) -> LossScale:
+  """A copy with its own buffers.
+
+  Optimizers put this in each new state: the state is routinely donated,
+  and donating the caller's own loss-scale arrays would delete them under
+  every later ``init`` that shares them.
+  """
+  return jax.tree_util.tree_map(jnp.copy, loss_scale)
+
+
 def _replace_leaves(obj, **leaves):
   """``dataclasses.replace`` without re-running validation.
 

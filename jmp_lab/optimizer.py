@@ -55,7 +55,7 @@ import numpy as np
 import optax
 
 from jmp_lab import _tree
-from jmp_lab.loss_scale import LossScale, all_finite, select_tree
+from jmp_lab.loss_scale import LossScale, all_finite, fresh_copy, select_tree
 from jmp_lab.policy import Policy, get_policy
 
 
@@ -289,7 +289,7 @@ def mixed_precision(
     return MixedPrecisionState(
         master_params=master,
         inner_state=inner.init(trainable),
-        loss_scale=loss_scale,
+        loss_scale=fresh_copy(loss_scale),
         skipped_steps=jnp.zeros((), jnp.int32))
 
   def update_fn(grads, state, params=None, **extra_args):

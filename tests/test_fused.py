@@ -211,3 +211,32 @@ class FusedBadInputTest(parameterized.TestCase):
       tx.update(grads, state, params)
     with pytest.raises(ValueError, match="needs params"):
       tx.update(scaled_grads(params, 1.0, 0), state)
+
+
+@pytest.mark.parametrize("spec", ["p=bf16,c=bf16,o=f32", "float32"])
+def test_flat_params_mode_matches_tree_mode(spec):
+  """A model reading its params from the flat buffer gets flat gradients,
+  and the flat update equals the tree update."""
+  policy = jmp_lab.get_policy(spec)
+  params = {"a": jnp.linspace(-1, 1, 50).astype(policy.param_dtype).reshape(5, 10),
+            "b": jnp.ones(3, policy.param_dtype)}
+  tx = jmp_lab.fused_adamw(1e-2, policy=policy,
+                           loss_scale=jmp_lab.StaticLossScale(4.0),
+                           backend="interpret")
+
+  def loss(tree):
+    return 4.0 * (jnp.sum(jnp.sin(tree["a"].astype(jnp.float32)))
+                  + jnp.sum(tree["b"].astype(jnp.float32) ** 2))
+
+  tree_state, flat_state = tx.init(params), tx.init(params)
+  flat = jmp_lab.flat_params(flat_state, params)
+  tree = params
+  for _ in range(3):
+    updates, tree_state = tx.update(jax.grad(loss)(tree), tree_state, tree)
+    tree = optax.apply_updates(tree, updates)
+    flat_grads = jax.grad(lambda f: loss(jmp_lab.unflatten_params(flat_state, f)))(flat)
+    assert flat_grads.shape == flat.shape
+    updates, flat_state = tx.update(flat_grads, flat_state, flat)
+    flat = optax.apply_updates(flat, updates)
+  chex.assert_trees_all_equal(jmp_lab.unflatten_params(flat_state, flat), tree)
+  chex.assert_trees_all_equal(flat_state.mu, tree_state.mu)

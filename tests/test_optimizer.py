@@ -368,3 +368,22 @@ class BadInputTest(parameterized.TestCase):
     with pytest.raises(TypeError, match="loss_scale"):
       jmp_lab.mixed_precision(optax.sgd(1.0), policy="float32",
                               loss_scale=2.0**15)
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda ls: jmp_lab.mixed_precision(optax.adam(1e-3), policy="p=bf16",
+                                       loss_scale=ls),
+    lambda ls: jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=ls),
+])
+def test_donating_a_state_leaves_the_initial_loss_scale_intact(make_tx):
+  # Regression: init used to put the caller's own loss-scale arrays in the
+  # state, so donating one state broke every later init sharing them.
+  loss_scale = jmp_lab.DynamicLossScale(2.0**8)
+  tx = make_tx(loss_scale)
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  grads = {"w": jnp.ones(3, jnp.bfloat16)}
+  step = jax.jit(tx.update, donate_argnums=1)
+  step(grads, tx.init(params), params)
+  state = tx.init(params)  # must not see deleted buffers
+  step(grads, state, params)
+  assert float(loss_scale.loss_scale) == 2.0**8

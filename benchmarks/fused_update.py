@@ -1,0 +1,223 @@
+"""Benchmark: the fused AdamW update against the unfused jitted path.
+
+Prints, for each size, a table of:
+
+* ``fused (tree grads)`` -- ``jmp_lab.fused_adamw`` + ``optax.apply_updates``
+  in one jitted, donated step, gradients arriving as a tree (so packed first);
+* ``fused (flat params)`` -- the same step with params and gradients in the
+  flat form (``jmp_lab.flat_params``): the difference to the row above is
+  what packing the gradient tree and unpacking the updates cost;
+* ``fused kernel alone`` -- just the kernel on pre-packed buffers;
+* ``unfused`` -- ``mixed_precision(optax.adamw(...))`` + ``apply_updates``;
+* ``torch fused AdamW`` -- on a CUDA GPU with torch: ``AdamW(fused=True)``
+  stepped through ``torch.amp.GradScaler`` (fp32 params and grads, as AMP
+  keeps them);
+* ``copy`` -- ``y = x + 1`` over an fp32 buffer, the device's streaming
+  bandwidth, measured in the same run.
+
+Columns: median time, the bytes each path must move per parameter (a model:
+``fused`` reads p, m, v, g = 14 B and writes p, m, v and the half copy = 14 B,
+plus 2 B for the finite-flag pass), the GB/s that implies, the fraction of the
+measured copy bandwidth, and the time ratio to ``fused (tree grads)``.
+
+Usage::
+
+  PYTHONPATH=. python benchmarks/fused_update.py                # GPU sizes
+  PYTHONPATH=. python benchmarks/fused_update.py --sizes 1M,4M  # CPU-sized
+
+Timings are medians of ``--repeats`` device-synchronised runs after
+``--warmup`` runs. On a CPU the numbers are ratios of the reference backend,
+not speed claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_lab
+from jmp_lab.kernels import layout as flat_layout
+
+FUSED_BYTES = 14 + 14 + 2            # read p m v g, write p m v half, flag
+UNFUSED_BYTES_MIN = FUSED_BYTES      # the same data; XLA may move more
+TORCH_BYTES = 16 + 12 + 4 + 4 + 4    # step r/w, unscale r/w, inf check
+
+
+def parse_size(text: str) -> int:
+  units = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
+  text = text.strip().upper()
+  return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def median_seconds(fn, *, warmup: int, repeats: int) -> float:
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def make_params(size: int, dtype, leaves: int = 16):
+  """``size`` parameters split over ``leaves`` leaves of uneven size."""
+  key = jax.random.key(0)
+  cuts = np.linspace(0, size, leaves + 1).astype(int)
+  return {f"w{i}": (jax.random.normal(jax.random.fold_in(key, i),
+                                      (int(cuts[i + 1] - cuts[i]),)) * 0.02
+                    ).astype(dtype) for i in range(leaves)}
+
+
+def time_optimizer(tx, params, grads, *, warmup, repeats, state=None):
+  """Median seconds of one donated ``update + apply_updates`` step."""
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  params = jax.tree_util.tree_map(jnp.copy, params)  # the caller keeps its own
+  carry = [params, tx.init(params) if state is None else state]
+
+  def run():
+    carry[0], carry[1] = step(carry[0], carry[1], grads)
+    jax.block_until_ready(carry)
+
+  return median_seconds(run, warmup=warmup, repeats=repeats)
+
+
+def time_flat_step(tx, params, grads, *, warmup, repeats):
+  """The whole donated step with params and gradients in the flat form."""
+  state = tx.init(params)
+  flat = jmp_lab.flat_params(state, params)
+  flat_grads = jmp_lab.flat_params(state, grads)
+  return time_optimizer(tx, flat, flat_grads, warmup=warmup,
+                        repeats=repeats, state=state)
+
+
+def time_flat_kernel(tx, params, grads, *, warmup, repeats):
+  """The fused kernel alone, on gradients packed once beforehand."""
+  state = tx.init(params)
+  layout = state.layout
+  flat_grads = flat_layout.pack(layout, grads, grads[next(iter(grads))].dtype)
+  backend = jmp_lab.kernels.resolve_backend("auto")
+  config = jmp_lab.kernels.AdamWConfig(0.9, 0.999, 1e-8, 1e-4,
+                                       np.dtype(flat_grads.dtype))
+  hyper = jnp.array([1e-4, 10.0, 1000.0, 1.0], jnp.float32)
+  flags = jnp.array([1, layout.decay_boundary], jnp.int32)
+
+  def kernel(g, p, mu, nu):
+    return jmp_lab.kernels.fused_update(backend, config, g, p, mu, nu, hyper,
+                                        flags)
+
+  kernel = jax.jit(kernel, donate_argnums=(1, 2, 3))
+  carry = [state.master_params, state.mu, state.nu]
+
+  def run():
+    out = kernel(flat_grads, *carry)
+    carry[:] = [out.master, out.mu, out.nu]
+    jax.block_until_ready(out)
+
+  return median_seconds(run, warmup=warmup, repeats=repeats)
+
+
+def time_copy(size, *, warmup, repeats):
+  x = jnp.ones((size,), jnp.float32)
+  add_one = jax.jit(lambda x: x + 1)
+  return median_seconds(lambda: add_one(x).block_until_ready(),
+                        warmup=warmup, repeats=repeats)
+
+
+def time_torch(size, *, warmup, repeats):
+  try:
+    import torch
+  except ImportError:
+    return None
+  if not torch.cuda.is_available():
+    return None
+  params = [torch.nn.Parameter(torch.randn(size, device="cuda") * 0.02)]
+  params[0].grad = torch.randn(size, device="cuda") * 1024
+  opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, fused=True)
+  scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=10**9)
+
+  def run():
+    scaler.step(opt)
+    scaler.update()
+    torch.cuda.synchronize()
+
+  return median_seconds(run, warmup=warmup, repeats=repeats)
+
+
+def fits(size: int) -> bool:
+  """Whether ~60 B/param (state, grads, params, temporaries) fits."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  if limit is None:  # CPU: use a third of RAM
+    import os
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
+  return size * 60 < limit
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  on_gpu = jax.default_backend() == "gpu"
+  parser.add_argument("--sizes", default="10M,100M,1B" if on_gpu else "1M,4M")
+  parser.add_argument("--param-dtype", default="bfloat16",
+                      choices=["bfloat16", "float16"])
+  parser.add_argument("--warmup", type=int, default=5 if on_gpu else 2)
+  parser.add_argument("--repeats", type=int, default=50 if on_gpu else 7)
+  args = parser.parse_args(argv)
+
+  dtype = np.dtype(jnp.dtype(args.param_dtype))
+  policy = jmp_lab.Policy(dtype, dtype, jnp.float32)
+  device = jax.local_devices()[0]
+  print(f"# device: {device.device_kind} ({device.platform}); jax "
+        f"{jax.__version__}; params {dtype.name}; fused backend "
+        f"{jmp_lab.kernels.resolve_backend('auto')}")
+  print("| params | path | median ms | B/param | GB/s | of copy BW | time / fused |")
+  print("|---|---|---|---|---|---|---|")
+  for size in map(parse_size, args.sizes.split(",")):
+    if not fits(size):
+      print(f"| {size:,} | skipped: does not fit in device memory | | | | | |")
+      continue
+    timing = dict(warmup=args.warmup, repeats=args.repeats)
+    params = make_params(size, dtype)
+    grads = jax.tree_util.tree_map(lambda p: (p * 1024).astype(dtype), params)
+    loss_scale = jmp_lab.StaticLossScale(1024.0)
+    fused = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale)
+    unfused = jmp_lab.mixed_precision(optax.adamw(1e-4), policy=policy,
+                                      loss_scale=loss_scale)
+    copy_s = time_copy(size, **timing)
+    copy_bw = 8 * size / copy_s
+    rows = [
+        ("fused (tree grads)", time_optimizer(fused, params, grads, **timing),
+         FUSED_BYTES),
+        ("fused (flat params)", time_flat_step(fused, params, grads, **timing),
+         FUSED_BYTES),
+        ("fused kernel alone (flat, no flag pass)",
+         time_flat_kernel(fused, params, grads, **timing), FUSED_BYTES - 2),
+        ("unfused mixed_precision(adamw)",
+         time_optimizer(unfused, params, grads, **timing), UNFUSED_BYTES_MIN),
+    ]
+    torch_s = time_torch(size, **timing) if on_gpu else None
+    if torch_s is not None:
+      rows.append(("torch AdamW(fused) + GradScaler", torch_s, TORCH_BYTES))
+    rows.append(("copy (x + 1, fp32)", copy_s, 8))
+    fused_s = rows[0][1]
+    for name, seconds, per_param in rows:
+      rate = per_param * size / seconds
+      print(f"| {size:,} | {name} | {seconds * 1e3:.3f} | {per_param} | "
+            f"{rate / 1e9:.1f} | {rate / copy_bw:.2f} | {seconds / fused_s:.2f} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main()
