@@ -111,7 +111,7 @@ def time_flat_kernel(tx, params, grads, *, warmup, repeats):
   backend = jmp_lab.kernels.resolve_backend("auto")
   config = jmp_lab.kernels.AdamWConfig(0.9, 0.999, 1e-8, 1e-4,
                                        np.dtype(flat_grads.dtype))
-  hyper = jnp.array([1e-4, 10.0, 1000.0, 1.0], jnp.float32)
+  hyper = jnp.array([1e-4, 10.0, 1000.0, 1.0, 1.0], jnp.float32)
   flags = jnp.array([1, layout.decay_boundary], jnp.int32)
 
   def kernel(g, p, mu, nu):

@@ -132,6 +132,7 @@ def fused_adamw(
     loss_scale: LossScale,
     mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     backend: str = "auto",
+    max_grad_norm: Optional[float] = None,
     axis_name: Optional[str] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Mixed-precision AdamW as one fused kernel pass.
@@ -147,6 +148,9 @@ def fused_adamw(
     backend: ``"auto"``, ``"mosaic"``, ``"triton"``, ``"interpret"`` or
       ``"reference"`` (see :mod:`jmp_lab.kernels`). An explicit backend that
       this device cannot run raises ``ValueError``.
+    max_grad_norm: if set, clip the *unscaled* gradients to this global norm
+      first, as ``optax.clip_by_global_norm`` would (the norm is computed in
+      the same read as the finite flag; the factor joins the unscale).
     axis_name: inside ``shard_map``, the axis the finite check combines over.
 
   Returns:
@@ -159,6 +163,12 @@ def fused_adamw(
         f"loss_scale must be a NoOpLossScale, StaticLossScale or "
         f"DynamicLossScale, got {type(loss_scale).__name__}")
   _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay)
+  if max_grad_norm is not None and not (
+      isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
+      and math.isfinite(max_grad_norm)):
+    raise ValueError(
+        f"max_grad_norm must be a finite number > 0 or None, got "
+        f"{max_grad_norm!r}")
   backend = kernels.resolve_backend(backend)
   keep_master = keeps_master_copy(policy)
   config = AdamWConfig(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
@@ -188,8 +198,16 @@ def fused_adamw(
     layout = state.layout
     flat = is_flat(layout, params)
 
-    # Pass 1: the global finite flag (fused unscale + isfinite + reduce).
-    _, finite = unscale_and_check(grads, params, state.loss_scale, axis_name)
+    # Pass 1: the global finite flag (fused unscale + isfinite + reduce), and
+    # the global norm for clipping, from the same read.
+    grads32, finite = unscale_and_check(grads, params, state.loss_scale,
+                                        axis_name)
+    clip = jnp.float32(1.0)
+    if max_grad_norm is not None:
+      norm = optax.tree.norm(grads32)
+      if axis_name is not None:
+        norm = jnp.sqrt(jax.lax.psum(norm**2, axis_name))
+      clip = jnp.where(norm < max_grad_norm, 1.0, max_grad_norm / norm)
 
     # Pass 2: one kernel over flat buffers. Tree gradients are packed first
     # (a pass); flat ones, from a model reading flat params, are used as is.
@@ -203,7 +221,8 @@ def fused_adamw(
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, state.count + 1)
     hyper = jnp.stack([jnp.asarray(x, jnp.float32) for x in
-                       (lr, inv_bias1, inv_bias2, state.loss_scale.loss_scale)])
+                       (lr, inv_bias1, inv_bias2, state.loss_scale.loss_scale,
+                        clip)])
     flags = jnp.stack([finite.astype(jnp.int32),
                        jnp.asarray(layout.decay_boundary, jnp.int32)])
     out = kernels.fused_update(backend, config, flat_grads, flat_params,

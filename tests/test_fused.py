@@ -240,3 +240,30 @@ def test_flat_params_mode_matches_tree_mode(spec):
     flat = optax.apply_updates(flat, updates)
   chex.assert_trees_all_equal(jmp_lab.unflatten_params(flat_state, flat), tree)
   chex.assert_trees_all_equal(flat_state.mu, tree_state.mu)
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_max_grad_norm_clips_unscaled_gradients_like_optax(backend):
+  policy = jmp_lab.get_policy("p=bf16,c=bf16,o=f32")
+  params = make_params(jnp.bfloat16)
+  loss_scale = jmp_lab.DynamicLossScale(2.0**12, growth_interval=3)
+  want, _ = run(jmp_lab.mixed_precision(
+      optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(SCHEDULE)),
+      policy=policy, loss_scale=loss_scale), params)
+  got, _ = run(jmp_lab.fused_adamw(SCHEDULE, policy=policy, loss_scale=loss_scale,
+                                   max_grad_norm=0.5, backend=backend), params)
+  unclipped, _ = run(jmp_lab.fused_adamw(SCHEDULE, policy=policy,
+                                         loss_scale=loss_scale, backend=backend),
+                     params)
+  # Clipping multiplies by max_norm / norm where optax divides then
+  # multiplies: a rounding apart, which bf16 params mostly absorb.
+  chex.assert_trees_all_close(got["dense"], want["dense"], atol=1e-3, rtol=1e-2)
+  assert not np.allclose(np.asarray(got["dense"]["kernel"], np.float32),
+                         np.asarray(unclipped["dense"]["kernel"], np.float32))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), "1"])
+def test_bad_max_grad_norm(bad):
+  with pytest.raises(ValueError, match="max_grad_norm"):
+    jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale(),
+                        max_grad_norm=bad)

@@ -81,7 +81,8 @@ def kernel_inputs(size, grad_dtype, key, poison=None):
 
 def hyper_and_flags(finite, boundary, count=7, b1=0.9, b2=0.999):
   inv1, inv2 = reference.inverse_bias_corrections(b1, b2, jnp.int32(count))
-  hyper = jnp.stack([jnp.float32(3e-3), inv1, inv2, jnp.float32(256.0)])
+  hyper = jnp.stack([jnp.float32(3e-3), inv1, inv2, jnp.float32(256.0),
+                     jnp.float32(1.0)])
   return hyper, jnp.array([int(finite), boundary], jnp.int32)
 
 

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels.reference import (INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
+from jmp_lab.kernels.reference import (CLIP, INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
                                        LR, SCALE, AdamWConfig, Outputs,
                                        adamw_elementwise)
 
@@ -59,7 +59,8 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
     program = jax.lax.axis_index("program")
     finite = flags_ref[FINITE] == 1
     boundary = flags_ref[DECAY_BOUNDARY]
-    lr, bias1, bias2, scale = (hyper_ref[i] for i in (LR, INV_BIAS1, INV_BIAS2, SCALE))
+    lr, inv_bias1, inv_bias2, scale, clip = (
+        hyper_ref[i] for i in (LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP))
 
     def load(ref):
       return plgpu.load(ref, (), layout=regs, optimized=False)
@@ -76,7 +77,8 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
             plgpu.broadcasted_iota(jnp.int32, (block_rows, lanes), 1,
                                    layout=regs)
         out = adamw_elementwise(config, load(g_s), p_val, mu_val, nu_val,
-                                index < boundary, lr, bias1, bias2, scale,
+                                index < boundary, lr, inv_bias1, inv_bias2, scale,
+                                clip,
                                 sqrt=sqrt_via_rsqrt)
         p_o[...] = out.master
         mu_o[...] = out.mu

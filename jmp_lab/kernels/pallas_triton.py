@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels.reference import (INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
-                                       LR, SCALE, AdamWConfig, Outputs,
+from jmp_lab.kernels.reference import (CLIP, INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
+                                       LR, NUM_HYPER, SCALE, AdamWConfig, Outputs,
                                        adamw_elementwise, element_indices)
 
 
@@ -39,7 +39,7 @@ def _kernel(config: AdamWConfig, hyper_ref, flags_ref, g_ref, p_ref, mu_ref,
     out = adamw_elementwise(config, g_ref[...], p_ref[...], mu_ref[...],
                             nu_ref[...], decays, hyper_ref[LR],
                             hyper_ref[INV_BIAS1], hyper_ref[INV_BIAS2],
-                            hyper_ref[SCALE])
+                            hyper_ref[SCALE], hyper_ref[CLIP])
     p_out[...] = out.master
     mu_out[...] = out.mu
     nu_out[...] = out.nu
@@ -65,6 +65,8 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
   block = pl.BlockSpec((block_rows, lanes), lambda i: (i, 0))
   scalars = lambda n: pl.BlockSpec((n,), lambda i: (0,))  # noqa: E731
   extra_dtype = jnp.float32 if config.half_dtype is None else config.half_dtype
+  # Triton blocks must be powers of two: pad the scalars to eight.
+  hyper = jnp.pad(hyper, (0, 8 - NUM_HYPER))
   out_shape = (jax.ShapeDtypeStruct(p.shape, jnp.float32),) * 3 + (
       jax.ShapeDtypeStruct(p.shape, extra_dtype),)
   compiler_params = None
@@ -76,7 +78,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
       functools.partial(_kernel, config),
       out_shape=out_shape,
       grid=(rows // block_rows,),
-      in_specs=[scalars(4), scalars(2), block, block, block, block],
+      in_specs=[scalars(8), scalars(2), block, block, block, block],
       out_specs=[block] * 4,
       # Operands: hyper, flags, g, p, mu, nu -> outputs p, mu, nu, extra.
       input_output_aliases={3: 0, 4: 1, 5: 2},

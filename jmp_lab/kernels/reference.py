@@ -13,8 +13,8 @@ about one fp32 ulp of the bias-corrected moments per step.
 
 Scalars travel as two small arrays, because a kernel takes arrays:
 
-* ``hyper`` (f32[4]): learning rate, the reciprocals of Adam's two bias
-  corrections, loss scale;
+* ``hyper`` (f32[5]): learning rate, the reciprocals of Adam's two bias
+  corrections, loss scale, and the gradient-clipping factor (1 if none);
 * ``flags`` (i32[2]): 1 if every gradient is finite (else 0), and the index of
   the first element that is *not* weight-decayed.
 """
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LR, INV_BIAS1, INV_BIAS2, SCALE = range(4)
+LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP = range(5)
+NUM_HYPER = 5
 FINITE, DECAY_BOUNDARY = range(2)
 
 
@@ -57,8 +58,8 @@ class Outputs(NamedTuple):
 
 
 def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
-                      lr, inv_bias1, inv_bias2, scale, *, sqrt=jnp.sqrt
-                      ) -> Outputs:
+                      lr, inv_bias1, inv_bias2, scale, clip, *,
+                      sqrt=jnp.sqrt) -> Outputs:
   """One AdamW step on loaded values (any backend's arrays).
 
   Args:
@@ -66,10 +67,11 @@ def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
     g: scaled gradients (param dtype); p, mu, nu: fp32 master and moments.
     decays: bool array, whether each element is weight-decayed.
     lr, inv_bias1, inv_bias2, scale: f32 scalars
-      (``inv_bias = 1 / (1 - b ** count)``).
+      (``inv_bias = 1 / (1 - b ** count)``); clip: the factor that clips the
+      unscaled gradients to the global norm (1 when not clipping).
     sqrt: the square root the backend can lower (Mosaic GPU has only rsqrt).
   """
-  g = g.astype(jnp.float32) / scale
+  g = (g.astype(jnp.float32) / scale) * clip
   # optax.scale_by_adam: moments, then bias correction, then the ratio.
   mu = (1 - config.b1) * g + config.b1 * mu
   nu = (1 - config.b2) * (g * g) + config.b2 * nu
@@ -113,7 +115,8 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
   """
   decays = element_indices(p.shape, 0) < flags[DECAY_BOUNDARY]
   out = adamw_elementwise(config, g, p, mu, nu, decays, hyper[LR],
-                          hyper[INV_BIAS1], hyper[INV_BIAS2], hyper[SCALE])
+                          hyper[INV_BIAS1], hyper[INV_BIAS2], hyper[SCALE],
+                          hyper[CLIP])
   finite = flags[FINITE] == 1
   unchanged_extra = (jnp.zeros_like(p) if config.half_dtype is None
                      else p.astype(config.half_dtype))
