@@ -5,6 +5,7 @@ import re
 import runpy
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,3 +40,26 @@ def run_example(name, *args):
 def test_quickstart_example_smoke():
   accuracy = run_example("quickstart.py", "--steps", "30")
   assert 0.0 <= accuracy <= 1.0
+
+
+def test_digits_cnn_example_smoke(tmp_path):
+  results = run_example("digits_cnn.py", "--epochs", "1", "--batch-size", "128",
+                        "--no-progress", "--out-dir", str(tmp_path),
+                        "--policy", "mixed_float16", "--loss-scale", "dynamic")
+  (result,) = results
+  assert result["test_accuracy"] > 0.3          # one short epoch
+  assert result["peak_memory_bytes"] > 0 and result["steps_per_s"] > 0
+  assert (tmp_path / "digits_cnn.png").stat().st_size > 10_000
+
+
+def test_char_transformer_example_smoke_with_fused_fp16_and_resume(tmp_path):
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+  common = ["--data", str(text), "--policy", "mixed_float16", "--fused",
+            "--batch-size", "4", "--seq-len", "32", "--sample-len", "8",
+            "--no-progress", "--ckpt-dir", str(tmp_path / "ckpt")]
+  first = run_example("char_transformer.py", "--steps", "3", *common)
+  resumed = run_example("char_transformer.py", "--steps", "2", "--resume", *common)
+  assert first["step"] == 3 and resumed["step"] == 5
+  assert int(resumed["state"].step) + int(resumed["state"].skipped_steps) == 5
+  assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0

@@ -1,0 +1,249 @@
+"""A small decoder-only, character-level transformer, in mixed precision.
+
+The default data is text every machine has: the Python standard library's own
+sources (``--data FILE`` trains on any text file instead). Nothing is
+downloaded. The example shows:
+
+* bf16 and fp16 policies, with LayerNorm and the attention softmax in fp32;
+* gradient clipping on *unscaled* gradients (``--clip``);
+* the fused optimizer (``--fused``), or ``mixed_precision(optax.chain(...))``;
+* orbax checkpointing (``--ckpt-dir``) and ``--resume``;
+* tokens/s, and a sample of generated text at the end.
+
+  python examples/char_transformer.py --steps 300
+  python examples/char_transformer.py --policy mixed_float16 --fused
+  python examples/char_transformer.py --steps 100 --resume   # continues
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sysconfig
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+import jmp_lab
+from jmp_lab import linen as jl
+
+
+def default_text(max_bytes: int = 4_000_000) -> bytes:
+  """The standard library's Python sources, in a fixed order."""
+  stdlib = sysconfig.get_paths()["stdlib"]
+  chunks, total = [], 0
+  for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
+    with open(path, "rb") as f:
+      chunk = f.read()
+    chunks.append(chunk)
+    total += len(chunk)
+    if total >= max_bytes:
+      break
+  return b"".join(chunks)[:max_bytes]
+
+
+def load_tokens(path: str | None) -> np.ndarray:
+  """Bytes as tokens (vocabulary 256): character-level for ASCII text."""
+  if path is None:
+    data = default_text()
+  else:
+    with open(path, "rb") as f:
+      data = f.read()
+  if len(data) < 1024:
+    raise ValueError(f"--data needs at least 1024 bytes of text, got {len(data)}")
+  return np.frombuffer(data, np.uint8).astype(np.int32)
+
+
+class Block(nn.Module):
+  heads: int
+  dropout: float
+
+  @nn.compact
+  def __call__(self, x, mask, train: bool):
+    h = nn.LayerNorm()(x)  # fp32 by jmp_lab's default
+    h = nn.MultiHeadDotProductAttention(
+        num_heads=self.heads, dropout_rate=self.dropout, deterministic=not train,
+        attention_fn=jl.dot_product_attention)(h, h, mask=mask)  # fp32 softmax
+    x = x + h
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(4 * x.shape[-1])(h)
+    h = nn.Dense(x.shape[-1])(nn.gelu(h))
+    return x + nn.Dropout(self.dropout, deterministic=not train)(h)
+
+
+class CharTransformer(nn.Module):
+  vocab: int = 256
+  width: int = 128
+  depth: int = 2
+  heads: int = 4
+  max_len: int = 128
+  dropout: float = 0.1
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = False):
+    positions = jnp.arange(tokens.shape[1])
+    x = nn.Embed(self.vocab, self.width)(tokens) + nn.Embed(
+        self.max_len, self.width)(positions)
+    mask = nn.make_causal_mask(tokens)
+    for _ in range(self.depth):
+      x = Block(self.heads, self.dropout)(x, mask, train)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def loss_fn(params, state, batch):
+  logits = state.apply_fn({"params": params}, batch["tokens"][:, :-1],
+                          train=True, rngs={"dropout": batch["rng"]})
+  loss = jl.softmax_cross_entropy_with_integer_labels(
+      logits, batch["tokens"][:, 1:]).mean()
+  return loss, (state.model_state, {})
+
+
+def make_optimizer(args, policy):
+  loss_scale = (jmp_lab.DynamicLossScale(2.0**15, growth_interval=100)
+                if args.loss_scale == "dynamic" else jmp_lab.NoOpLossScale())
+  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, max(args.steps, 100))
+  if args.fused:
+    # Clipping happens inside the fused kernel, on unscaled gradients.
+    return jmp_lab.fused_adamw(schedule, weight_decay=0.01, policy=policy,
+                               loss_scale=loss_scale, max_grad_norm=args.clip)
+  # The wrapper unscales first, so clip_by_global_norm sees true gradients.
+  return jmp_lab.mixed_precision(
+      optax.chain(optax.clip_by_global_norm(args.clip),
+                  optax.adamw(schedule, weight_decay=0.01)),
+      policy=policy, loss_scale=loss_scale)
+
+
+def sample(model, params, prompt: bytes, length: int, max_len: int,
+           key) -> bytes:
+  """Generates ``length`` bytes after ``prompt`` (temperature 0.8)."""
+  tokens = list(prompt)
+
+  @jax.jit
+  def next_token(context, last, key):
+    # Causal attention: the logits at the last real position ignore the
+    # padding after it, so one fixed-size context serves every step.
+    logits = model.apply({"params": params}, context)[0, last]
+    return jax.random.categorical(key, logits.astype(jnp.float32) / 0.8)
+
+  for i in range(length):
+    window = tokens[-max_len:]
+    context = np.zeros((1, max_len), np.int32)
+    context[0, :len(window)] = window
+    token = next_token(jnp.asarray(context), len(window) - 1,
+                       jax.random.fold_in(key, i))
+    tokens.append(int(token))
+  return bytes(tokens[len(prompt):])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--data", default=None,
+                      help="a text file (default: the stdlib's own sources)")
+  parser.add_argument("--policy", default="mixed_bfloat16",
+                      choices=["float32", "mixed_bfloat16", "mixed_float16"])
+  parser.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"])
+  parser.add_argument("--fused", action="store_true", help="use jmp_lab.fused_adamw")
+  parser.add_argument("--clip", type=float, default=1.0, help="global-norm clip")
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument("--seq-len", type=int, default=128)
+  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out", "char_ckpt"))
+  parser.add_argument("--ckpt-every", type=int, default=100)
+  parser.add_argument("--resume", action="store_true",
+                      help="continue from the latest checkpoint in --ckpt-dir")
+  parser.add_argument("--sample-len", type=int, default=300)
+  parser.add_argument("--no-progress", action="store_true")
+  args = parser.parse_args(argv)
+
+  policy = jmp_lab.get_policy(args.policy)
+  tokens = load_tokens(args.data)
+  split = int(0.95 * len(tokens))
+  train_tokens, valid_tokens = tokens[:split], tokens[split:]
+  model = jl.with_policy(CharTransformer(max_len=args.seq_len), policy)
+  params = model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
+  state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                    tx=make_optimizer(args, policy), policy=policy)
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  print(f"{len(tokens):,} bytes of text; {n_params:,} params; policy {policy}; "
+        f"optimizer {'fused_adamw' if args.fused else 'mixed_precision(adamw)'}")
+
+  manager = ocp.CheckpointManager(
+      os.path.abspath(args.ckpt_dir),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+  start_step = 0
+  config = {"policy": str(policy), "fused": args.fused, "seq_len": args.seq_len,
+            "loss_scale": args.loss_scale}
+  config_path = os.path.join(os.path.abspath(args.ckpt_dir), "run_config.json")
+  if args.resume and manager.latest_step() is not None:
+    saved = config
+    if os.path.exists(config_path):
+      with open(config_path) as f:
+        saved = json.load(f)
+    if saved != config:
+      raise ValueError(
+          f"--resume: the checkpoints in {args.ckpt_dir} were written with "
+          f"{saved}, but this run uses {config}; resume with the same options "
+          f"or use another --ckpt-dir")
+    start_step = manager.latest_step()
+    state = manager.restore(start_step, args=ocp.args.StandardRestore(state))
+    print(f"resumed from step {start_step} (loss scale "
+          f"{float(state.loss_scale.loss_scale):g}, "
+          f"{int(state.skipped_steps)} skipped so far)")
+
+  with open(config_path, "w") as f:
+    json.dump(config, f)
+  step_fn = jmp_lab.make_train_step(loss_fn)
+  rng = np.random.default_rng(start_step)  # a resumed run draws new batches
+  window = args.seq_len + 1
+  bar = tqdm(range(start_step, start_step + args.steps), disable=args.no_progress)
+  metrics, timed_from, timed_steps = None, None, 0
+  for step in bar:
+    starts = rng.integers(0, len(train_tokens) - window, args.batch_size)
+    batch = {"tokens": np.stack([train_tokens[s:s + window] for s in starts]),
+             "rng": jax.random.fold_in(jax.random.key(1), step)}
+    state, metrics = step_fn(state, batch)
+    if timed_from is None:  # exclude compilation from tokens/s
+      jax.block_until_ready(metrics)
+      timed_from = time.perf_counter()
+    else:
+      timed_steps += 1
+    if (step + 1) % 20 == 0:
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
+                      scale=f"{float(metrics['loss_scale']):g}")
+    if (step + 1) % args.ckpt_every == 0:
+      manager.save(step + 1, args=ocp.args.StandardSave(state))
+  jax.block_until_ready(state)
+  seconds = time.perf_counter() - timed_from
+  final_step = start_step + args.steps
+  if manager.latest_step() != final_step:
+    manager.save(final_step, args=ocp.args.StandardSave(state), force=True)
+  manager.wait_until_finished()
+
+  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
+  valid = np.stack([valid_tokens[s:s + window] for s in starts])
+  logits = model.apply({"params": state.params}, valid[:, :-1])
+  valid_loss = float(jl.softmax_cross_entropy_with_integer_labels(
+      logits, valid[:, 1:]).mean())
+  tokens_per_s = timed_steps * args.batch_size * args.seq_len / max(seconds, 1e-9)
+  print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
+        f"{valid_loss:.3f} nats/char, loss scale {float(state.loss_scale.loss_scale):g}, "
+        f"skipped {int(state.skipped_steps)}, {tokens_per_s:,.0f} tokens/s")
+  text = sample(model, state.params, b"def ", args.sample_len, args.seq_len,
+                jax.random.key(7))
+  print("--- sample ---")
+  print("def " + text.decode("utf-8", errors="replace"))
+  return {"step": final_step, "valid_loss": valid_loss,
+          "tokens_per_s": tokens_per_s, "state": state}
+
+
+if __name__ == "__main__":
+  main()
