@@ -116,8 +116,7 @@ def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
   compiled = step.lower(state, first).compile()
   peak = peak_memory_bytes(compiled)
 
-  recorder = jmp_lab.diagnostics.TrainingRecorder() if hasattr(
-      jmp_lab, "diagnostics") else None
+  recorder = jmp_lab.diagnostics.TrainingRecorder()
   losses, scales, skipped = [], [], []
   bar = tqdm(total=total, desc=f"{policy_name}/{loss_scale_kind}",
              disable=not progress, leave=False)
@@ -131,8 +130,7 @@ def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
       losses.append(metrics["loss"])
       scales.append(metrics["loss_scale"])
       skipped.append(metrics["skipped_steps"])
-      if recorder is not None:
-        recorder.record(metrics)
+      recorder.record(metrics)  # keeps device arrays: no sync
       bar.update()
       if len(losses) % 10 == 0:  # read a step that is already done: no stall
         bar.set_postfix(loss=f"{float(losses[-2]):.3f}",
@@ -156,7 +154,37 @@ def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
       "losses": losses,
       "scales": np.asarray(jax.device_get(scales), np.float64),
       "state": state,
+      "recorder": recorder,
+      "step": step,
+      "example_batch": first,
+      "model": model,
   }
+
+
+def diagnose(result, x_train, y_train, out_dir: str) -> None:
+  """Writes the gradient histogram and prints the audit of the train step."""
+  state, model = result["state"], result["model"]
+  batch = {"x": x_train[:256], "y": y_train[:256]}
+  # Unscaled gradients at the final params: what fp16 would have to hold.
+  grads = jax.grad(lambda p: loss_fn(p, state, batch)[0])(state.params)
+  hist = jmp_lab.diagnostics.gradient_histogram(grads)
+  scale = result["final_scale"]
+  print(f"gradients of {result['policy']}: {100 * hist.share_underflowing(1.0):.2f}% "
+        f"would flush to zero in fp16 unscaled, "
+        f"{100 * hist.share_underflowing(scale):.2f}% at loss scale {scale:g}; "
+        f"scales keeping all representable: "
+        f"[{hist.safe_scales()[0]:.3g}, {hist.safe_scales()[1]:.3g}]")
+  path = os.path.join(out_dir, "digits_grad_hist.png")
+  jmp_lab.diagnostics.plot_gradient_histogram(
+      hist, loss_scale=scale,
+      title=f"SimpleCNN gradients ({result['policy']})").savefig(path, dpi=120)
+  print(f"wrote {path}")
+  result["recorder"].plot(os.path.join(out_dir, "digits_trace.png"))
+  audit = jmp_lab.diagnostics.audit_step(result["step"], state,
+                                         result["example_batch"],
+                                         policy=result["policy"])
+  print(f"audit of the jitted train step ({result['policy']}):")
+  print(audit["table"])
 
 
 def print_table(results) -> str:
@@ -219,6 +247,8 @@ def main(argv=None):
   print_table(results)
   os.makedirs(args.out_dir, exist_ok=True)
   plot(results, os.path.join(args.out_dir, "digits_cnn.png"))
+  half = [r for r in results if r["policy"] != "float32"] or results
+  diagnose(half[0], *data[0], args.out_dir)
   return results
 
 

@@ -9,10 +9,12 @@ The public API lives here; each concept has its own module:
 * :mod:`jmp_lab.fused` -- ``fused_adamw``: the same, as one Pallas kernel
   pass (:mod:`jmp_lab.kernels` holds the backends);
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
-* :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step.
+* :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step;
+* :mod:`jmp_lab.diagnostics` -- gradient histograms, step audits, memory
+  reports and a host-side training recorder.
 """
 
-from jmp_lab import kernels, linen
+from jmp_lab import diagnostics, kernels, linen
 from jmp_lab.fused import (FusedAdamWState, flat_params, fused_adamw,
                            unflatten_params)
 from jmp_lab.loss_scale import (
@@ -52,6 +54,7 @@ __all__ = [
     "LossScale",
     "MixedPrecisionState",
     "current_loss_scale",
+    "diagnostics",
     "master_params",
     "mixed_precision",
     "skipped_steps",

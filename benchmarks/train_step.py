@@ -1,0 +1,358 @@
+"""End-to-end train-step benchmark: fp32 vs TF32 vs bf16 vs fp16, and torch AMP.
+
+A decoder-only transformer in Flax linen (GPT-2-small-sized by default: 12
+layers, d=768, 12 heads, sequence 1024, vocabulary 50304) on random tokens,
+trained with jmp_lab policies (fp32 LayerNorm and softmax) and AdamW, each
+configuration a jitted, donated train step:
+
+  fp32-highest    fp32, jax_default_matmul_precision="highest"
+  fp32-tf32       fp32, default matmul precision (TF32 on Ampere+)
+  bf16            mixed_bfloat16
+  fp16            mixed_float16 with dynamic loss scaling
+  bf16-o2         bf16 params with fp32 master weights
+  ...+fused       the last three with jmp_lab.fused_adamw
+
+On a CUDA GPU with torch, the same architecture in PyTorch runs beside them:
+autocast(bf16), autocast(fp16) + GradScaler, AdamW(fused=True), eager and
+torch.compile.
+
+Reported: median step time, tokens/s, MFU against the bf16 matmul peak
+measured in the same run, peak device memory, the largest batch that fits
+(fp32 vs bf16), the loss after the timed steps, and ratios against
+fp32-highest, TF32 and the best torch AMP bf16. A plot goes to --plot.
+
+  PYTHONPATH=. python benchmarks/train_step.py                 # GPU, GPT-2 small
+  PYTHONPATH=. python benchmarks/train_step.py --small         # CPU-sized
+
+On a CPU the figures are a smoke test of the harness, not speed claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_lab
+from jmp_lab import linen as jl
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+  layers: int = 12
+  width: int = 768
+  heads: int = 12
+  seq_len: int = 1024
+  vocab: int = 50304
+  batch: int = 8
+
+
+SMALL = ModelSize(layers=2, width=64, heads=2, seq_len=64, vocab=512, batch=4)
+
+
+class Block(nn.Module):
+  heads: int
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.LayerNorm()(x)
+    h = nn.MultiHeadDotProductAttention(
+        num_heads=self.heads, attention_fn=jl.dot_product_attention)(h, h, mask=mask)
+    x = x + h
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(h)))
+    return x + h
+
+
+class GPT(nn.Module):
+  size: ModelSize
+
+  @nn.compact
+  def __call__(self, tokens):
+    s = self.size
+    x = nn.Embed(s.vocab, s.width)(tokens) + nn.Embed(s.seq_len, s.width)(
+        jnp.arange(tokens.shape[1]))
+    mask = nn.make_causal_mask(tokens)
+    for _ in range(s.layers):
+      x = Block(s.heads)(x, mask)
+    return nn.Dense(s.vocab, use_bias=False)(nn.LayerNorm()(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  name: str
+  policy: str
+  loss_scale: str          # "none" or "dynamic"
+  fused: bool = False
+  precision: Optional[str] = None   # jax_default_matmul_precision
+
+
+CONFIGS = [
+    Config("fp32-highest", "float32", "none", precision="highest"),
+    Config("fp32-tf32", "float32", "none"),
+    Config("bf16", "mixed_bfloat16", "none"),
+    Config("fp16", "mixed_float16", "dynamic"),
+    Config("bf16-o2", "p=bf16,c=bf16,o=f32", "none"),
+    Config("bf16+fused", "mixed_bfloat16", "none", fused=True),
+    Config("fp16+fused", "mixed_float16", "dynamic", fused=True),
+    Config("bf16-o2+fused", "p=bf16,c=bf16,o=f32", "none", fused=True),
+]
+
+
+def loss_fn(params, state, batch):
+  logits = state.apply_fn({"params": params}, batch[:, :-1])
+  loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  return loss, (state.model_state, {})
+
+
+def make_state(config: Config, size: ModelSize):
+  policy = jmp_lab.get_policy(config.policy)
+  model = jl.with_policy(GPT(size), policy)
+  params = model.init(jax.random.key(0), jnp.zeros((1, size.seq_len), jnp.int32))["params"]
+  loss_scale = (jmp_lab.DynamicLossScale() if config.loss_scale == "dynamic"
+                else jmp_lab.NoOpLossScale())
+  if config.fused:
+    tx = jmp_lab.fused_adamw(3e-4, weight_decay=0.1, policy=policy,
+                             loss_scale=loss_scale)
+  else:
+    tx = jmp_lab.mixed_precision(optax.adamw(3e-4, weight_decay=0.1),
+                                 policy=policy, loss_scale=loss_scale)
+  return jmp_lab.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
+                                   policy=policy)
+
+
+def random_batches(size: ModelSize, batch: int, count: int):
+  rng = np.random.default_rng(0)
+  return [jnp.asarray(rng.integers(0, size.vocab, (batch, size.seq_len + 1)),
+                      jnp.int32) for _ in range(count)]
+
+
+def median_step_seconds(run_step: Callable[[int], Any], *, warmup: int,
+                        steps: int) -> tuple[float, Any]:
+  out = None
+  for i in range(warmup):
+    out = run_step(i)
+  jax.block_until_ready(out)
+  times = []
+  for i in range(steps):
+    start = time.perf_counter()
+    out = run_step(warmup + i)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), out
+
+
+def compiled_peak_bytes(step, state, batch) -> int:
+  stats = step.lower(state, batch).compile().memory_analysis()
+  peak = int(getattr(stats, "peak_memory_in_bytes", 0))
+  return peak or int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                     - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def device_memory_limit() -> Optional[int]:
+  return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def run_jax(config: Config, size: ModelSize, *, warmup: int, steps: int) -> dict:
+  with jax.default_matmul_precision(config.precision or "default"):
+    state = make_state(config, size)
+    step = jmp_lab.make_train_step(loss_fn)
+    batches = random_batches(size, size.batch, 4)
+    flops = jmp_lab.diagnostics.audit_step(step, state, batches[0])["total_flops"]
+    peak_estimate = compiled_peak_bytes(step, state, batches[0])
+    holder = [state]
+
+    def run_step(i):
+      holder[0], metrics = step(holder[0], batches[i % len(batches)])
+      return metrics
+
+    seconds, metrics = median_step_seconds(run_step, warmup=warmup, steps=steps)
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return {"name": config.name, "seconds": seconds, "flops": flops,
+          "loss": float(metrics["loss"]),
+          "peak_bytes": stats.get("peak_bytes_in_use", peak_estimate),
+          "peak_source": "device" if "peak_bytes_in_use" in stats else "compiled"}
+
+
+def largest_batch(config: Config, size: ModelSize, limit: int,
+                  upper: int = 4096) -> int:
+  """The largest batch whose compiled step fits in ``limit`` bytes (bisection)."""
+  with jax.default_matmul_precision(config.precision or "default"):
+    state = make_state(config, size)
+    step = jmp_lab.make_train_step(loss_fn)
+
+    def fits(batch):
+      tokens = jax.ShapeDtypeStruct((batch, size.seq_len + 1), jnp.int32)
+      try:
+        return compiled_peak_bytes(step, state, tokens) <= limit
+      except Exception:  # pylint: disable=broad-except  (compile-time OOM)
+        return False
+
+    return largest_fitting(fits, upper)
+
+
+def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
+  """The largest ``n <= upper`` with ``fits(n)``, for monotone ``fits``.
+
+  Doubles until a batch does not fit, then bisects: O(log n) compiles.
+  Returns 0 if even 1 does not fit.
+  """
+  low, high = 0, 1
+  while high <= upper and fits(high):
+    low, high = high, high * 2
+  high = min(high, upper + 1)
+  while high - low > 1:
+    mid = (low + high) // 2
+    low, high = (mid, high) if fits(mid) else (low, mid)
+  return low
+
+
+def bf16_matmul_peak(n: int, repeats: int = 10) -> float:
+  """Measured bf16 matmul FLOP/s on random data (the MFU denominator)."""
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+  matmul = jax.jit(lambda a, b: a @ b)
+  matmul(a, b).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / statistics.median(times)
+
+
+def run_torch(size: ModelSize, *, dtype_name: str, compiled: bool,
+              warmup: int, steps: int) -> Optional[dict]:
+  """The same architecture in PyTorch AMP (CUDA only); None if unavailable."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  if not torch.cuda.is_available():
+    return None
+  from benchmarks import torch_gpt
+  model = torch_gpt.GPT(size).cuda()
+  opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+  dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+  scaler = torch.amp.GradScaler("cuda", enabled=dtype_name == "fp16")
+  forward = torch.compile(model) if compiled else model
+  tokens = torch.randint(0, size.vocab, (size.batch, size.seq_len + 1), device="cuda")
+
+  def run_step(_):
+    with torch.autocast("cuda", dtype=dtype):
+      logits = forward(tokens[:, :-1])
+      loss = torch.nn.functional.cross_entropy(
+          logits.float().reshape(-1, size.vocab), tokens[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss
+
+  torch.cuda.reset_peak_memory_stats()
+  for i in range(warmup):
+    run_step(i)
+  torch.cuda.synchronize()
+  times, loss = [], None
+  for i in range(steps):
+    start = time.perf_counter()
+    loss = run_step(i)
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - start)
+  return {"name": f"torch {dtype_name}{' compile' if compiled else ''}",
+          "seconds": statistics.median(times), "flops": None,
+          "loss": float(loss), "peak_bytes": torch.cuda.max_memory_allocated(),
+          "peak_source": "device"}
+
+
+def table(rows, size: ModelSize, peak_flops: float) -> str:
+  tokens = size.batch * size.seq_len
+  by_name = {r["name"]: r for r in rows}
+  torch_bf16 = [r for r in rows if r["name"].startswith("torch bf16")]
+  best_torch = min(torch_bf16, key=lambda r: r["seconds"]) if torch_bf16 else None
+  jax_flops = next(r["flops"] for r in rows if r["flops"])
+  lines = ["| config | median step ms | tokens/s | MFU | peak MiB | loss "
+           "| vs fp32-highest | vs TF32 | vs torch bf16 |", "|" + "---|" * 9]
+  for r in rows:
+    flops = r["flops"] or jax_flops  # same model, same FLOPs
+    ratio = lambda ref: (f"{ref['seconds'] / r['seconds']:.2f}x"  # noqa: E731
+                         if ref else "n/a")
+    lines.append(
+        f"| {r['name']} | {1e3 * r['seconds']:.2f} | {tokens / r['seconds']:,.0f} "
+        f"| {flops / r['seconds'] / peak_flops:.1%} "
+        f"| {r['peak_bytes'] / 2**20:,.0f} ({r['peak_source']}) | {r['loss']:.4f} "
+        f"| {ratio(by_name.get('fp32-highest'))} | {ratio(by_name.get('fp32-tf32'))} "
+        f"| {ratio(best_torch)} |")
+  return "\n".join(lines)
+
+
+def plot(rows, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(9, 3.5))
+  names = [r["name"] for r in rows]
+  ax.barh(names, [1e3 * r["seconds"] for r in rows], color="tab:blue")
+  ax.set(xlabel="median step time (ms)", title="train step, lower is better")
+  ax.invert_yaxis()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  on_gpu = jax.default_backend() == "gpu"
+  parser.add_argument("--small", action="store_true", default=not on_gpu,
+                      help="a tiny model (default on CPU)")
+  parser.add_argument("--layers", type=int)
+  parser.add_argument("--width", type=int)
+  parser.add_argument("--heads", type=int)
+  parser.add_argument("--seq-len", type=int)
+  parser.add_argument("--vocab", type=int)
+  parser.add_argument("--batch", type=int)
+  parser.add_argument("--warmup", type=int, default=5 if on_gpu else 1)
+  parser.add_argument("--steps", type=int, default=30 if on_gpu else 3)
+  parser.add_argument("--configs", default=",".join(c.name for c in CONFIGS))
+  parser.add_argument("--no-batch-search", action="store_true")
+  parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--plot", default=None)
+  args = parser.parse_args(argv)
+
+  size = SMALL if args.small else ModelSize()
+  size = dataclasses.replace(size, **{k: v for k, v in vars(args).items()
+                                      if k in ModelSize.__dataclass_fields__ and v})
+  device = jax.local_devices()[0]
+  peak = bf16_matmul_peak(8192 if on_gpu else 512)
+  print(f"# {device.device_kind}; jax {jax.__version__}; model {size}; "
+        f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s")
+  chosen = [c for c in CONFIGS if c.name in args.configs.split(",")]
+  rows = [run_jax(c, size, warmup=args.warmup, steps=args.steps) for c in chosen]
+  if on_gpu and not args.no_torch:
+    for dtype_name in ("bf16", "fp16"):
+      for compiled in (False, True):
+        row = run_torch(size, dtype_name=dtype_name, compiled=compiled,
+                        warmup=args.warmup, steps=args.steps)
+        if row:
+          rows.append(row)
+  print(table(rows, size, peak))
+  limit = device_memory_limit()
+  if limit and not args.no_batch_search:
+    for name in ("fp32-tf32", "bf16"):
+      config = next(c for c in CONFIGS if c.name == name)
+      print(f"largest batch that fits, {name}: {largest_batch(config, size, limit)}")
+  if args.plot:
+    plot(rows, args.plot)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,42 @@
+"""Smoke tests: the benchmark harnesses run (CPU figures are not claims)."""
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import fused_update, train_step  # noqa: E402
+
+
+def test_train_step_harness_small(capsys, tmp_path):
+  rows = train_step.main(["--small", "--warmup", "1", "--steps", "1",
+                          "--configs", "fp32-highest,fp16+fused",
+                          "--plot", str(tmp_path / "steps.png")])
+  assert [r["name"] for r in rows] == ["fp32-highest", "fp16+fused"]
+  assert all(r["seconds"] > 0 and r["flops"] > 0 for r in rows)
+  out = capsys.readouterr().out
+  assert "| fp16+fused |" in out and "vs TF32" in out
+  assert (tmp_path / "steps.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("capacity, upper, expected", [
+    (37, 4096, 37), (1, 4096, 1), (0, 4096, 0), (5000, 4096, 4096), (64, 64, 64)])
+def test_largest_batch_bisection(capacity, upper, expected):
+  calls = []
+
+  def fits(batch):
+    calls.append(batch)
+    return batch <= capacity
+
+  assert train_step.largest_fitting(fits, upper) == expected
+  assert len(calls) <= 2 * 13 + 2  # logarithmic in the answer
+
+
+def test_fused_update_benchmark_small(capsys):
+  fused_update.main(["--sizes", "20K", "--warmup", "1", "--repeats", "2"])
+  out = capsys.readouterr().out
+  for name in ("fused (tree grads)", "fused (flat params)", "unfused", "copy"):
+    assert name in out

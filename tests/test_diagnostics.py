@@ -1,0 +1,180 @@
+"""Tests for jmp_lab.diagnostics."""
+
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lab
+from jmp_lab import diagnostics as dg
+from jmp_lab import linen as jl
+
+
+# --- gradient histogram ----------------------------------------------------
+
+
+def constructed_grads():
+  return {"a": jnp.array([2.0**-30, 2.0**-20, -(2.0**-10), 1.0, 0.0, jnp.inf]),
+          "b": jnp.array([3.0, 60000.0], jnp.float32),
+          "step": jnp.int32(5)}
+
+
+def test_histogram_counts_on_constructed_input():
+  hist = dg.gradient_histogram(constructed_grads())
+  assert hist.zeros == 1 and hist.non_finite == 1 and hist.nonzero == 6
+  nonempty = {int(e): int(c) for e, c in zip(hist.exponents, hist.total) if c}
+  assert nonempty == {-30: 1, -20: 1, -10: 1, 0: 1, 1: 1, 15: 1}
+  assert hist.per_leaf["['a']"].sum() == 4 and hist.per_leaf["['b']"].sum() == 2
+  assert "['step']" not in hist.per_leaf
+  assert hist.smallest == 2.0**-30 and hist.largest == 60000.0
+
+
+def test_exact_powers_of_two_land_in_their_own_bucket():
+  values = jnp.array([2.0**k for k in range(-24, 16)] +
+                     [2.0**k * 1.999 for k in range(-24, 15)])
+  hist = dg.gradient_histogram({"g": values})
+  for k in range(-24, 15):
+    assert hist.total[hist.exponents == k][0] == 2, k
+
+
+def test_shares_at_a_loss_scale():
+  hist = dg.gradient_histogram(constructed_grads())
+  assert hist.share_underflowing(1.0) == pytest.approx(1 / 6)   # 2^-30
+  assert hist.share_subnormal(1.0) == pytest.approx(1 / 6)      # 2^-20
+  assert hist.share_overflowing(1.0) == 0
+  assert hist.share_overflowing(2.0) == pytest.approx(1 / 6)    # 60000 * 2
+  assert hist.share_underflowing(2.0**10) == 0                  # 2^-20 now
+  assert hist.share_underflowing(1.0, dg.BF16) == 0
+  low, high = hist.safe_scales()
+  assert low == pytest.approx(2.0**-24 / 2.0**-30)
+  assert high == pytest.approx(65504 / 60000)
+  assert low > high  # no single fp16 scale fits both ends
+
+
+def test_histogram_plot_returns_a_figure(tmp_path):
+  fig = dg.plot_gradient_histogram(dg.gradient_histogram(constructed_grads()),
+                                   loss_scale=1024.0)
+  fig.savefig(tmp_path / "h.png")
+  assert (tmp_path / "h.png").stat().st_size > 5000
+
+
+# --- step audit ------------------------------------------------------------
+
+
+class Mixed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(16, (3, 3))(x).reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(64, name="body")(x))
+    x = nn.relu(nn.Dense(64, name="planted_fp32")(x))
+    return nn.Dense(10, name="head")(x)  # 10 outputs: not a multiple of 8
+
+
+def audited_step(path_overrides):
+  policy = jmp_lab.get_policy("mixed_bfloat16")
+  model = jl.with_policy(Mixed(), policy, path_overrides=path_overrides)
+  x = jnp.ones((32, 8, 8, 1))
+  params = model.init(jax.random.key(0), x)["params"]
+
+  def step(params, x):
+    return jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(params)
+
+  return dg.audit_step(step, params, x, policy=policy)
+
+
+def test_audit_finds_planted_fp32_matmul_and_odd_dimension():
+  report = audited_step({"^planted_fp32$": "float32"})
+  kinds = {r.kind for r in report["matmuls"]}
+  assert kinds == {"dot_general", "conv"}
+  planted = report["fp32_could_be_half"]
+  assert planted, report["table"]
+  assert all(r.operand_dtypes == ("float32", "float32") for r in planted)
+  # forward + two backward matmuls of the planted layer, each 32x64x64 work
+  assert {r.flops for r in planted} == {2.0 * 32 * 64 * 64}
+  odd = report["off_tensor_core"]
+  assert any("N" in r.odd_dims and 10 in r.out_shape for r in odd)
+  assert 0.5 < report["half_flop_share"] < 1.0
+  assert report["num_casts"] > 0 and report["hlo_converts"] > 0
+  assert "could be half" in report["table"]
+
+
+def test_audit_of_a_clean_bf16_model_flags_no_fp32_matmul():
+  report = audited_step({})
+  assert report["fp32_could_be_half"] == []
+  assert report["half_flop_share"] == 1.0
+
+
+def test_audit_counts_scan_trip_counts():
+  def f(w, x):
+    return jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=5)[0]
+  report = dg.audit_step(f, jnp.ones((8, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16))
+  (record,) = report["matmuls"]
+  assert record.times == 5 and record.flops == 5 * 2 * 4 * 8 * 8
+
+
+# --- memory report ---------------------------------------------------------
+
+
+class Wide(nn.Module):
+  """Few weights, large batch: activations dominate."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = jnp.tanh(nn.Dense(32)(x))
+    return nn.Dense(4)(x)
+
+
+def memory_row_for(spec):
+  policy = jmp_lab.get_policy(spec)
+  model = jl.with_policy(Wide(), policy)
+  x = jnp.ones((4096, 32))
+  params = policy.cast_to_param(model.init(jax.random.key(0), x[:1])["params"])
+  tx = jmp_lab.mixed_precision(optax.adam(1e-3), policy=policy,
+                               loss_scale=jmp_lab.DynamicLossScale())
+  opt_state = tx.init(params)
+
+  def loss(params, x):
+    return jnp.mean(model.apply({"params": params}, x).astype(jnp.float32) ** 2)
+
+  def step(params, opt_state, x):
+    grads = jax.grad(loss)(params, x)
+    return tx.update(grads, opt_state, params)
+
+  return dg.memory_row(spec, params=params, opt_state=opt_state, loss_fn=loss,
+                       loss_args=(params, x), step=step,
+                       step_args=(params, opt_state, x))
+
+
+def test_memory_report_master_weights_cost_params_save_activations():
+  fp32 = memory_row_for("float32")
+  mixed = memory_row_for("p=bf16,c=bf16,o=f32")  # bf16 params + fp32 master
+  assert mixed.param_bytes > fp32.param_bytes          # 2 B + 4 B vs 4 B
+  assert mixed.param_bytes == pytest.approx(1.5 * fp32.param_bytes)
+  assert mixed.activation_bytes < 0.6 * fp32.activation_bytes
+  assert fp32.activation_bytes > 10 * fp32.param_bytes  # activations dominate
+  assert fp32.compiled["peak"] > 0 and mixed.compiled["peak"] > 0
+  table = dg.memory_report([fp32, mixed])
+  assert "float32" in table and "p=bf16" in table and "B/param" in table
+
+
+# --- recorder --------------------------------------------------------------
+
+
+def test_recorder_never_syncs_while_recording(tmp_path):
+  recorder = dg.TrainingRecorder()
+  step = jax.jit(lambda i: {"loss": 1.0 / (i + 1.0), "loss_scale": 2.0**i,
+                            "skipped_steps": i // 2, "grads_finite": i % 2 == 0})
+  with jax.transfer_guard_device_to_host("disallow"):
+    for i in range(6):
+      recorder.record(step(jnp.float32(i)))
+  history = recorder.history()
+  chex.assert_trees_all_close(history["loss_scale"], 2.0 ** np.arange(6))
+  assert history["skipped_steps"].tolist() == [0, 0, 1, 1, 2, 2]
+  recorder.plot(str(tmp_path / "trace.png"))
+  assert (tmp_path / "trace.png").stat().st_size > 5000
