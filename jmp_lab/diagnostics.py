@@ -167,23 +167,24 @@ def plot_gradient_histogram(hist: GradientHistogram, *,
     fig, ax = plt.subplots(figsize=(9, 3.8))
   else:
     fig = ax.figure
-  used = np.nonzero(hist.total)[0]
-  lo = max(int(used.min()) - 4, 0) if used.size else 0
-  hi = min(int(used.max()) + 5, len(hist.total)) if used.size else 1
-  lo = min(lo, int(-30 - MIN_EXPONENT))
-  share = 100 * hist.total / max(hist.nonzero, 1)
-  ax.bar(hist.exponents[lo:hi], share[lo:hi], width=0.9, color="tab:blue",
-         label="gradients")
   shift = math.log2(loss_scale) if loss_scale else 0.0
-  ax.axvspan(hist.exponents[lo] - 0.5, math.log2(FP16.min_subnormal) - shift,
-             color="tab:red", alpha=0.12, label="fp16 flushes to zero")
-  ax.axvline(math.log2(FP16.min_subnormal) - shift, color="tab:red", ls="--",
-             label="fp16 min subnormal 2^-24")
+  fp16_low = math.log2(FP16.min_subnormal) - shift
+  fp16_high = math.log2(FP16.max) - shift
+  used = hist.exponents[hist.total > 0]
+  left = math.floor(min(used.min() if used.size else 0, fp16_low)) - 3
+  right = math.ceil(max(used.max() + 1 if used.size else 0, fp16_high)) + 3
+  shown = (hist.exponents >= left) & (hist.exponents <= right)
+  share = 100 * hist.total / max(hist.nonzero, 1)
+  ax.bar(hist.exponents[shown] + 0.5, share[shown], width=0.9,
+         color="tab:blue", label="gradients")
+  ax.axvspan(left, fp16_low - 1, color="tab:red", alpha=0.12,
+             label="fp16 flushes to zero")
+  ax.axvline(fp16_low, color="tab:red", ls="--", label="fp16 min subnormal 2^-24")
   ax.axvline(math.log2(FP16.min_normal) - shift, color="tab:orange", ls="--",
              label="fp16 min normal 2^-14")
-  ax.axvline(math.log2(FP16.max) - shift, color="tab:purple", ls="--",
-             label="fp16 max 65504")
-  if math.log2(BF16.min_normal) >= hist.exponents[lo]:
+  ax.axvline(fp16_high, color="tab:purple", ls="--", label="fp16 max 65504")
+  ax.set_xlim(left, right)
+  if math.log2(BF16.min_normal) >= left:
     ax.axvline(math.log2(BF16.min_normal), color="tab:green", ls=":",
                label="bf16 min normal 2^-126")
   suffix = f" (fp16 limits shifted by loss scale {loss_scale:g})" if loss_scale else ""
