@@ -127,26 +127,29 @@ def _working_dtype(dtype) -> np.dtype:
   return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
-def _scale_tree(tree: T, loss_scale: jax.Array) -> T:
-  def scale(x):
+def _map_floating_in_working_dtype(tree: T, fn) -> T:
+  """Applies ``fn(x, work_dtype)`` to floating values; the rest pass through."""
+
+  def apply(x):
     if not _tree.is_floating_value(x):
       return x
     x = jnp.asarray(x)
-    work = _working_dtype(x.dtype)
-    return (x.astype(work) * loss_scale.astype(work)).astype(x.dtype)
+    return fn(x, _working_dtype(x.dtype))
 
-  return jax.tree_util.tree_map(scale, tree)
+  return jax.tree_util.tree_map(apply, tree)
+
+
+def _scale_tree(tree: T, loss_scale: jax.Array) -> T:
+  # Back to each leaf's own dtype: the caller differentiates through it.
+  return _map_floating_in_working_dtype(
+      tree, lambda x, work: (x.astype(work) * loss_scale.astype(work)
+                             ).astype(x.dtype))
 
 
 def _unscale_tree(tree: T, loss_scale: jax.Array) -> T:
-  def unscale(x):
-    if not _tree.is_floating_value(x):
-      return x
-    x = jnp.asarray(x)
-    work = _working_dtype(x.dtype)
-    return x.astype(work) / loss_scale.astype(work)
-
-  return jax.tree_util.tree_map(unscale, tree)
+  # Stays in the working dtype (fp32 for half leaves): the point of unscaling.
+  return _map_floating_in_working_dtype(
+      tree, lambda x, work: x.astype(work) / loss_scale.astype(work))
 
 
 def _concrete_float(x: Any) -> Optional[float]:
