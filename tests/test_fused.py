@@ -267,3 +267,24 @@ def test_bad_max_grad_norm(bad):
   with pytest.raises(ValueError, match="max_grad_norm"):
     jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale(),
                         max_grad_norm=bad)
+
+
+def test_mask_with_the_wrong_structure_is_named():
+  params = make_params(jnp.bfloat16)
+  tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale(),
+                           mask={"dense": {"kernel": True}})
+  with pytest.raises(ValueError, match=r"mask.*\['dense'\]\['bias'\]"):
+    tx.init(params)
+
+
+def test_prefix_mask_decays_whole_subtrees():
+  params = {"decayed": {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)},
+            "kept": jnp.ones(4, jnp.bfloat16)}
+  tx = jmp_lab.fused_adamw(1e-1, weight_decay=0.5, policy="p=bf16",
+                           loss_scale=jmp_lab.NoOpLossScale(),
+                           mask={"decayed": True, "kept": False})
+  state = tx.init(params)
+  assert state.layout.decay_boundary == 5
+  grads = jax.tree_util.tree_map(jnp.zeros_like, params)  # only decay moves
+  updates, _ = tx.update(grads, state, params)
+  assert float(updates["kept"][0]) == 0.0 and float(updates["decayed"]["a"][0]) < 0

@@ -81,7 +81,7 @@ def make_layout(params: Any, decay_mask: Any) -> FlatLayout:
     decay_mask: a tree of bools with the params' structure (True: decay).
   """
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  masks = treedef.flatten_up_to(decay_mask)
+  masks = treedef.flatten_up_to(_broadcast_mask(decay_mask, params))
   trainable = tuple(_tree.is_floating_array(x) for x in leaves)
   shapes = tuple(tuple(np.shape(x)) for x in leaves)
   offsets: list[Optional[int]] = [None] * len(leaves)
@@ -95,6 +95,19 @@ def make_layout(params: Any, decay_mask: Any) -> FlatLayout:
       boundary = cursor
   return FlatLayout(treedef, trainable, shapes, tuple(offsets), cursor,
                     boundary, padded_size(cursor))
+
+
+def _broadcast_mask(mask: Any, params: Any) -> Any:
+  """A bool per params leaf, from a mask that is the params' tree or a prefix
+  of it (as optax accepts)."""
+  try:
+    return jax.tree_util.tree_map(
+        lambda m, sub: jax.tree_util.tree_map(lambda _: m, sub), mask, params)
+  except ValueError:
+    mismatch = _tree.first_structure_mismatch(params, mask)
+    raise ValueError(
+        f"the weight-decay mask must have the params' structure, or be a "
+        f"prefix of it, with a bool per leaf: {mismatch}") from None
 
 
 def pack(layout: FlatLayout, tree: Any, dtype) -> jax.Array:
