@@ -151,10 +151,8 @@ def median_step_seconds(run_step: Callable[[int], Any], *, warmup: int,
 
 
 def compiled_peak_bytes(step, state, batch) -> int:
-  stats = step.lower(state, batch).compile().memory_analysis()
-  peak = int(getattr(stats, "peak_memory_in_bytes", 0))
-  return peak or int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-                     - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return jmp_lab.diagnostics.compiled_memory(
+      step.lower(state, batch).compile())["peak"]
 
 
 def device_memory_limit() -> Optional[int]:

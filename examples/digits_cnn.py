@@ -78,16 +78,6 @@ def loss_fn(params, state, batch):
   return loss, (state.model_state, {})
 
 
-def peak_memory_bytes(compiled) -> int:
-  """The compiled step's peak device memory, from XLA's memory analysis."""
-  stats = compiled.memory_analysis()
-  peak = getattr(stats, "peak_memory_in_bytes", 0)
-  if peak:
-    return int(peak)
-  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-
-
 def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
           batch_size: int, optimizer: str, seed: int = 0,
           data=None, progress: bool = True) -> dict[str, Any]:
@@ -114,7 +104,7 @@ def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
              .reshape(steps_per_epoch, batch_size) for _ in range(epochs)]
   first = {"x": x_train[batches[0][0]], "y": y_train[batches[0][0]]}
   compiled = step.lower(state, first).compile()
-  peak = peak_memory_bytes(compiled)
+  peak = jmp_lab.diagnostics.compiled_memory(compiled)["peak"]
 
   recorder = jmp_lab.diagnostics.TrainingRecorder()
   losses, scales, skipped = [], [], []

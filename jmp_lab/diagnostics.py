@@ -113,7 +113,7 @@ class GradientHistogram:
     return float(self.total[mask].sum() / max(self.nonzero, 1))
 
 
-def _exponent_counts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _exponent_counts(x: jax.Array):
   magnitude = jnp.abs(x.astype(jnp.float32)).ravel()
   finite = jnp.isfinite(magnitude)
   counted = finite & (magnitude > 0)
@@ -124,7 +124,9 @@ def _exponent_counts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   counts = jnp.zeros(MAX_EXPONENT - MIN_EXPONENT + 1, jnp.int32).at[index].add(
       counted.astype(jnp.int32))
   zeros = jnp.sum(finite & (magnitude == 0))
-  return counts, zeros, jnp.sum(~finite)
+  smallest = jnp.min(jnp.where(counted, magnitude, jnp.inf))
+  largest = jnp.max(jnp.where(counted, magnitude, 0.0))
+  return counts, zeros, jnp.sum(~finite), smallest, largest
 
 
 def gradient_histogram(grads: Any) -> GradientHistogram:
@@ -138,15 +140,13 @@ def gradient_histogram(grads: Any) -> GradientHistogram:
   for path, leaf in _tree.leaves_with_paths(grads):
     if not _tree.is_floating_array(leaf) or leaf.size == 0:
       continue
-    counts, z, nf = jax.device_get(jax.jit(_exponent_counts)(leaf))
+    # Reduced on device: only the counts and four scalars come back.
+    counts, z, nf, low, high = jax.device_get(jax.jit(_exponent_counts)(leaf))
     per_leaf[path] = np.asarray(counts)
     zeros += int(z)
     non_finite += int(nf)
-    magnitude = np.abs(np.asarray(leaf, np.float32))
-    nonzero = magnitude[(magnitude > 0) & np.isfinite(magnitude)]
-    if nonzero.size:
-      smallest = min(smallest, float(nonzero.min()))
-      largest = max(largest, float(nonzero.max()))
+    smallest = min(smallest, float(low))
+    largest = max(largest, float(high))
   exponents = np.arange(MIN_EXPONENT, MAX_EXPONENT + 1)
   total = (np.sum(list(per_leaf.values()), axis=0) if per_leaf
            else np.zeros_like(exponents))
@@ -370,6 +370,22 @@ def _audit_table(report, policy) -> str:
 # --------------------------------------------------------------------------
 
 
+def compiled_memory(compiled) -> dict[str, int]:
+  """XLA's ``memory_analysis()`` of a compiled function, in bytes.
+
+  Keys: ``argument``, ``output``, ``alias``, ``temp`` and ``peak``. Where the
+  backend reports no peak, it is arguments + outputs - aliased + temporaries.
+  """
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  memory = {k: int(getattr(stats, k + "_size_in_bytes", 0)) for k in
+            ("argument", "output", "alias", "temp")}
+  memory["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0)) or (
+      memory["argument"] + memory["output"] - memory["alias"] + memory["temp"])
+  return memory
+
+
 def tree_bytes(tree: Any) -> int:
   return sum(x.size * np.dtype(x.dtype).itemsize
              for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
@@ -415,13 +431,7 @@ def memory_row(name: str, *, params: Any, opt_state: Any,
   master_bytes = tree_bytes(master) if master is not None else 0
   compiled, peak = {}, None
   if step is not None:
-    stats = jax.jit(step).lower(*step_args).compile().memory_analysis()
-    if stats is not None:
-      compiled = {k: int(getattr(stats, k + "_size_in_bytes", 0)) for k in
-                  ("argument", "output", "alias", "temp")}
-      compiled["peak"] = int(getattr(stats, "peak_memory_in_bytes", 0)) or (
-          compiled["argument"] + compiled["output"] - compiled["alias"]
-          + compiled["temp"])
+    compiled = compiled_memory(jax.jit(step).lower(*step_args).compile())
     device_stats = jax.local_devices()[0].memory_stats() or {}
     peak = device_stats.get("peak_bytes_in_use")
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params)

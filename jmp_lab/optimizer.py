@@ -315,7 +315,6 @@ def mixed_precision(
     new_trainable, new_inner_state = select_tree(
         finite, (new_trainable, new_inner_state),
         (trainable, state.inner_state))
-    new_master = merge_floating(new_trainable, params)
     new_state = MixedPrecisionState(
         master_params=None,
         inner_state=new_inner_state,
@@ -332,7 +331,8 @@ def mixed_precision(
               inner_updates),
           jax.tree_util.tree_map(jnp.zeros_like, params))
       return updates, new_state
-    updates, new_master = exact_half_updates(params, new_master)
+    updates, new_master = exact_half_updates(
+        params, merge_floating(new_trainable, params))
     return updates, new_state._replace(master_params=new_master)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
