@@ -4,6 +4,9 @@ The public API lives here; each concept has its own module:
 
 * :mod:`jmp_lab.policy` -- precision policies and cast helpers;
 * :mod:`jmp_lab.loss_scale` -- loss scales, ``all_finite`` and ``select_tree``;
+* :mod:`jmp_lab.state` -- both optimizers' states and their accessors
+  (``master_params``, ``current_loss_scale``, ``skipped_steps``,
+  ``last_step_applied``);
 * :mod:`jmp_lab.optimizer` -- ``mixed_precision``: fp32 master weights and
   loss-scale state inside an optax transformation;
 * :mod:`jmp_lab.fused` -- ``fused_adamw``: the same, as one Pallas kernel
@@ -11,12 +14,13 @@ The public API lives here; each concept has its own module:
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
 * :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step;
 * :mod:`jmp_lab.diagnostics` -- gradient histograms, step audits, memory
-  reports and a host-side training recorder.
+  reports and a host-side training recorder;
+* :mod:`jmp_lab.jmp` -- jmp's API on jmp_lab's classes, for migrating:
+  ``from jmp_lab import jmp``.
 """
 
 from jmp_lab import diagnostics, kernels, linen
-from jmp_lab.fused import (FusedAdamWState, flat_params, fused_adamw,
-                           unflatten_params)
+from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
 from jmp_lab.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -25,19 +29,21 @@ from jmp_lab.loss_scale import (
     all_finite,
     select_tree,
 )
-from jmp_lab.optimizer import (
-    MixedPrecisionState,
-    current_loss_scale,
-    master_params,
-    mixed_precision,
-    skipped_steps,
-)
+from jmp_lab.optimizer import mixed_precision
 from jmp_lab.policy import (
     PRESETS,
     Policy,
     cast_floating,
     get_policy,
     half_dtype,
+)
+from jmp_lab.state import (
+    FusedAdamWState,
+    MixedPrecisionState,
+    current_loss_scale,
+    last_step_applied,
+    master_params,
+    skipped_steps,
 )
 from jmp_lab.training import (
     TrainState,
@@ -53,11 +59,6 @@ __all__ = [
     "FusedAdamWState",
     "LossScale",
     "MixedPrecisionState",
-    "current_loss_scale",
-    "diagnostics",
-    "master_params",
-    "mixed_precision",
-    "skipped_steps",
     "NoOpLossScale",
     "PRESETS",
     "Policy",
@@ -65,13 +66,21 @@ __all__ = [
     "TrainState",
     "all_finite",
     "cast_floating",
+    "current_loss_scale",
+    "diagnostics",
     "flat_params",
     "fused_adamw",
-    "kernels",
     "get_policy",
     "half_dtype",
+    "kernels",
+    "last_step_applied",
     "linen",
     "make_train_step",
+    "master_params",
+    "mixed_precision",
     "scaled_value_and_grad",
     "select_tree",
+    "skipped_steps",
+    "train_step",
+    "unflatten_params",
 ]

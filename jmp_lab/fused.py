@@ -22,56 +22,50 @@ gradients and gets flat updates back, and skips that pass.
 
 Example::
 
+  >>> import jax.numpy as jnp, optax, jmp_lab
   >>> tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16,o=f32",
   ...                          loss_scale=jmp_lab.DynamicLossScale())
+  >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
   >>> state = tx.init(params)
+  >>> scaled_grads = {"w": jnp.full((4, 4), 2.0**15, jnp.bfloat16)}
   >>> updates, state = tx.update(scaled_grads, state, params)
-  >>> params = optax.apply_updates(params, updates)   # == cast(master)
+  >>> params = optax.apply_updates(params, updates)
+  >>> master = jmp_lab.master_params(state)["w"]
+  >>> bool(jnp.all(params["w"] == master.astype(jnp.bfloat16)))
+  True
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lab import _tree, kernels
+from jmp_lab import _checks, _tree, kernels
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels.reference import AdamWConfig, inverse_bias_corrections
 from jmp_lab.loss_scale import LossScale, fresh_copy
-from jmp_lab.optimizer import (check_grads, check_params,
-                               find_mixed_precision_state, keeps_master_copy,
-                               unscale_and_check)
 from jmp_lab.policy import Policy, get_policy
+from jmp_lab.state import FusedAdamWState, find_state
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
 
-class FusedAdamWState(NamedTuple):
-  """State of :func:`fused_adamw`."""
-
-  count: jax.Array                       # applied (not skipped) steps, int32
-  master_params: Optional[jax.Array]     # flat fp32, or None for fp32 params
-  mu: jax.Array                          # flat fp32 first moment
-  nu: jax.Array                          # flat fp32 second moment
-  loss_scale: LossScale
-  skipped_steps: jax.Array               # int32
-  layout: flat_layout.FlatLayout         # static: where each leaf lives
-
-  def master_tree(self) -> Optional[Any]:
-    """The fp32 master as a tree (non-trainable leaves are None)."""
-    if self.master_params is None:
-      return None
-    return flat_layout.unpack(self.layout, self.master_params)
-
-
-def is_flat(layout: flat_layout.FlatLayout, params: Any) -> bool:
+def _is_flat(layout: flat_layout.FlatLayout, params: Any) -> bool:
   """Whether ``params`` is the flat buffer form (see :func:`flat_params`)."""
   return isinstance(params, jax.Array) and params.shape == (
       layout.rows, flat_layout.LANES)
+
+
+def _fused_state(opt_state: Any) -> FusedAdamWState:
+  state = find_state(opt_state)
+  if not isinstance(state, FusedAdamWState):
+    raise TypeError(
+        f"flat params need a fused_adamw optimizer state, got a "
+        f"{type(state).__name__}")
+  return state
 
 
 def flat_params(opt_state: Any, params: Any) -> jax.Array:
@@ -81,38 +75,52 @@ def flat_params(opt_state: Any, params: Any) -> jax.Array:
   :func:`unflatten_params`: the gradients then arrive flat, and
   ``update(flat_grads, state, flat_params)`` skips packing the gradient tree
   (a pass over memory) and returns flat updates.
+
+  Example::
+
+    >>> import jax.numpy as jnp, jmp_lab
+    >>> params = {"step": jnp.int32(0), "w": jnp.ones((2, 3), jnp.bfloat16)}
+    >>> tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16",
+    ...                          loss_scale=jmp_lab.NoOpLossScale())
+    >>> opt_state = tx.init(params)
+    >>> flat = jmp_lab.flat_params(opt_state, params)
+    >>> flat.dtype, jmp_lab.unflatten_params(opt_state, flat)["w"].shape
+    (dtype(bfloat16), (2, 3))
   """
-  state = find_mixed_precision_state(opt_state)
-  if not isinstance(state, FusedAdamWState):
-    raise TypeError("flat params need a fused_adamw optimizer state")
-  dtype = jax.tree_util.tree_leaves(params)[0].dtype
-  return flat_layout.pack(state.layout, params, dtype)
+  state = _fused_state(opt_state)
+  _checks.check_state_matches(state.params_spec, params)
+  return flat_layout.pack(state.layout, params, state.layout.param_dtype)
 
 
 def unflatten_params(opt_state: Any, flat: jax.Array) -> Any:
   """The params tree viewed from a flat buffer (integer leaves are None)."""
-  state = find_mixed_precision_state(opt_state)
-  if not isinstance(state, FusedAdamWState):
-    raise TypeError("flat params need a fused_adamw optimizer state")
+  state = _fused_state(opt_state)
+  want = (state.layout.rows, flat_layout.LANES)
+  if not _is_flat(state.layout, flat):
+    raise ValueError(
+        f"flat must be a {want} array from flat_params, got "
+        f"{_tree.leaf_description(flat)}")
   return flat_layout.unpack(state.layout, flat)
 
 
-def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay):
-  is_number = isinstance(learning_rate, (int, float)) and not isinstance(
-      learning_rate, bool)
-  is_scalar_array = (_tree.is_floating_array(learning_rate)
-                     and jnp.ndim(learning_rate) == 0)
-  if not (callable(learning_rate) or is_number or is_scalar_array):
-    raise TypeError(
-        f"learning_rate must be a number, a scalar float array or a schedule, "
-        f"got {learning_rate!r}")
-  for name, value in (("b1", b1), ("b2", b2)):
-    if not 0 <= value < 1:
-      raise ValueError(f"{name} must be in [0, 1), got {value}")
-  if not (eps >= 0 and math.isfinite(eps)):
-    raise ValueError(f"eps must be finite and >= 0, got {eps}")
-  if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-    raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay}")
+def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
+                           max_grad_norm):
+  if not callable(learning_rate):
+    if _tree.is_floating_array(learning_rate) and jnp.ndim(learning_rate):
+      raise TypeError(f"learning_rate must be a scalar or a schedule, got "
+                      f"{_tree.leaf_description(learning_rate)}")
+    # A NaN or inf rate would make every param NaN without a skipped step.
+    _checks.check_finite_in(learning_rate, "learning_rate", low=0,
+                            high=float("inf"), high_open=True)
+  _checks.check_finite_in(b1, "b1", low=0, high=1, high_open=True)
+  _checks.check_finite_in(b2, "b2", low=0, high=1, high_open=True)
+  _checks.check_finite_in(eps, "eps", low=0, high=float("inf"),
+                          high_open=True)
+  _checks.check_finite_in(weight_decay, "weight_decay", low=0,
+                          high=float("inf"), high_open=True)
+  if max_grad_norm is not None:
+    _checks.check_finite_in(max_grad_norm, "max_grad_norm", low=0,
+                            high=float("inf"), low_open=True, high_open=True)
 
 
 def _decay_mask(mask, params):
@@ -151,32 +159,28 @@ def fused_adamw(
     max_grad_norm: if set, clip the *unscaled* gradients to this global norm
       first, as ``optax.clip_by_global_norm`` would (the norm is computed in
       the same read as the finite flag; the factor joins the unscale).
-    axis_name: inside ``shard_map``, the axis the finite check combines over.
+    axis_name: inside ``shard_map``, the axis the finite check combines
+      over. The gradients must already be reduced over it (e.g. by
+      ``lax.pmean``), as for :func:`~jmp_lab.mixed_precision`: each device
+      then holds the whole gradient, and the clip norm is its norm.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update(grads, state,
     params)`` takes gradients of the scaled loss in the param dtype.
   """
   policy = get_policy(policy)
-  if not isinstance(loss_scale, LossScale):
-    raise TypeError(
-        f"loss_scale must be a NoOpLossScale, StaticLossScale or "
-        f"DynamicLossScale, got {type(loss_scale).__name__}")
-  _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay)
-  if max_grad_norm is not None and not (
-      isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
-      and math.isfinite(max_grad_norm)):
-    raise ValueError(
-        f"max_grad_norm must be a finite number > 0 or None, got "
-        f"{max_grad_norm!r}")
+  _checks.check_loss_scale(loss_scale)
+  _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
+                         max_grad_norm)
   backend = kernels.resolve_backend(backend)
-  keep_master = keeps_master_copy(policy)
+  keep_master = _checks.keeps_master_copy(policy)
   config = AdamWConfig(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                        half_dtype=policy.param_dtype if keep_master else None)
 
   def init_fn(params):
-    check_params(params, policy)
-    layout = flat_layout.make_layout(params, _decay_mask(mask, params))
+    _checks.check_params(params, policy)
+    layout = flat_layout.make_layout(params, _decay_mask(mask, params),
+                                     policy.param_dtype)
     # Two separate buffers: one array for both moments would make a donated
     # state donate the same buffer twice.
     zeros = lambda: jnp.zeros((layout.rows, flat_layout.LANES), jnp.float32)  # noqa: E731
@@ -185,7 +189,9 @@ def fused_adamw(
         master_params=(flat_layout.pack(layout, params, jnp.float32)
                        if keep_master else None),
         mu=zeros(), nu=zeros(), loss_scale=fresh_copy(loss_scale),
-        skipped_steps=jnp.zeros((), jnp.int32), layout=layout)
+        skipped_steps=jnp.zeros((), jnp.int32),
+        last_step_applied=jnp.ones((), bool), layout=layout,
+        params_spec=_checks.ParamsSpec.of(params))
 
   def update_fn(grads, state, params=None, **extra_args):
     del extra_args  # AdamW takes none; accepted for optax API compatibility.
@@ -193,20 +199,26 @@ def fused_adamw(
       raise ValueError(
           "fused_adamw's update needs params: call "
           "tx.update(grads, opt_state, params)")
-    check_params(params, policy)
-    check_grads(grads, params)
+    if not isinstance(state, FusedAdamWState):
+      raise TypeError(
+          f"fused_adamw's update needs the state its init returned, got "
+          f"{type(state).__name__}")
     layout = state.layout
-    flat = is_flat(layout, params)
+    flat = _is_flat(layout, params)
+    if not flat:
+      _checks.check_state_matches(state.params_spec, params)
+      _checks.check_params(params, policy)
+    _checks.check_grads(grads, params)
 
     # Pass 1: the global finite flag (fused unscale + isfinite + reduce), and
-    # the global norm for clipping, from the same read.
-    grads32, finite = unscale_and_check(grads, params, state.loss_scale,
-                                        axis_name)
+    # the global norm for clipping, from the same read. The gradients are
+    # already reduced over axis_name (every device holds all of them), so
+    # the norm is local: summing it over the axis would count it N times.
+    grads32, finite = _checks.unscale_and_check(grads, params,
+                                                state.loss_scale, axis_name)
     clip = jnp.float32(1.0)
     if max_grad_norm is not None:
       norm = optax.tree.norm(grads32)
-      if axis_name is not None:
-        norm = jnp.sqrt(jax.lax.psum(norm**2, axis_name))
       clip = jnp.where(norm < max_grad_norm, 1.0, max_grad_norm / norm)
 
     # Pass 2: one kernel over flat buffers. Tree gradients are packed first
@@ -243,7 +255,8 @@ def fused_adamw(
         mu=out.mu, nu=out.nu,
         loss_scale=state.loss_scale.adjust(finite),
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-        layout=layout)
+        last_step_applied=finite, layout=layout,
+        params_spec=state.params_spec)
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -25,17 +25,18 @@ The data flow of one step (see :func:`train_step`):
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lab import _tree
+from jmp_lab import _checks, _tree
 from jmp_lab.loss_scale import LossScale, select_tree
-from jmp_lab.optimizer import current_loss_scale, master_params, skipped_steps
 from jmp_lab.policy import Policy, get_policy
+from jmp_lab.state import (current_loss_scale, find_state, last_step_applied,
+                           master_params, skipped_steps)
 
 
 def scaled_value_and_grad(
@@ -62,9 +63,17 @@ def scaled_value_and_grad(
 
   Example::
 
-    >>> (loss, aux), grads = jmp_lab.scaled_value_and_grad(
-    ...     loss_fn, loss_scale, has_aux=True)(params, batch)
+    >>> import jax.numpy as jnp, jmp_lab
+    >>> loss_fn = lambda w, x: jnp.sum(w * x)
+    >>> scale = jmp_lab.StaticLossScale(1024.0)
+    >>> loss, grads = jmp_lab.scaled_value_and_grad(loss_fn, scale)(
+    ...     jnp.ones(2, jnp.float16), jnp.full(2, 3.0, jnp.float16))
+    >>> float(loss), grads.dtype, float(grads[0])
+    (6.0, dtype('float16'), 3072.0)
   """
+  _checks.check_loss_scale(loss_scale)
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {type(fun).__name__} {fun!r}")
 
   def scaled_fun(*args, **kwargs):
     out = fun(*args, **kwargs)
@@ -112,12 +121,34 @@ class TrainState(flax.struct.PyTreeNode):
   def create(cls, *, apply_fn: Callable[..., Any], params: Any,
              tx: optax.GradientTransformation, policy: Union[Policy, str],
              model_state: Optional[Any] = None) -> "TrainState":
-    """Casts ``params`` to the policy's param dtype and initialises ``tx``."""
+    """Casts ``params`` to the policy's param dtype and initialises ``tx``.
+
+    The state owns its arrays: params already in the param dtype, and the
+    model state, are copied, so a donated step never deletes arrays the
+    caller still holds.
+
+    Raises:
+      TypeError: if ``tx`` is not an optax transformation, ``apply_fn`` is
+        not callable, or ``tx`` is not a jmp_lab optimizer.
+    """
+    _checks.check_transformation(tx, "TrainState.create's tx")
+    if not callable(apply_fn):
+      raise TypeError(f"apply_fn must be callable, got "
+                      f"{type(apply_fn).__name__} {apply_fn!r}")
     policy = get_policy(policy)
-    params = policy.cast_to_param(params)
+    params = _owned(params, policy.cast_to_param(params))
+    model_state = _owned(model_state, model_state) if model_state else {}
+    opt_state = tx.init(params)
+    try:
+      find_state(opt_state)
+    except ValueError:
+      raise TypeError(
+          "TrainState.create's tx must be a jmp_lab optimizer "
+          "(jmp_lab.mixed_precision(...) or jmp_lab.fused_adamw(...)), which "
+          "keeps the loss scale and skips non-finite steps; got one whose "
+          f"state is a {type(opt_state).__name__}") from None
     return cls(step=jnp.zeros((), jnp.int32), params=params,
-               opt_state=tx.init(params),
-               model_state={} if model_state is None else model_state,
+               opt_state=opt_state, model_state=model_state,
                apply_fn=apply_fn, tx=tx, policy=policy)
 
   @property
@@ -145,7 +176,7 @@ class TrainState(flax.struct.PyTreeNode):
     updates, opt_state = self.tx.update(grads, self.opt_state, self.params,
                                         **extra_args)
     params = optax.apply_updates(self.params, updates)
-    applied = skipped_steps(opt_state) == skipped_steps(self.opt_state)
+    applied = last_step_applied(opt_state)
     new_model_state = self.model_state
     if model_state is not None:
       new_model_state = select_tree(applied, model_state, self.model_state)
@@ -154,7 +185,57 @@ class TrainState(flax.struct.PyTreeNode):
                         model_state=new_model_state)
 
 
-LossFn = Callable[[Any, TrainState, Any], tuple[jax.Array, tuple[Any, Any]]]
+def _owned(caller_tree: Any, tree: Any) -> Any:
+  """``tree`` with copies of the arrays that are also in ``caller_tree``.
+
+  A donated step deletes its input buffers; the caller's own arrays must not
+  be among them (the params twin of ``loss_scale.fresh_copy``).
+  """
+  return jax.tree_util.tree_map(
+      lambda mine, theirs: jnp.copy(mine)
+      if mine is theirs and isinstance(mine, jax.Array) else mine,
+      tree, caller_tree)
+
+
+LossFn = Callable[[Any, TrainState, Any], Any]
+
+_LOSS_FN_CONTRACT = (
+    "loss_fn(params, state, batch) must return a floating scalar loss, or "
+    "(loss, aux) with aux a dict with the optional keys 'model_state' and "
+    "'metrics' (a dict), or (loss, (model_state, metrics))")
+
+
+def _split_loss_output(out: Any, state: TrainState
+                       ) -> tuple[Any, tuple[Any, dict[str, Any]]]:
+  """``(loss, (model_state, metrics))`` from whatever ``loss_fn`` returned."""
+  if isinstance(out, tuple):
+    if len(out) != 2:
+      raise TypeError(f"{_LOSS_FN_CONTRACT}; got a tuple of {len(out)} items")
+    loss, aux = out
+  else:
+    loss, aux = out, None
+  if not (_tree.is_floating_value(loss) and jnp.ndim(loss) == 0):
+    raise TypeError(f"{_LOSS_FN_CONTRACT}; got a loss of "
+                    f"{_tree.leaf_description(loss)}")
+  if aux is None:
+    model_state, metrics = state.model_state, {}
+  elif isinstance(aux, Mapping):
+    unknown = set(aux) - {"model_state", "metrics"}
+    if unknown:
+      raise TypeError(f"{_LOSS_FN_CONTRACT}; got aux keys {sorted(unknown)}")
+    model_state = aux.get("model_state", state.model_state)
+    metrics = aux.get("metrics", {})
+  elif isinstance(aux, tuple) and len(aux) == 2:
+    model_state, metrics = aux
+  else:
+    raise TypeError(f"{_LOSS_FN_CONTRACT}; got aux of type "
+                    f"{type(aux).__name__}")
+  if metrics is None:
+    metrics = {}
+  if not isinstance(metrics, Mapping):
+    raise TypeError(f"{_LOSS_FN_CONTRACT}; got metrics of type "
+                    f"{type(metrics).__name__}")
+  return loss, (model_state, dict(metrics))
 
 
 def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
@@ -164,11 +245,12 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
   Args:
     state: the :class:`TrainState`.
     batch: whatever ``loss_fn`` reads (inputs, labels, a dropout key...).
-    loss_fn: ``loss_fn(params, state, batch) -> (loss, (model_state,
-      metrics))``. It runs the forward pass with ``params`` (not
-      ``state.params``: those are what is differentiated) and returns the fp32
-      loss, the updated model state (``state.model_state`` if it has none)
-      and a dict of extra metrics.
+    loss_fn: ``loss_fn(params, state, batch)`` runs the forward pass with
+      ``params`` (not ``state.params``: those are what is differentiated)
+      and returns the loss, or ``(loss, aux)`` where ``aux`` is a dict with
+      the optional keys ``"model_state"`` (the updated model state, e.g.
+      batch statistics; default ``state.model_state``) and ``"metrics"``
+      (a dict of extra metrics).
 
   Returns:
     ``(new_state, metrics)``; metrics hold ``loss``, the ``loss_scale`` used,
@@ -176,18 +258,18 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
   """
   # 1-3. Forward in the compute dtype, backward through the scaled loss.
   loss_scale = state.loss_scale
+  normalized = lambda p, s, b: _split_loss_output(loss_fn(p, s, b), s)  # noqa: E731
   (loss, (model_state, metrics)), scaled_grads = scaled_value_and_grad(
-      loss_fn, loss_scale, has_aux=True)(state.params, state, batch)
+      normalized, loss_scale, has_aux=True)(state.params, state, batch)
 
   # 4-5. Unscale, check, update the fp32 master or skip; adjust the scale.
   new_state = state.apply_gradients(grads=scaled_grads,
                                     model_state=model_state)
 
-  metrics = dict(metrics or {})
   metrics.update(
       loss=loss,
       loss_scale=loss_scale.loss_scale,
-      grads_finite=new_state.skipped_steps == state.skipped_steps,
+      grads_finite=last_step_applied(new_state.opt_state),
       skipped_steps=new_state.skipped_steps)
   return new_state, metrics
 
@@ -199,6 +281,28 @@ def make_train_step(loss_fn: LossFn, *, donate: bool = True
   With ``donate=True`` the old state's buffers (params, master, optimizer
   moments) are reused for the new one, so a step needs no second copy of
   them; do not use the old state after the call.
+
+  Example::
+
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, jmp_lab
+    >>> model = jmp_lab.linen.with_policy(nn.Dense(3), "mixed_float16")
+    >>> x, y = jnp.ones((4, 2)), jnp.array([0, 1, 2, 0])
+    >>> state = jmp_lab.TrainState.create(
+    ...     apply_fn=model.apply, policy="mixed_float16",
+    ...     params=model.init(jax.random.key(0), x)["params"],
+    ...     tx=jmp_lab.mixed_precision(optax.adam(1e-2), policy="mixed_float16",
+    ...                                loss_scale=jmp_lab.DynamicLossScale()))
+    >>> def loss_fn(params, state, batch):
+    ...   logits = state.apply_fn({"params": params}, batch[0])
+    ...   return optax.softmax_cross_entropy_with_integer_labels(
+    ...       logits, batch[1]).mean()
+    >>> step = jmp_lab.make_train_step(loss_fn)
+    >>> state, metrics = step(state, (x, y))
+    >>> int(state.step), bool(metrics["grads_finite"])
+    (1, True)
   """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got "
+                    f"{type(loss_fn).__name__} {loss_fn!r}")
   step = functools.partial(train_step, loss_fn=loss_fn)
   return jax.jit(step, donate_argnums=(0,) if donate else ())

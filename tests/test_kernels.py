@@ -25,7 +25,7 @@ def test_pack_unpack_round_trip_decayed_first():
   params = {"bias": jnp.arange(3.0), "kernel": jnp.arange(6.0).reshape(2, 3) + 10,
             "step": jnp.int32(4)}
   mask = {"bias": False, "kernel": True, "step": False}
-  layout = flat_layout.make_layout(params, mask)
+  layout = flat_layout.make_layout(params, mask, jnp.float32)
   assert layout.size == 9 and layout.decay_boundary == 6
   assert layout.padded % (flat_layout.BLOCK_ELEMENTS * layout.programs) == 0
   flat = flat_layout.pack(layout, params, jnp.float32)

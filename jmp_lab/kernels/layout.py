@@ -51,6 +51,7 @@ class FlatLayout:
     offsets: per leaf, its start in the flat buffer (None if not trainable).
     size: trainable elements; ``decay_boundary``: elements that decay.
     padded: the flat length, a multiple of ``BLOCK_ELEMENTS * programs``.
+    param_dtype: the dtype of the params' floating leaves.
   """
 
   treedef: Any
@@ -60,6 +61,7 @@ class FlatLayout:
   size: int
   decay_boundary: int
   padded: int
+  param_dtype: np.dtype
 
   @property
   def rows(self) -> int:
@@ -73,12 +75,13 @@ class FlatLayout:
 jax.tree_util.register_static(FlatLayout)
 
 
-def make_layout(params: Any, decay_mask: Any) -> FlatLayout:
+def make_layout(params: Any, decay_mask: Any, param_dtype) -> FlatLayout:
   """Lays out ``params``' floating leaves, weight-decayed leaves first.
 
   Args:
     params: the params tree.
     decay_mask: a tree of bools with the params' structure (True: decay).
+    param_dtype: the dtype of the params' floating leaves.
   """
   leaves, treedef = jax.tree_util.tree_flatten(params)
   masks = treedef.flatten_up_to(_broadcast_mask(decay_mask, params))
@@ -94,7 +97,7 @@ def make_layout(params: Any, decay_mask: Any) -> FlatLayout:
     if want_decay:
       boundary = cursor
   return FlatLayout(treedef, trainable, shapes, tuple(offsets), cursor,
-                    boundary, padded_size(cursor))
+                    boundary, padded_size(cursor), np.dtype(param_dtype))
 
 
 def _broadcast_mask(mask: Any, params: Any) -> Any:

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab._exact import reachable_half
+
 LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP = range(5)
 NUM_HYPER = 5
 FINITE, DECAY_BOUNDARY = range(2)
@@ -85,13 +87,9 @@ def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
     return Outputs(new_p, mu, nu, update)
   # The params outside are cast(old master); optax.apply_updates will add
   # u = cast(new) - cast(old) in fp32. Where that sum cannot land on
-  # cast(new) (see optimizer.exact_half_updates) snap the master to where it
-  # does land, so params == cast(master) holds bit for bit.
-  target = new_p.astype(config.half_dtype).astype(jnp.float32)
-  old = p.astype(config.half_dtype).astype(jnp.float32)
-  reached = (old + (target - old)).astype(config.half_dtype)
-  reached32 = reached.astype(jnp.float32)
-  new_p = jnp.where(reached32 == target, new_p, reached32)
+  # cast(new), snap the master to where it does land (see jmp_lab._exact).
+  exact = reachable_half(p.astype(config.half_dtype), new_p, config.half_dtype)
+  new_p, reached = exact.master, exact.half
   return Outputs(new_p, mu, nu, reached)
 
 

@@ -1,0 +1,219 @@
+"""Private checks and tree plumbing shared by both optimizers and the step.
+
+Everything here runs at trace time (shapes, dtypes, types), never on device
+values, so none of it costs a host sync. The public modules call these so that
+every entry point refuses the same mistake with the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lab import _tree
+from jmp_lab.loss_scale import LossScale, all_finite
+from jmp_lab.policy import Policy
+
+# --------------------------------------------------------------------------
+# Arguments of the public constructors.
+# --------------------------------------------------------------------------
+
+
+def check_transformation(value: Any, argument: str) -> None:
+  """Raises TypeError unless ``value`` is an optax GradientTransformation."""
+  if isinstance(value, optax.GradientTransformation) or (
+      callable(getattr(value, "init", None))
+      and callable(getattr(value, "update", None))):
+    return
+  hint = ""
+  if callable(value):
+    name = getattr(value, "__qualname__", getattr(value, "__name__", "it"))
+    hint = (f"; {name} looks like an optax factory passed uncalled: call it, "
+            f"e.g. optax.adam(1e-3)")
+  raise TypeError(
+      f"{argument} must be an optax GradientTransformation (such as "
+      f"optax.adamw(1e-3)), got {type(value).__name__} {value!r}{hint}")
+
+
+def check_loss_scale(value: Any, argument: str = "loss_scale") -> None:
+  """Raises TypeError unless ``value`` is a jmp_lab LossScale."""
+  if isinstance(value, LossScale):
+    return
+  hint = ""
+  if isinstance(value, (int, float, np.number)) or (
+      hasattr(value, "shape") and np.ndim(value) == 0):
+    hint = f"; to scale by a fixed number, use jmp_lab.StaticLossScale({value!r})"
+  raise TypeError(
+      f"{argument} must be a jmp_lab loss scale (NoOpLossScale(), "
+      f"StaticLossScale(...) or DynamicLossScale()), got "
+      f"{type(value).__name__} {value!r}{hint}")
+
+
+def concrete_real(value: Any, argument: str) -> float:
+  """``value`` as a Python float; TypeError for non-numbers and tracers."""
+  if isinstance(value, (bool, np.bool_)) or not (
+      isinstance(value, (int, float, np.number))
+      or (hasattr(value, "dtype") and np.ndim(value) == 0
+          and jnp.issubdtype(value.dtype, jnp.number))):
+    raise TypeError(f"{argument} must be a real number, got "
+                    f"{type(value).__name__} {value!r}")
+  try:
+    return float(value)
+  except jax.errors.ConcretizationTypeError:
+    raise TypeError(f"{argument} must be a concrete number, not a traced "
+                    f"value; pass a schedule for a changing value") from None
+
+
+def check_finite_in(value: Any, argument: str, *, low: float, high: float,
+                    low_open: bool = False, high_open: bool = False) -> float:
+  """Checks that ``value`` is a finite real in the given interval."""
+  x = concrete_real(value, argument)
+  above = x > low if low_open else x >= low
+  below = x < high if high_open else x <= high
+  if not (math.isfinite(x) and above and below):
+    interval = (("(" if low_open else "[") + f"{low:g}, {high:g}" +
+                (")" if high_open else "]"))
+    raise ValueError(f"{argument} must be finite and in {interval}, got "
+                     f"{value!r}")
+  return x
+
+
+# --------------------------------------------------------------------------
+# Params, gradients and the optimizer state that must match them.
+# --------------------------------------------------------------------------
+
+
+def keeps_master_copy(policy: Policy) -> bool:
+  """Whether params of ``policy.param_dtype`` need a separate fp32 master."""
+  return policy.param_dtype.itemsize < 4
+
+
+def check_params(params: Any, policy: Policy) -> None:
+  """Raises if a floating param is not in ``policy.param_dtype``."""
+  for path, leaf in _tree.leaves_with_paths(params):
+    if _tree.is_floating_array(leaf) and leaf.dtype != policy.param_dtype:
+      raise ValueError(
+          f"param {path} is {_tree.leaf_description(leaf)} but the policy's "
+          f"param_dtype is {policy.param_dtype.name}; cast the params with "
+          f"policy.cast_to_param(params) first")
+
+
+def check_grads(grads: Any, params: Any) -> None:
+  """Raises if ``grads`` does not match ``params`` leaf for leaf."""
+  mismatch = _tree.first_structure_mismatch(params, grads)
+  if mismatch is not None:
+    raise ValueError(f"grads do not match params: {mismatch}")
+  for (path, p), (_, g) in zip(_tree.leaves_with_paths(params),
+                               _tree.leaves_with_paths(grads)):
+    if jnp.shape(p) != jnp.shape(g):
+      raise ValueError(
+          f"gradient {path} has shape {jnp.shape(g)} but its param has shape "
+          f"{jnp.shape(p)}")
+    if _tree.is_floating_array(p):
+      if jnp.result_type(g) != p.dtype:
+        raise ValueError(
+            f"gradient {path} is {_tree.leaf_description(g)} but its param is "
+            f"{_tree.leaf_description(p)}; gradients must be in the param "
+            f"dtype (differentiate the scaled loss with respect to the params)")
+    elif _tree.is_floating_value(g):
+      raise ValueError(
+          f"gradient {path} is floating ({_tree.leaf_description(g)}) but its "
+          f"param is {_tree.leaf_description(p)}, which is not trainable")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsSpec:
+  """The structure, shapes and dtypes an optimizer state was built for.
+
+  Static (no leaves): it travels in the state's tree structure, so a state
+  used with other params is refused by name instead of failing inside XLA.
+  """
+
+  treedef: Any
+  paths: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[str, ...]
+
+  @classmethod
+  def of(cls, params: Any) -> "ParamsSpec":
+    leaves = _tree.leaves_with_paths(params)
+    return cls(jax.tree_util.tree_structure(params),
+               tuple(path for path, _ in leaves),
+               tuple(tuple(np.shape(x)) for _, x in leaves),
+               tuple(_dtype_name(x) for _, x in leaves))
+
+  def describe_mismatch(self, params: Any) -> Optional[str]:
+    """How ``params`` differs from this spec, naming the first leaf; or None."""
+    other = ParamsSpec.of(params)
+    if other.treedef != self.treedef:
+      only_params = [p for p in other.paths if p not in set(self.paths)]
+      only_state = [p for p in self.paths if p not in set(other.paths)]
+      if only_params or only_state:
+        return (f"leaf paths differ: only in params: "
+                f"{only_params[:5] or 'none'}; only in the optimizer state: "
+                f"{only_state[:5] or 'none'}")
+      return f"tree structures differ: {other.treedef} vs {self.treedef}"
+    for path, shape, dtype, want_shape, want_dtype in zip(
+        other.paths, other.shapes, other.dtypes, self.shapes, self.dtypes):
+      if (shape, dtype) != (want_shape, want_dtype):
+        return (f"param {path} is {dtype}{list(shape)} but the optimizer "
+                f"state was built for {want_dtype}{list(want_shape)}")
+    return None
+
+
+jax.tree_util.register_static(ParamsSpec)
+
+
+def _dtype_name(x: Any) -> str:
+  return np.dtype(x.dtype).name if hasattr(x, "dtype") else type(x).__name__
+
+
+def check_state_matches(spec: ParamsSpec, params: Any) -> None:
+  """Raises ValueError if ``params`` is not what the state was built for."""
+  mismatch = spec.describe_mismatch(params)
+  if mismatch is not None:
+    raise ValueError(
+        f"the optimizer state does not match the params (was it built for "
+        f"another model?): {mismatch}")
+
+
+# --------------------------------------------------------------------------
+# Trainable (floating) leaves, unscaling and the global finite check.
+# --------------------------------------------------------------------------
+
+
+def floating_only(tree: Any, like: Any) -> Any:
+  """``tree`` with None wherever ``like`` has a non-floating leaf.
+
+  The inner optimizer sees only trainable leaves: integer params (and their
+  float0 gradients) would break most optax transforms.
+  """
+  return jax.tree_util.tree_map(
+      lambda x, ref: x if _tree.is_floating_array(ref) else None, tree, like)
+
+
+def merge_floating(floating: Any, rest: Any) -> Any:
+  """Fills the None holes of :func:`floating_only` back in from ``rest``."""
+  return jax.tree_util.tree_map(
+      lambda f, r: r if f is None else f, floating, rest,
+      is_leaf=lambda x: x is None)
+
+
+def unscale_and_check(grads: Any, params: Any, loss_scale: LossScale,
+                      axis_name=None) -> tuple[Any, jax.Array]:
+  """Unscaled fp32 trainable gradients, and whether all of them are finite.
+
+  The one global finite check of every jmp_lab optimizer: under ``jit`` XLA
+  fuses the unscale into the reduction, so it reads each gradient once.
+  """
+  unscaled = jax.tree_util.tree_map(
+      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
+      if _tree.is_floating_array(g) else g, loss_scale.unscale(grads))
+  grads32 = floating_only(unscaled, params)
+  return grads32, all_finite(grads32, axis_name=axis_name)

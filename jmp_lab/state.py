@@ -1,0 +1,123 @@
+"""The optimizer states of jmp_lab, and the accessors that read them.
+
+Both optimizers keep the same public fields, so code that trains with one can
+switch to the other:
+
+* ``master_params`` -- the fp32 master (a tree for :func:`~jmp_lab.
+  mixed_precision`, a flat buffer for :func:`~jmp_lab.fused_adamw`), or None
+  when the params are fp32 and are the master themselves;
+* ``loss_scale`` -- the :class:`~jmp_lab.LossScale` for the next step;
+* ``skipped_steps`` -- how many steps were skipped for non-finite gradients;
+* ``last_step_applied`` -- whether the last ``update`` was applied (False when
+  it was skipped), like optax's ``ApplyIfFiniteState.last_finite``.
+
+The accessors find the one jmp_lab state by its type, however deeply it is
+nested (inside ``optax.chain``, ``MultiSteps``, a ``TrainState``...).
+
+Example::
+
+  >>> import jax.numpy as jnp, optax, jmp_lab
+  >>> tx = jmp_lab.mixed_precision(optax.sgd(0.1), policy="p=bf16",
+  ...                              loss_scale=jmp_lab.StaticLossScale(8.0))
+  >>> opt_state = tx.init({"w": jnp.ones(2, jnp.bfloat16)})
+  >>> jmp_lab.master_params(opt_state)["w"].dtype
+  dtype('float32')
+  >>> float(jmp_lab.current_loss_scale(opt_state).loss_scale)
+  8.0
+  >>> bool(jmp_lab.last_step_applied(opt_state)), int(jmp_lab.skipped_steps(opt_state))
+  (True, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import optax
+
+from jmp_lab._checks import ParamsSpec
+from jmp_lab.kernels import layout as flat_layout
+from jmp_lab.loss_scale import LossScale
+
+
+class MixedPrecisionState(NamedTuple):
+  """State of :func:`jmp_lab.mixed_precision`."""
+
+  master_params: Optional[optax.Params]  # fp32 tree, or None for fp32 params
+  inner_state: optax.OptState            # the wrapped transformation's state
+  loss_scale: LossScale
+  skipped_steps: jax.Array               # int32 scalar
+  last_step_applied: jax.Array           # bool scalar
+  params_spec: ParamsSpec                # static: the params it was built for
+
+  def master_tree(self) -> Optional[optax.Params]:
+    """The master params as a tree (None when the params are the master)."""
+    return self.master_params
+
+
+class FusedAdamWState(NamedTuple):
+  """State of :func:`jmp_lab.fused_adamw`."""
+
+  count: jax.Array                       # applied (not skipped) steps, int32
+  master_params: Optional[jax.Array]     # flat fp32, or None for fp32 params
+  mu: jax.Array                          # flat first moment
+  nu: jax.Array                          # flat second moment
+  loss_scale: LossScale
+  skipped_steps: jax.Array               # int32 scalar
+  last_step_applied: jax.Array           # bool scalar
+  layout: flat_layout.FlatLayout         # static: where each leaf lives
+  params_spec: ParamsSpec                # static: the params it was built for
+
+  def master_tree(self) -> Optional[Any]:
+    """The fp32 master as a tree (non-trainable leaves are None)."""
+    if self.master_params is None:
+      return None
+    return flat_layout.unpack(self.layout, self.master_params)
+
+
+State = Union[MixedPrecisionState, FusedAdamWState]
+_STATE_TYPES = (MixedPrecisionState, FusedAdamWState)
+
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, _STATE_TYPES)
+
+
+def find_state(opt_state: Any) -> State:
+  """The one jmp_lab optimizer state inside ``opt_state``.
+
+  Raises:
+    ValueError: if there is none, or more than one.
+  """
+  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state)
+           if _is_state(x)]
+  if len(found) != 1:
+    raise ValueError(
+        f"expected exactly one jmp_lab optimizer state in opt_state, found "
+        f"{len(found)} in a {type(opt_state).__name__}; build the optimizer "
+        f"with jmp_lab.mixed_precision(...) or jmp_lab.fused_adamw(...)")
+  return found[0]
+
+
+def master_params(opt_state: Any) -> Optional[optax.Params]:
+  """The fp32 master params held in ``opt_state``, as a tree.
+
+  Returns None when the policy's ``param_dtype`` is float32 (or float64): the
+  params are then the master and no copy is kept.
+  """
+  return find_state(opt_state).master_tree()
+
+
+def current_loss_scale(opt_state: Any) -> LossScale:
+  """The loss scale to use for the next forward pass."""
+  return find_state(opt_state).loss_scale
+
+
+def skipped_steps(opt_state: Any) -> jax.Array:
+  """How many steps were skipped for non-finite gradients so far."""
+  return find_state(opt_state).skipped_steps
+
+
+def last_step_applied(opt_state: Any) -> jax.Array:
+  """Whether the last update was applied (a scalar bool; True after init)."""
+  return find_state(opt_state).last_step_applied
