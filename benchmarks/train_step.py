@@ -164,7 +164,7 @@ def run_jax(config: Config, size: ModelSize, *, warmup: int, steps: int) -> dict
     state = make_state(config, size)
     step = jmp_lab.make_train_step(loss_fn)
     batches = random_batches(size, size.batch, 4)
-    flops = jmp_lab.diagnostics.audit_step(step, state, batches[0])["total_flops"]
+    flops = jmp_lab.diagnostics.audit_step(step, state, batches[0]).total_flops
     peak_estimate = compiled_peak_bytes(step, state, batches[0])
     holder = [state]
 

@@ -174,7 +174,7 @@ def diagnose(result, x_train, y_train, out_dir: str) -> None:
                                          result["example_batch"],
                                          policy=result["policy"])
   print(f"audit of the jitted train step ({result['policy']}):")
-  print(audit["table"])
+  print(audit.table())
 
 
 def print_table(results) -> str:

@@ -89,31 +89,31 @@ def audited_step(path_overrides):
 
 def test_audit_finds_planted_fp32_matmul_and_odd_dimension():
   report = audited_step({"^planted_fp32$": "float32"})
-  kinds = {r.kind for r in report["matmuls"]}
+  kinds = {r.kind for r in report.matmuls}
   assert kinds == {"dot_general", "conv"}
-  planted = report["fp32_could_be_half"]
-  assert planted, report["table"]
+  planted = report.fp32_could_be_half
+  assert planted, report.table()
   assert all(r.operand_dtypes == ("float32", "float32") for r in planted)
   # forward + two backward matmuls of the planted layer, each 32x64x64 work
   assert {r.flops for r in planted} == {2.0 * 32 * 64 * 64}
-  odd = report["off_tensor_core"]
+  odd = report.off_tensor_core
   assert any("N" in r.odd_dims and 10 in r.out_shape for r in odd)
-  assert 0.5 < report["half_flop_share"] < 1.0
-  assert report["num_casts"] > 0 and report["hlo_converts"] > 0
-  assert "could be half" in report["table"]
+  assert 0.5 < report.half_flop_share < 1.0
+  assert report.num_casts > 0 and report.hlo_converts > 0
+  assert "could be half" in report.table()
 
 
 def test_audit_of_a_clean_bf16_model_flags_no_fp32_matmul():
   report = audited_step({})
-  assert report["fp32_could_be_half"] == []
-  assert report["half_flop_share"] == 1.0
+  assert report.fp32_could_be_half == []
+  assert report.half_flop_share == 1.0
 
 
 def test_audit_counts_scan_trip_counts():
   def f(w, x):
     return jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=5)[0]
   report = dg.audit_step(f, jnp.ones((8, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16))
-  (record,) = report["matmuls"]
+  (record,) = report.matmuls
   assert record.times == 5 and record.flops == 5 * 2 * 4 * 8 * 8
 
 
@@ -159,7 +159,7 @@ def test_memory_report_master_weights_cost_params_save_activations():
   assert mixed.activation_bytes < 0.6 * fp32.activation_bytes
   assert fp32.activation_bytes > 10 * fp32.param_bytes  # activations dominate
   assert fp32.compiled["peak"] > 0 and mixed.compiled["peak"] > 0
-  table = dg.memory_report([fp32, mixed])
+  table = dg.memory_report([fp32, mixed]).table()
   assert "float32" in table and "p=bf16" in table and "B/param" in table
 
 
@@ -178,3 +178,11 @@ def test_recorder_never_syncs_while_recording(tmp_path):
   assert history["skipped_steps"].tolist() == [0, 0, 1, 1, 2, 2]
   recorder.plot(str(tmp_path / "trace.png"))
   assert (tmp_path / "trace.png").stat().st_size > 5000
+
+
+def test_every_report_prints_its_table():
+  hist = dg.gradient_histogram({"w": jnp.array([2.0**-30, 1.0, 0.0])})
+  assert str(hist) == hist.table() and "underflow %" in hist.table()
+  audit = dg.audit_step(lambda a, b: a @ b, jnp.ones((8, 8)), jnp.ones((8, 8)))
+  assert str(audit) == audit.table() and "FLOP %" in audit.table()
+  assert str(dg.memory_report([])).startswith("| config |")

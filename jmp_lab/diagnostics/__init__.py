@@ -1,0 +1,45 @@
+"""Diagnostics: see what mixed precision is doing to your model.
+
+One module per question, each answering with a dataclass whose ``table()``
+(and ``str()``) prints it:
+
+* :mod:`.histogram` -- :func:`gradient_histogram`: |g| in log2 buckets
+  against the fp16 and bf16 ranges, and the loss scales that keep them all;
+  :func:`plot_gradient_histogram` draws it;
+* :mod:`.audit` -- :func:`audit_step`: every matmul and convolution of a
+  traced step, their dtypes, shapes, FLOP shares and the casts;
+* :mod:`.memory` -- :func:`memory_row` / :func:`memory_report`: compiled
+  memory, state bytes per parameter and activation bytes, per policy;
+  :func:`compiled_memory` reads XLA's memory analysis;
+* :mod:`.recorder` -- :class:`TrainingRecorder`: the loss, loss scale and
+  skipped steps, recorded without synchronising inside a step.
+"""
+
+from jmp_lab.diagnostics.audit import AuditReport, MatmulRecord, audit_step
+from jmp_lab.diagnostics.histogram import (BF16, FP16, FloatRange,
+                                           GradientHistogram,
+                                           gradient_histogram,
+                                           plot_gradient_histogram)
+from jmp_lab.diagnostics.memory import (MemoryReport, MemoryRow,
+                                        activation_bytes, compiled_memory,
+                                        memory_report, memory_row)
+from jmp_lab.diagnostics.recorder import TrainingRecorder
+
+__all__ = [
+    "AuditReport",
+    "BF16",
+    "FP16",
+    "FloatRange",
+    "GradientHistogram",
+    "MatmulRecord",
+    "MemoryReport",
+    "MemoryRow",
+    "TrainingRecorder",
+    "activation_bytes",
+    "audit_step",
+    "compiled_memory",
+    "gradient_histogram",
+    "memory_report",
+    "memory_row",
+    "plot_gradient_histogram",
+]

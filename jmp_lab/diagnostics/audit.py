@@ -1,0 +1,228 @@
+"""Step audit: the matmuls, convolutions and casts of a traced function.
+
+:func:`audit_step` walks the jaxpr of any function (a whole train step
+included: ``grad``, ``scan`` and ``jit`` bodies are entered) and reports every
+matmul's operand and accumulation dtypes, shapes, tensor-core friendliness
+and share of the FLOPs, the fp32 matmuls a half policy could run in half, and
+the casts. It is the trace-level view; :func:`jmp_lab.diagnostics.
+compiled_report` is the same question asked of the module compiled for a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab.policy import Policy, get_policy
+
+# --------------------------------------------------------------------------
+# Step audit: matmuls, convolutions and casts of a traced function.
+# --------------------------------------------------------------------------
+
+HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+FP8_DTYPES = tuple(np.dtype(getattr(jnp, n)) for n in (
+    "float8_e4m3fn", "float8_e5m2") if hasattr(jnp, n))
+
+
+@dataclasses.dataclass
+class MatmulRecord:
+  kind: str                       # "dot_general" or "conv"
+  operand_dtypes: tuple[str, str]
+  accumulation_dtype: str
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  flops: float
+  tensor_core_dims: bool          # M, N, K multiples of 8 (16 for fp8)
+  odd_dims: tuple[str, ...]       # which of M/N/K miss that multiple
+  location: str
+  times: int = 1                  # trip count of enclosing scans
+
+  @property
+  def half(self) -> bool:
+    return all(np.dtype(d) in HALF_DTYPES + FP8_DTYPES for d in self.operand_dtypes)
+
+
+def _dot_dims(eqn):
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params[
+      "dimension_numbers"]
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  k = math.prod(lhs[d] for d in lhs_contract)
+  batch = math.prod(lhs[d] for d in lhs_batch)
+  m = math.prod(s for d, s in enumerate(lhs)
+                if d not in lhs_contract and d not in lhs_batch)
+  n = math.prod(s for d, s in enumerate(rhs)
+                if d not in rhs_contract and d not in rhs_batch)
+  return {"M": m, "N": n, "K": k}, 2.0 * batch * m * n * k
+
+
+def _conv_dims(eqn):
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  out = eqn.outvars[0].aval.shape
+  dn = eqn.params["dimension_numbers"]
+  groups = eqn.params.get("feature_group_count", 1)
+  in_features = rhs[dn.rhs_spec[1]]
+  out_features = rhs[dn.rhs_spec[0]]
+  window = math.prod(rhs[d] for d in dn.rhs_spec[2:])
+  out_pixels = math.prod(out) // out[dn.out_spec[1]]
+  dims = {"M": out_pixels, "N": out_features, "K": in_features * window}
+  flops = 2.0 * out_pixels * out_features * in_features * window
+  del lhs, groups  # grouped convs: in_features is already per group
+  return dims, flops
+
+
+def _user_location(eqn) -> str:
+  """``file:line`` of the user code that produced ``eqn`` (jax's own view)."""
+  try:
+    from jax._src import source_info_util  # no public equivalent
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    return (f"{frame.file_name.split('/')[-1]}:{frame.start_line}"
+            if frame else "?")
+  except Exception:  # pylint: disable=broad-except
+    return "?"
+
+
+def _walk(jaxpr, times, records, casts):
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("dot_general", "conv_general_dilated"):
+      dims, flops = (_dot_dims if name == "dot_general" else _conv_dims)(eqn)
+      dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
+      multiple = 16 if all(d in FP8_DTYPES for d in dtypes) else 8
+      odd = tuple(k for k, v in dims.items() if v % multiple)
+      accumulation = eqn.params.get("preferred_element_type") or np.result_type(
+          *dtypes)
+      records.append(MatmulRecord(
+          kind="dot_general" if name == "dot_general" else "conv",
+          operand_dtypes=tuple(d.name for d in dtypes),
+          accumulation_dtype=np.dtype(accumulation).name,
+          lhs_shape=tuple(eqn.invars[0].aval.shape),
+          rhs_shape=tuple(eqn.invars[1].aval.shape),
+          out_shape=tuple(eqn.outvars[0].aval.shape),
+          flops=flops * times,
+          tensor_core_dims=not odd, odd_dims=odd,
+          location=_user_location(eqn),
+          times=times))
+    elif name == "convert_element_type":
+      src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+      if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
+        casts[f"{np.dtype(src).name}->{np.dtype(dst).name}"] = casts.get(
+            f"{np.dtype(src).name}->{np.dtype(dst).name}", 0) + times
+    inner_times = times * (eqn.params.get("length", 1) if name == "scan" else 1)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None:
+          _walk(inner if hasattr(inner, "eqns") else inner.jaxpr,
+                inner_times, records, casts)
+
+
+@dataclasses.dataclass
+class AuditReport:
+  """The matmuls and casts of one traced function (see :func:`audit_step`).
+
+  Attributes:
+    matmuls: every dot_general and convolution, as :class:`MatmulRecord`.
+    total_flops: their FLOPs, scan trip counts included.
+    half_flop_share: the share of those FLOPs with half or fp8 operands.
+    fp32_could_be_half: fp32 matmuls under a policy with a half compute dtype.
+    off_tensor_core: matmuls whose M/N/K miss a multiple of 8 (16 for fp8).
+    casts: float-to-float conversions by kind, in the jaxpr.
+    hlo_converts: convert ops in the lowered module.
+    policy: the policy audited against, if any.
+  """
+
+  matmuls: list[MatmulRecord]
+  total_flops: float
+  half_flop_share: float
+  fp32_could_be_half: list[MatmulRecord]
+  off_tensor_core: list[MatmulRecord]
+  casts: dict[str, int]
+  hlo_converts: int
+  policy: Optional[Policy] = None
+
+  @property
+  def num_casts(self) -> int:
+    return sum(self.casts.values())
+
+  def table(self) -> str:
+    """One row per matmul, largest first, and a summary line."""
+    return _audit_table(self)
+
+  def __str__(self) -> str:
+    return self.table()
+
+
+def audit_step(fn: Callable[..., Any], *args, policy: Any = None,
+               **kwargs) -> AuditReport:
+  """Audits every matmul and convolution of ``fn(*args, **kwargs)``.
+
+  The function is traced (its jaxpr, including what ``jax.grad``, ``scan``
+  and ``jit`` put inside it) and lowered, so a jitted train step can be
+  audited as it is.
+
+  Args:
+    fn: any function, e.g. a train step.
+    *args, **kwargs: example arguments (arrays or ShapeDtypeStructs).
+    policy: the policy the step is meant to follow; with a half compute
+      dtype, fp32 matmuls are reported as could-be-half.
+
+  Returns:
+    An :class:`AuditReport`; ``print(report)`` shows its table.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from jmp_lab.diagnostics import audit_step
+    >>> def f(w, x):
+    ...   return (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).sum()
+    >>> report = audit_step(f, jnp.ones((64, 32)), jnp.ones((16, 64)))
+    >>> report.half_flop_share, len(report.matmuls), report.off_tensor_core
+    (1.0, 1, [])
+  """
+  policy = get_policy(policy) if policy is not None else None
+  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  records: list[MatmulRecord] = []
+  casts: dict[str, int] = {}
+  _walk(closed.jaxpr, 1, records, casts)
+  lowered = jax.jit(fn).lower(*args, **kwargs).as_text()
+  total = sum(r.flops for r in records) or 1.0
+  half_flops = sum(r.flops for r in records if r.half)
+  could_be_half = []
+  if policy is not None and policy.compute_dtype in HALF_DTYPES:
+    could_be_half = [r for r in records if not r.half and
+                     all(d == "float32" for d in r.operand_dtypes)]
+  return AuditReport(
+      matmuls=records, total_flops=total, half_flop_share=half_flops / total,
+      fp32_could_be_half=could_be_half,
+      off_tensor_core=[r for r in records if not r.tensor_core_dims],
+      casts=casts, hlo_converts=lowered.count("stablehlo.convert"),
+      policy=policy)
+
+
+def _audit_table(report: AuditReport) -> str:
+  lines = [f"{'op':<11} {'operands':<18} {'acc':<8} {'lhs x rhs -> out':<40} "
+           f"{'FLOP %':>7}  {'TC dims':<8} where"]
+  for r in sorted(report.matmuls, key=lambda r: -r.flops):
+    shapes = f"{list(r.lhs_shape)}x{list(r.rhs_shape)}->{list(r.out_shape)}"
+    tc = "ok" if r.tensor_core_dims else "odd " + "".join(r.odd_dims)
+    flag = "  <- fp32, could be half" if r in report.fp32_could_be_half else ""
+    lines.append(
+        f"{r.kind:<11} {'/'.join(r.operand_dtypes):<18} {r.accumulation_dtype:<8} "
+        f"{shapes:<40} {100 * r.flops / report.total_flops:6.2f}%  {tc:<8} "
+        f"{r.location}{flag}")
+  lines.append(
+      f"half-precision share of matmul FLOPs: {100 * report.half_flop_share:.1f}%"
+      f"; fp32 matmuls the policy could run in half: "
+      f"{len(report.fp32_could_be_half)}; off tensor-core dims: "
+      f"{len(report.off_tensor_core)}; float casts: {report.num_casts} "
+      f"({report.hlo_converts} converts in the lowered module)"
+      + (f"; policy {report.policy}" if report.policy else ""))
+  return "\n".join(lines)
+
+
