@@ -23,9 +23,18 @@ Softmax and cross-entropy stay fp32 through the helpers here:
 
 Example::
 
-  >>> model = jmp_lab.linen.with_policy(MyCNN(), "mixed_bfloat16")
+  >>> import flax.linen as nn, jax, jax.numpy as jnp, jmp_lab
+  >>> class MLP(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     return nn.Dense(4)(nn.LayerNorm()(nn.Dense(8)(x)))
+  >>> model = jmp_lab.linen.with_policy(MLP(), "mixed_bfloat16")
+  >>> x = jnp.ones((2, 3))
   >>> variables = model.init(jax.random.key(0), x)   # params in param_dtype
-  >>> logits = model.apply(variables, x)             # bf16 inside, f32 out
+  >>> variables["params"]["Dense_0"]["kernel"].dtype
+  dtype('float32')
+  >>> model.apply(variables, x).dtype                # bf16 inside, f32 out
+  dtype('float32')
 """
 
 from __future__ import annotations
@@ -66,6 +75,10 @@ class PolicyModule:
   policy: Policy
   class_overrides: tuple[tuple[type, Policy], ...]
   path_overrides: tuple[tuple[re.Pattern, Policy], ...]
+  # Which module owns which param depends only on the shapes of what goes
+  # in, so the abstract trace is memoized on them (see _module_policies).
+  _traced: dict = dataclasses.field(default_factory=dict, compare=False,
+                                    repr=False)
 
   # ---- which policy applies where ------------------------------------------
 
@@ -116,7 +129,7 @@ class PolicyModule:
     """``module.apply`` under the policy; same arguments and results."""
     variables = dict(variables)
     if "params" in variables:
-      module_policies = self._trace_module_policies(
+      module_policies = self._module_policies(
           variables, args, kwargs, rngs=rngs, mutable=mutable, method=method)
       leaf_policies = self._param_policies(variables["params"],
                                            module_policies)
@@ -132,6 +145,20 @@ class PolicyModule:
     return self.apply(variables, *args, **kwargs)
 
   # ---- interception ---------------------------------------------------------
+
+  def _module_policies(self, variables, args, kwargs, **apply_kwargs
+                       ) -> dict[tuple, Policy]:
+    """:meth:`_trace_module_policies`, memoized on structure and shapes."""
+    key = _abstract_key((variables, args, kwargs, apply_kwargs))
+    if key is None:  # something unhashable went in: trace every time
+      return self._trace_module_policies(variables, args, kwargs,
+                                         **apply_kwargs)
+    if key not in self._traced:
+      if len(self._traced) >= _MAX_TRACED:
+        self._traced.pop(next(iter(self._traced)))
+      self._traced[key] = self._trace_module_policies(
+          variables, args, kwargs, **apply_kwargs)
+    return self._traced[key]
 
   def _trace_module_policies(self, variables, args, kwargs, **apply_kwargs
                              ) -> dict[tuple, Policy]:
@@ -180,6 +207,22 @@ class PolicyModule:
       return cast_floating(out, output)
 
     return intercept
+
+
+_MAX_TRACED = 32
+
+
+def _abstract_key(tree: Any) -> Optional[tuple]:
+  """A hashable key of ``tree``'s structure, shapes and dtypes (else None)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  key = (treedef, tuple(
+      (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape")
+      and hasattr(x, "dtype") else x for x in leaves))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 def with_policy(

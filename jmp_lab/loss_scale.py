@@ -212,6 +212,7 @@ def _register_pytree(leaf_fields: tuple[str, ...],
 
     jax.tree_util.register_pytree_with_keys(
         cls, flatten_with_keys, unflatten, flatten)
+    cls._pytree_fields = (leaf_fields, static_fields)
     return cls
 
   return register
@@ -227,6 +228,32 @@ class LossScale(abc.ABC):
   """
 
   loss_scale: jax.Array
+
+  def __init_subclass__(cls, **kwargs):
+    # A subclass of a registered loss scale (jmp_lab.jmp's, or a user's) is a
+    # pytree with the same fields; without this it would be a single leaf.
+    super().__init_subclass__(**kwargs)
+    fields = getattr(cls, "_pytree_fields", None)
+    if fields is not None:
+      _register_pytree(*fields)(cls)
+
+  def __eq__(self, other: Any) -> bool:
+    """Loss scales compare by value, as jmp's do (outside ``jit`` only)."""
+    if type(self) is not type(other):
+      return NotImplemented
+    mine, my_config = jax.tree_util.tree_flatten(self)
+    theirs, their_config = jax.tree_util.tree_flatten(other)
+    if my_config != their_config:
+      return False
+    try:
+      return all(np.array_equal(np.asarray(a), np.asarray(b))
+                 for a, b in zip(mine, theirs))
+    except jax.errors.TracerArrayConversionError:
+      raise TypeError(
+          "traced loss scales cannot be compared by value; compare their "
+          ".loss_scale arrays with jnp instead") from None
+
+  __hash__ = None  # equal by value, and arrays are not hashable
 
   def scale(self, tree: T) -> T:
     """Multiplies floating leaves by the scale, keeping their dtypes."""
@@ -308,6 +335,9 @@ class DynamicLossScale(LossScale):
     min_loss_scale: lower bound (> 0).
     max_loss_scale: upper bound (>= min_loss_scale).
     counter: consecutive finite steps so far (int32); normally left at 0.
+
+  ``period`` and ``factor`` are jmp's names for ``growth_interval`` and
+  ``growth_factor``.
   """
 
   loss_scale: jax.Array = 2.0**15
@@ -343,6 +373,16 @@ class DynamicLossScale(LossScale):
           f"counter must be an integer scalar, got "
           f"{_tree.leaf_description(counter)}")
     object.__setattr__(self, "counter", jnp.asarray(counter, jnp.int32))
+
+  @property
+  def period(self) -> int:
+    """jmp's name for ``growth_interval``."""
+    return self.growth_interval
+
+  @property
+  def factor(self) -> float:
+    """jmp's name for ``growth_factor``."""
+    return self.growth_factor
 
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
     grads_finite = _as_scalar_predicate(grads_finite, "grads_finite")
