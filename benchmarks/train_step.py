@@ -110,7 +110,7 @@ CONFIGS = [
 def loss_fn(params, state, batch):
   logits = state.apply_fn({"params": params}, batch[:, :-1])
   loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-  return loss, (state.model_state, {})
+  return loss
 
 
 def make_state(config: Config, size: ModelSize):

@@ -103,7 +103,7 @@ def loss_fn(params, state, batch):
                           train=True, rngs={"dropout": batch["rng"]})
   loss = jl.softmax_cross_entropy_with_integer_labels(
       logits, batch["tokens"][:, 1:]).mean()
-  return loss, (state.model_state, {})
+  return loss
 
 
 def make_optimizer(args, policy):

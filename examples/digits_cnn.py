@@ -75,7 +75,7 @@ def make_loss_scale(kind: str):
 def loss_fn(params, state, batch):
   logits = state.apply_fn({"params": params}, batch["x"])
   loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  return loss, (state.model_state, {})
+  return loss
 
 
 def train(policy_name: str, loss_scale_kind: str, *, epochs: int,

@@ -47,7 +47,7 @@ def load_data(seed: int = 0):
 def loss_fn(params, state, batch):
   logits = state.apply_fn({"params": params}, batch["x"])
   loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  return loss, (state.model_state, {})
+  return loss
 
 
 def main(argv=None):

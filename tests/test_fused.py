@@ -162,7 +162,7 @@ class FusedStateTest(parameterized.TestCase):
 
     def loss_fn(params, state, batch):
       out = state.apply_fn({"params": params}, batch)
-      return jnp.mean(out.astype(jnp.float32) ** 2), (state.model_state, {})
+      return jnp.mean(out.astype(jnp.float32) ** 2)
 
     step = jmp_lab.make_train_step(loss_fn)
     losses = []

@@ -136,8 +136,7 @@ def digits():
 
 def digits_loss(params, state, batch):
   logits = state.apply_fn({"params": params}, batch["x"])
-  return jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), (
-      state.model_state, {})
+  return jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
 def train_digits(spec, loss_scale, steps=600):

@@ -9,7 +9,7 @@ Example::
   ...   recorder.record({"loss": jnp.float32(1.0 / (step + 1)),
   ...                    "loss_scale": jnp.float32(2.0**15),
   ...                    "skipped_steps": jnp.int32(0)})
-  >>> recorder.history()["loss"].round(2).tolist()
+  >>> [round(float(x), 2) for x in recorder.history()["loss"]]
   [1.0, 0.5, 0.33]
 """
 
