@@ -86,7 +86,7 @@ def half_dtype(device: jax.Device | None = None) -> np.dtype:
   return np.dtype(jnp.float16)
 
 
-def canonicalize_dtype(dtype: DTypeLike, *, what: str = "dtype") -> np.dtype:
+def _canonicalize_dtype(dtype: DTypeLike, *, what: str = "dtype") -> np.dtype:
   """Turns a dtype, a scalar type or a dtype name into a supported ``np.dtype``.
 
   Raises:
@@ -94,7 +94,7 @@ def canonicalize_dtype(dtype: DTypeLike, *, what: str = "dtype") -> np.dtype:
       float32 or float64.
   """
   if isinstance(dtype, str):
-    return parse_dtype(dtype, what=what)
+    return _parse_dtype(dtype, what=what)
   try:
     canonical = np.dtype(dtype)
   except TypeError as e:
@@ -112,7 +112,7 @@ def canonicalize_dtype(dtype: DTypeLike, *, what: str = "dtype") -> np.dtype:
   return canonical
 
 
-def parse_dtype(name: str, *, what: str = "dtype") -> np.dtype:
+def _parse_dtype(name: str, *, what: str = "dtype") -> np.dtype:
   """Parses a dtype name such as ``"bf16"`` or ``"half"`` (see module doc)."""
   normalized = name.strip().lower()
   if normalized == "half":
@@ -163,7 +163,7 @@ class Policy:
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      value = canonicalize_dtype(getattr(self, field.name), what=field.name)
+      value = _canonicalize_dtype(getattr(self, field.name), what=field.name)
       # Frozen dataclass: bypass __setattr__ once, at construction.
       object.__setattr__(self, field.name, value)
 
@@ -248,7 +248,7 @@ output_dtype=dtype(bfloat16))
   if stripped in PRESETS:
     return PRESETS[stripped]
   if "=" not in stripped:
-    dtype = parse_dtype(stripped, what=f"dtype in policy {spec!r}")
+    dtype = _parse_dtype(stripped, what=f"dtype in policy {spec!r}")
     return Policy(dtype, dtype, dtype)
   return _parse_key_values(spec)
 
@@ -273,7 +273,7 @@ def _parse_key_values(spec: str) -> Policy:
       raise ValueError(
           f"duplicate key {key!r} in policy {spec!r}: {field} is already set"
       )
-    chosen[field] = parse_dtype(value, what=f"dtype for {key!r} in {spec!r}")
+    chosen[field] = _parse_dtype(value, what=f"dtype for {key!r} in {spec!r}")
   param = chosen.get("param_dtype", np.dtype(jnp.float32))
   compute = chosen.get("compute_dtype", param)
   output = chosen.get("output_dtype", compute)

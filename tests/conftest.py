@@ -6,6 +6,9 @@ is exercised without a GPU. This must run before JAX initialises a backend.
 
 import chex
 import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 chex.set_n_cpu_devices(2)
 
@@ -18,3 +21,52 @@ hypothesis.settings.register_profile(
 import os  # noqa: E402
 
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+# ---------------------------------------------------------------------------
+# Shared params and gradients. The optimizer, fused and training tests are
+# chex.TestCase classes (chex.variants needs them), so these are plain
+# functions that the test modules import, not pytest fixtures.
+# ---------------------------------------------------------------------------
+
+FLOAT0 = jax.dtypes.float0
+
+
+def tree_bits_equal(a, b):
+  chex.assert_trees_all_equal_dtypes(a, b)
+  chex.assert_trees_all_equal(a, b)
+
+
+def params_of(dtype, key=0, n=64):
+  k1, k2 = jax.random.split(jax.random.key(key))
+  return {"dense": {"w": (jax.random.normal(k1, (n,)) * 1e-2).astype(dtype),
+                    "b": (jax.random.normal(k2, (3,)) * 1e-3).astype(dtype)}}
+
+
+def scaled_grads_like(params, loss_scale, key):
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.key(key), len(leaves))
+  grads = [jax.random.normal(k, x.shape) * 1e-2 for k, x in zip(keys, leaves)]
+  grads = jax.tree_util.tree_unflatten(treedef, grads)
+  return jax.tree_util.tree_map(
+      lambda g, p: (g * loss_scale).astype(p.dtype), grads, params)
+
+
+def make_params(dtype):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"dense": {"kernel": (jax.random.normal(k1, (37, 11)) * 0.1).astype(dtype),
+                    "bias": (jax.random.normal(k2, (11,)) * 0.01).astype(dtype)},
+          "step": jnp.int32(3)}
+
+
+def scaled_grads(params, loss_scale, step, poison=False):
+  def leaf(x, salt):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return np.zeros(x.shape, FLOAT0)
+    g = jnp.sin(jnp.arange(x.size, dtype=jnp.float32).reshape(x.shape) * (step + 1) + salt)
+    if poison:
+      g = g.at[(0,) * x.ndim].set(jnp.nan)
+    return (g * loss_scale).astype(x.dtype)
+  return {"dense": {"kernel": leaf(params["dense"]["kernel"], 0.0),
+                    "bias": leaf(params["dense"]["bias"], 1.0)},
+          "step": leaf(params["step"], 0.0)}

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl.testing import parameterized
 
 import jmp_lab
 from jmp_lab import linen as jl
@@ -197,3 +196,24 @@ def test_bad_arguments():
     jl.with_policy(Wrapper(), "float32", class_overrides={"Dense": "float32"})
   with pytest.raises(ValueError, match="unknown key"):
     jl.with_policy(Wrapper(), "q=f32")
+
+
+def test_eager_apply_traces_the_model_once_per_input_shape():
+  calls = []
+
+  class Counting(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      calls.append(x.shape)
+      return nn.Dense(3)(nn.LayerNorm()(x))
+
+  model = jl.with_policy(Counting(), "mixed_bfloat16")
+  variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+  calls.clear()
+  first = model.apply(variables, jnp.ones((2, 4)))   # abstract trace + run
+  assert len(calls) == 2
+  second = model.apply(variables, jnp.ones((2, 4)))  # memoized: run only
+  assert len(calls) == 3
+  chex.assert_trees_all_equal(first, second)
+  model.apply(variables, jnp.ones((5, 4)))           # a new shape traces again
+  assert len(calls) == 5

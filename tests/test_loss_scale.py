@@ -4,6 +4,9 @@ pytree round trips, all_finite and select_tree."""
 import dataclasses
 import math
 
+import pathlib
+import tempfile
+
 import chex
 import hypothesis.strategies as st
 import jax
@@ -40,7 +43,7 @@ def assert_same_fields(a, b, fields):
 # --- scale / unscale -------------------------------------------------------
 
 
-class ScaleUnscaleTest(parameterized.TestCase):
+class ScaleUnscaleTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(jnp.float16, jnp.bfloat16, jnp.float32)
@@ -81,52 +84,6 @@ class ScaleUnscaleTest(parameterized.TestCase):
 # --- jmp's bugs, which jmp_lab must not repeat -----------------------------
 
 
-@pytest.mark.parametrize("cls_kwargs", [
-    (jmp_lab.StaticLossScale, {}),
-    (jmp_lab.DynamicLossScale, {"min_loss_scale": 1.0}),
-])
-def test_fp16_scale_is_accepted_and_stored_as_f32(cls_kwargs):
-  cls, kwargs = cls_kwargs
-  loss_scale = cls(jnp.asarray(1024.0, jnp.float16), **kwargs)
-  chex.assert_type(loss_scale.loss_scale, jnp.float32)
-  step = jax.jit(lambda s, g: s.unscale(s.scale(g)))
-  chex.assert_trees_all_close(step(loss_scale, jnp.ones(3, jnp.float16)),
-                              jnp.ones(3))
-  adjusted = jax.jit(lambda s: s.adjust(jnp.array(False)))(loss_scale)
-  chex.assert_type(adjusted.loss_scale, jnp.float32)
-
-
-def test_static_scale_is_traced_not_baked_in():
-  traces = []
-
-  @jax.jit
-  def step(loss_scale, g):
-    traces.append(None)
-    return loss_scale.unscale(loss_scale.scale(g) * 3.0)
-
-  g = jnp.ones(4, jnp.float16)
-  for value in (2.0, 128.0, 4096.0):
-    chex.assert_trees_all_close(step(jmp_lab.StaticLossScale(value), g),
-                                3 * jnp.ones(4))
-  assert len(traces) == 1
-  lowered = step.lower(jmp_lab.StaticLossScale(4096.0), g).as_text()
-  assert "4096" not in lowered and "4.096" not in lowered
-
-
-def test_dynamic_scale_changes_do_not_recompile():
-  traces = []
-
-  @jax.jit
-  def adjust(loss_scale, finite):
-    traces.append(None)
-    return loss_scale.adjust(finite)
-
-  loss_scale = jmp_lab.DynamicLossScale(growth_interval=1)
-  for finite in [True, False, True, True]:
-    loss_scale = adjust(loss_scale, jnp.array(finite))
-  assert len(traces) == 1
-
-
 # --- round trips: every field survives -------------------------------------
 
 
@@ -139,62 +96,6 @@ ROUND_TRIPS = {
     "tree_map_copy": lambda s: jax.tree_util.tree_map(jnp.array, s),
     "device_get": jax.device_get,
 }
-
-
-@pytest.mark.parametrize("how", [k for k, v in ROUND_TRIPS.items() if v])
-def test_dynamic_round_trip_keeps_every_field(how):
-  original = nondefault_dynamic()
-  restored = ROUND_TRIPS[how](original)
-  assert isinstance(restored, jmp_lab.DynamicLossScale)
-  for name in DYNAMIC_FIELDS:
-    chex.assert_trees_all_equal(np.asarray(getattr(restored, name)),
-                                np.asarray(getattr(original, name)))
-
-
-def test_dynamic_round_trip_through_sharding():
-  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-  sharding = jax.sharding.NamedSharding(mesh, P())
-  original = nondefault_dynamic()
-  restored = jax.device_put(original, sharding)
-  assert_same_fields(restored, original, DYNAMIC_FIELDS[2:])
-  chex.assert_trees_all_equal(restored.loss_scale, original.loss_scale)
-  assert restored.loss_scale.sharding == sharding
-
-
-def test_min_loss_scale_survives_jit_and_is_respected():
-  # jmp drops min_loss_scale on flatten, so under jit the floor was lost.
-  loss_scale = jmp_lab.DynamicLossScale(loss_scale=8.0, min_loss_scale=4.0)
-  adjust = jax.jit(lambda s: s.adjust(jnp.array(False)))
-  for _ in range(5):
-    loss_scale = adjust(loss_scale)
-  assert loss_scale.min_loss_scale == 4.0
-  chex.assert_trees_all_equal(loss_scale.loss_scale, jnp.float32(4.0))
-
-
-def test_static_round_trip():
-  original = jmp_lab.StaticLossScale(3.0)
-  for how in ("flatten_unflatten", "jit_identity", "device_put"):
-    chex.assert_trees_all_equal(ROUND_TRIPS[how](original).loss_scale,
-                                jnp.float32(3.0))
-
-
-def test_leaves_have_named_paths():
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(nondefault_dynamic())[0]]
-  assert paths == [".loss_scale", ".counter"]
-
-
-def test_orbax_checkpoint_round_trip(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
-  original = {"scale": nondefault_dynamic(), "step": jnp.int32(11)}
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(tmp_path / "ckpt", original)
-    checkpointer.wait_until_finished()
-    target = jax.tree_util.tree_map(jnp.zeros_like, original)
-    restored = checkpointer.restore(tmp_path / "ckpt", target)
-  for name in DYNAMIC_FIELDS:
-    chex.assert_trees_all_equal(np.asarray(getattr(restored["scale"], name)),
-                                np.asarray(getattr(original["scale"], name)))
 
 
 # --- the GradScaler state machine ------------------------------------------
@@ -235,29 +136,6 @@ configs = st.fixed_dictionaries({
 }).filter(lambda c: c["min_loss_scale"] <= c["loss_scale"] <= c["max_loss_scale"])
 
 
-@settings(max_examples=40)
-@given(configs, st.lists(st.booleans(), min_size=32, max_size=32))
-def test_dynamic_matches_gradscaler_model(config, finite_flags):
-  loss_scale = jmp_lab.DynamicLossScale(**config)
-  model = GradScalerModel(config["loss_scale"], config["growth_interval"],
-                          config["growth_factor"], config["backoff_factor"],
-                          config["min_loss_scale"], config["max_loss_scale"])
-
-  @jax.jit
-  def run(loss_scale, flags):
-    def body(s, finite):
-      s = s.adjust(finite)
-      return s, (s.loss_scale, s.counter)
-    return jax.lax.scan(body, loss_scale, flags)[1]
-
-  scales, counters = run(loss_scale, jnp.array(finite_flags))
-  for i, finite in enumerate(finite_flags):
-    model.step(finite)
-    assert float(scales[i]) == model.scale, (i, finite_flags[: i + 1])
-    assert int(counters[i]) == model.counter
-    assert config["min_loss_scale"] <= float(scales[i]) <= config["max_loss_scale"]
-
-
 class DynamicLossScaleMachine(RuleBasedStateMachine):
   """Steps the jitted DynamicLossScale and the Python model side by side."""
 
@@ -287,63 +165,13 @@ TestDynamicLossScaleMachine.settings = settings(
     max_examples=25, stateful_step_count=30, deadline=None)
 
 
-@pytest.mark.parametrize("start, finite, expected", [
-    (2.0**24, True, 2.0**24),    # at max: stays, even on a growth step
-    (1.0, False, 1.0),           # at min: stays
-    (3.0e38, True, 3.0e38),      # max=inf but growth would overflow f32
-])
-def test_clamping(start, finite, expected):
-  max_scale = math.inf if start > 2.0**24 else 2.0**24
-  loss_scale = jmp_lab.DynamicLossScale(start, growth_interval=1,
-                                        max_loss_scale=max_scale)
-  adjusted = loss_scale.adjust(jnp.array(finite))
-  assert float(adjusted.loss_scale) == np.float32(expected)
-
-
 # --- bad input -------------------------------------------------------------
-
-
-@pytest.mark.parametrize("cls", [jmp_lab.StaticLossScale, jmp_lab.DynamicLossScale])
-@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
-def test_non_positive_or_non_finite_scale_raises(cls, value):
-  with pytest.raises(ValueError, match="loss_scale"):
-    cls(value)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"growth_interval": 0}, "growth_interval must be >= 1, got 0"),
-    ({"growth_interval": -3}, "growth_interval"),
-    ({"growth_interval": 2.5}, "growth_interval must be an integer"),
-    ({"growth_factor": 1.0}, "growth_factor must be > 1, got 1.0"),
-    ({"growth_factor": 0.5}, "growth_factor"),
-    ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\), got 0.0"),
-    ({"backoff_factor": 1.0}, "backoff_factor"),
-    ({"backoff_factor": 1.5}, "backoff_factor"),
-    ({"min_loss_scale": 8.0, "max_loss_scale": 4.0, "loss_scale": 4.0},
-     "min_loss_scale 8.0 is greater than max_loss_scale 4.0"),
-    ({"min_loss_scale": 0.0}, "min_loss_scale"),
-    ({"loss_scale": 2.0**30}, "outside"),
-])
-def test_bad_dynamic_config_raises(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    jmp_lab.DynamicLossScale(**kwargs)
-
-
-def test_non_scalar_scale_raises():
-  with pytest.raises(ValueError, match="scalar"):
-    jmp_lab.StaticLossScale(jnp.ones(2))
-
-
-@pytest.mark.parametrize("bad", [jnp.ones(()), jnp.array([True, False]), 1])
-def test_adjust_rejects_non_bool_flags(bad):
-  with pytest.raises(TypeError, match="scalar bool"):
-    jmp_lab.DynamicLossScale().adjust(bad)
 
 
 # --- all_finite and select_tree --------------------------------------------
 
 
-class AllFiniteTest(parameterized.TestCase):
+class AllFiniteTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(
@@ -380,7 +208,7 @@ class AllFiniteTest(parameterized.TestCase):
     assert not bool(jax.jit(jmp_lab.all_finite)(x))
 
 
-class SelectTreeTest(parameterized.TestCase):
+class SelectTreeTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_selects(self):
@@ -409,3 +237,166 @@ class SelectTreeTest(parameterized.TestCase):
   def test_non_bool_pred_raises(self):
     with pytest.raises(TypeError, match="scalar bool"):
       jmp_lab.select_tree(jnp.float32(1.0), jnp.ones(2), jnp.ones(2))
+
+
+class LossScaleTest(chex.TestCase):
+
+  @parameterized.product(cls_kwargs=[
+      (jmp_lab.StaticLossScale, {}),
+      (jmp_lab.DynamicLossScale, {"min_loss_scale": 1.0}),
+  ])
+  def test_fp16_scale_is_accepted_and_stored_as_f32(self, cls_kwargs):
+    cls, kwargs = cls_kwargs
+    loss_scale = cls(jnp.asarray(1024.0, jnp.float16), **kwargs)
+    chex.assert_type(loss_scale.loss_scale, jnp.float32)
+    step = jax.jit(lambda s, g: s.unscale(s.scale(g)))
+    chex.assert_trees_all_close(step(loss_scale, jnp.ones(3, jnp.float16)),
+                                jnp.ones(3))
+    adjusted = jax.jit(lambda s: s.adjust(jnp.array(False)))(loss_scale)
+    chex.assert_type(adjusted.loss_scale, jnp.float32)
+
+  def test_static_scale_is_traced_not_baked_in(self):
+    traces = []
+
+    @jax.jit
+    def step(loss_scale, g):
+      traces.append(None)
+      return loss_scale.unscale(loss_scale.scale(g) * 3.0)
+
+    g = jnp.ones(4, jnp.float16)
+    for value in (2.0, 128.0, 4096.0):
+      chex.assert_trees_all_close(step(jmp_lab.StaticLossScale(value), g),
+                                  3 * jnp.ones(4))
+    assert len(traces) == 1
+    lowered = step.lower(jmp_lab.StaticLossScale(4096.0), g).as_text()
+    assert "4096" not in lowered and "4.096" not in lowered
+
+  def test_dynamic_scale_changes_do_not_recompile(self):
+    traces = []
+
+    @jax.jit
+    def adjust(loss_scale, finite):
+      traces.append(None)
+      return loss_scale.adjust(finite)
+
+    loss_scale = jmp_lab.DynamicLossScale(growth_interval=1)
+    for finite in [True, False, True, True]:
+      loss_scale = adjust(loss_scale, jnp.array(finite))
+    assert len(traces) == 1
+
+  @parameterized.product(how=[k for k, v in ROUND_TRIPS.items() if v])
+  def test_dynamic_round_trip_keeps_every_field(self, how):
+    original = nondefault_dynamic()
+    restored = ROUND_TRIPS[how](original)
+    assert isinstance(restored, jmp_lab.DynamicLossScale)
+    for name in DYNAMIC_FIELDS:
+      chex.assert_trees_all_equal(np.asarray(getattr(restored, name)),
+                                  np.asarray(getattr(original, name)))
+
+  def test_dynamic_round_trip_through_sharding(self):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, P())
+    original = nondefault_dynamic()
+    restored = jax.device_put(original, sharding)
+    assert_same_fields(restored, original, DYNAMIC_FIELDS[2:])
+    chex.assert_trees_all_equal(restored.loss_scale, original.loss_scale)
+    assert restored.loss_scale.sharding == sharding
+
+  def test_min_loss_scale_survives_jit_and_is_respected(self):
+    # jmp drops min_loss_scale on flatten, so under jit the floor was lost.
+    loss_scale = jmp_lab.DynamicLossScale(loss_scale=8.0, min_loss_scale=4.0)
+    adjust = jax.jit(lambda s: s.adjust(jnp.array(False)))
+    for _ in range(5):
+      loss_scale = adjust(loss_scale)
+    assert loss_scale.min_loss_scale == 4.0
+    chex.assert_trees_all_equal(loss_scale.loss_scale, jnp.float32(4.0))
+
+  def test_static_round_trip(self):
+    original = jmp_lab.StaticLossScale(3.0)
+    for how in ("flatten_unflatten", "jit_identity", "device_put"):
+      chex.assert_trees_all_equal(ROUND_TRIPS[how](original).loss_scale,
+                                  jnp.float32(3.0))
+
+  def test_leaves_have_named_paths(self):
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(nondefault_dynamic())[0]]
+    assert paths == [".loss_scale", ".counter"]
+
+  def test_orbax_checkpoint_round_trip(self):
+    tmp_path = pathlib.Path(self.enter_context(tempfile.TemporaryDirectory()))
+    ocp = pytest.importorskip("orbax.checkpoint")
+    original = {"scale": nondefault_dynamic(), "step": jnp.int32(11)}
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "ckpt", original)
+      checkpointer.wait_until_finished()
+      target = jax.tree_util.tree_map(jnp.zeros_like, original)
+      restored = checkpointer.restore(tmp_path / "ckpt", target)
+    for name in DYNAMIC_FIELDS:
+      chex.assert_trees_all_equal(np.asarray(getattr(restored["scale"], name)),
+                                  np.asarray(getattr(original["scale"], name)))
+
+  @settings(max_examples=40)
+  @given(configs, st.lists(st.booleans(), min_size=32, max_size=32))
+  def test_dynamic_matches_gradscaler_model(self, config, finite_flags):
+    loss_scale = jmp_lab.DynamicLossScale(**config)
+    model = GradScalerModel(config["loss_scale"], config["growth_interval"],
+                            config["growth_factor"], config["backoff_factor"],
+                            config["min_loss_scale"], config["max_loss_scale"])
+
+    @jax.jit
+    def run(loss_scale, flags):
+      def body(s, finite):
+        s = s.adjust(finite)
+        return s, (s.loss_scale, s.counter)
+      return jax.lax.scan(body, loss_scale, flags)[1]
+
+    scales, counters = run(loss_scale, jnp.array(finite_flags))
+    for i, finite in enumerate(finite_flags):
+      model.step(finite)
+      assert float(scales[i]) == model.scale, (i, finite_flags[: i + 1])
+      assert int(counters[i]) == model.counter
+      assert config["min_loss_scale"] <= float(scales[i]) <= config["max_loss_scale"]
+
+  @parameterized.parameters(*[
+      (2.0**24, True, 2.0**24),    # at max: stays, even on a growth step
+      (1.0, False, 1.0),           # at min: stays
+      (3.0e38, True, 3.0e38),      # max=inf but growth would overflow f32
+  ])
+  def test_clamping(self, start, finite, expected):
+    max_scale = math.inf if start > 2.0**24 else 2.0**24
+    loss_scale = jmp_lab.DynamicLossScale(start, growth_interval=1,
+                                          max_loss_scale=max_scale)
+    adjusted = loss_scale.adjust(jnp.array(finite))
+    assert float(adjusted.loss_scale) == np.float32(expected)
+
+  @parameterized.product(value=[0.0, -1.0, math.nan, math.inf], cls=[jmp_lab.StaticLossScale, jmp_lab.DynamicLossScale])
+  def test_non_positive_or_non_finite_scale_raises(self, cls, value):
+    with pytest.raises(ValueError, match="loss_scale"):
+      cls(value)
+
+  @parameterized.parameters(*[
+      ({"growth_interval": 0}, "growth_interval must be >= 1, got 0"),
+      ({"growth_interval": -3}, "growth_interval"),
+      ({"growth_interval": 2.5}, "growth_interval must be an integer"),
+      ({"growth_factor": 1.0}, "growth_factor must be > 1, got 1.0"),
+      ({"growth_factor": 0.5}, "growth_factor"),
+      ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\), got 0.0"),
+      ({"backoff_factor": 1.0}, "backoff_factor"),
+      ({"backoff_factor": 1.5}, "backoff_factor"),
+      ({"min_loss_scale": 8.0, "max_loss_scale": 4.0, "loss_scale": 4.0},
+       "min_loss_scale 8.0 is greater than max_loss_scale 4.0"),
+      ({"min_loss_scale": 0.0}, "min_loss_scale"),
+      ({"loss_scale": 2.0**30}, "outside"),
+  ])
+  def test_bad_dynamic_config_raises(self, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+      jmp_lab.DynamicLossScale(**kwargs)
+
+  def test_non_scalar_scale_raises(self):
+    with pytest.raises(ValueError, match="scalar"):
+      jmp_lab.StaticLossScale(jnp.ones(2))
+
+  @parameterized.product(bad=[jnp.ones(()), jnp.array([True, False]), 1])
+  def test_adjust_rejects_non_bool_flags(self, bad):
+    with pytest.raises(TypeError, match="scalar bool"):
+      jmp_lab.DynamicLossScale().adjust(bad)

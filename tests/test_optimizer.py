@@ -11,31 +11,11 @@ from absl.testing import parameterized
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jmp_lab
-
-FLOAT0 = jax.dtypes.float0
-
-
-def tree_bits_equal(a, b):
-  chex.assert_trees_all_equal_dtypes(a, b)
-  chex.assert_trees_all_equal(a, b)
+from conftest import FLOAT0, params_of, scaled_grads_like, tree_bits_equal
 
 
-def params_of(dtype, key=0, n=64):
-  k1, k2 = jax.random.split(jax.random.key(key))
-  return {"dense": {"w": (jax.random.normal(k1, (n,)) * 1e-2).astype(dtype),
-                    "b": (jax.random.normal(k2, (3,)) * 1e-3).astype(dtype)}}
 
-
-def scaled_grads_like(params, loss_scale, key):
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  keys = jax.random.split(jax.random.key(key), len(leaves))
-  grads = [jax.random.normal(k, x.shape) * 1e-2 for k, x in zip(keys, leaves)]
-  grads = jax.tree_util.tree_unflatten(treedef, grads)
-  return jax.tree_util.tree_map(
-      lambda g, p: (g * loss_scale).astype(p.dtype), grads, params)
-
-
-class StateTest(parameterized.TestCase):
+class StateTest(chex.TestCase):
 
   def test_fp32_params_are_the_master(self):
     tx = jmp_lab.mixed_precision(optax.adam(1e-3), policy="float32",
@@ -75,7 +55,7 @@ class StateTest(parameterized.TestCase):
       jmp_lab.master_params(optax.adam(1e-3).init(params_of(jnp.float32)))
 
 
-class SkipTest(parameterized.TestCase):
+class SkipTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters("float32", "p=bf16,c=bf16,o=f32", "p=f16,c=f16")
@@ -119,8 +99,9 @@ class SkipTest(parameterized.TestCase):
     chex.assert_trees_all_equal(lrs[0], jnp.zeros(2))
 
 
-class ExactnessTest(parameterized.TestCase):
+class ExactnessTest(chex.TestCase):
 
+  @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(jnp.bfloat16, jnp.float16)
   def test_params_equal_cast_master_every_step(self, dtype):
     """Params near zero that change sign, many steps, bit for bit."""
@@ -132,7 +113,7 @@ class ExactnessTest(parameterized.TestCase):
         optax.adam(3e-4), policy=policy,
         loss_scale=jmp_lab.DynamicLossScale(2.0**8, growth_interval=10))
     state = tx.init(params)
-    update = jax.jit(tx.update)
+    update = self.variant(tx.update)
     signs_flipped = 0
     for step in range(60):
       grads = jax.tree_util.tree_map(
@@ -184,7 +165,7 @@ def scripted_updates(deltas):
       lambda params: jnp.zeros((), jnp.int32), update)
 
 
-class CompositionTest(parameterized.TestCase):
+class CompositionTest(chex.TestCase):
 
   def test_matches_plain_optax_in_fp32(self):
     params = params_of(jnp.float32)
@@ -262,7 +243,7 @@ class CompositionTest(parameterized.TestCase):
     assert int(state.skipped_steps) == 1
 
 
-class IntegerLeavesTest(parameterized.TestCase):
+class IntegerLeavesTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters("float32", "p=bf16")
@@ -280,7 +261,7 @@ class IntegerLeavesTest(parameterized.TestCase):
     assert float(new["w"][0]) < 1.0
 
 
-class NoSyncAndShardingTest(parameterized.TestCase):
+class NoSyncAndShardingTest(chex.TestCase):
 
   def test_eager_update_needs_no_device_to_host_transfer(self):
     tx = jmp_lab.mixed_precision(optax.adam(1e-3), policy="p=bf16",
@@ -324,7 +305,7 @@ class NoSyncAndShardingTest(parameterized.TestCase):
     chex.assert_trees_all_equal(updates, jnp.zeros(2))
 
 
-class BadInputTest(parameterized.TestCase):
+class BadInputTest(chex.TestCase):
 
   def make(self, spec="p=bf16"):
     return jmp_lab.mixed_precision(optax.sgd(1.0), policy=spec,
@@ -370,20 +351,22 @@ class BadInputTest(parameterized.TestCase):
                               loss_scale=2.0**15)
 
 
-@pytest.mark.parametrize("make_tx", [
-    lambda ls: jmp_lab.mixed_precision(optax.adam(1e-3), policy="p=bf16",
-                                       loss_scale=ls),
-    lambda ls: jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=ls),
-])
-def test_donating_a_state_leaves_the_initial_loss_scale_intact(make_tx):
-  # Regression: init used to put the caller's own loss-scale arrays in the
-  # state, so donating one state broke every later init sharing them.
-  loss_scale = jmp_lab.DynamicLossScale(2.0**8)
-  tx = make_tx(loss_scale)
-  params = {"w": jnp.ones(3, jnp.bfloat16)}
-  grads = {"w": jnp.ones(3, jnp.bfloat16)}
-  step = jax.jit(tx.update, donate_argnums=1)
-  step(grads, tx.init(params), params)
-  state = tx.init(params)  # must not see deleted buffers
-  step(grads, state, params)
-  assert float(loss_scale.loss_scale) == 2.0**8
+class DonationTest(chex.TestCase):
+
+  @parameterized.product(make_tx=[
+      lambda ls: jmp_lab.mixed_precision(optax.adam(1e-3), policy="p=bf16",
+                                         loss_scale=ls),
+      lambda ls: jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=ls),
+  ])
+  def test_donating_a_state_leaves_the_initial_loss_scale_intact(self, make_tx):
+    # Regression: init used to put the caller's own loss-scale arrays in the
+    # state, so donating one state broke every later init sharing them.
+    loss_scale = jmp_lab.DynamicLossScale(2.0**8)
+    tx = make_tx(loss_scale)
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    grads = {"w": jnp.ones(3, jnp.bfloat16)}
+    step = jax.jit(tx.update, donate_argnums=1)
+    step(grads, tx.init(params), params)
+    state = tx.init(params)  # must not see deleted buffers
+    step(grads, state, params)
+    assert float(loss_scale.loss_scale) == 2.0**8

@@ -22,56 +22,6 @@ F16, BF16, F32, F64 = (np.dtype(d) for d in
 # --- parsing ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("float32", (F32, F32, F32)),
-    ("mixed_bfloat16", (F32, BF16, F32)),
-    ("mixed_float16", (F32, F16, F32)),
-])
-def test_presets(name, expected):
-  policy = jmp_lab.get_policy(name)
-  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
-
-
-@pytest.mark.parametrize("spec, expected", [
-    ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
-    ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
-    ("c=f16", (F32, F16, F16)),             # params default f32; output follows compute
-    ("p=bf16", (BF16, BF16, BF16)),         # compute follows params
-    ("p=f16,c=bf16", (F16, BF16, BF16)),
-    ("o=f16", (F32, F32, F16)),
-    ("bf16", (BF16, BF16, BF16)),           # bare dtype name sets all three
-    ("single", (F32, F32, F32)),
-    ("full", (F32, F32, F32)),
-    ("f64", (F64, F64, F64)),
-    (" compute = bfloat16 , params = f32 ", (F32, BF16, BF16)),
-])
-def test_parse(spec, expected):
-  policy = jmp_lab.get_policy(spec)
-  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
-
-
-def test_policy_instance_passes_through():
-  policy = jmp_lab.Policy("f32", "bf16", "f32")
-  assert jmp_lab.get_policy(policy) is policy
-
-
-def test_half_is_float16_on_cpu():
-  assert jmp_lab.get_policy("half").compute_dtype == F16
-
-
-@pytest.mark.parametrize("platform, capability, expected", [
-    ("tpu", None, BF16),
-    ("gpu", "9.0", BF16),
-    ("gpu", "8.0", BF16),
-    ("gpu", "7.5", F16),
-    ("gpu", None, F16),
-    ("cpu", None, F16),
-])
-def test_half_dtype_rule(platform, capability, expected):
-  device = types.SimpleNamespace(platform=platform, compute_capability=capability)
-  assert half_dtype(device) == expected
-
-
 JMP_DTYPE_NAMES = ["bf16", "bfloat16", "f16", "float16", "full", "f32",
                    "float32", "f64", "float64", "half"]
 
@@ -91,70 +41,7 @@ def jmp_policy_strings(draw):
   return ",".join(parts)
 
 
-@given(jmp_policy_strings())
-def test_agrees_with_jmp(spec):
-  ours = jmp_lab.get_policy(spec)
-  theirs = jmp.get_policy(spec)
-  assert ours.param_dtype == np.dtype(theirs.param_dtype)
-  assert ours.compute_dtype == np.dtype(theirs.compute_dtype)
-  assert ours.output_dtype == np.dtype(theirs.output_dtype)
-
-
-@given(st.tuples(*[st.sampled_from([F16, BF16, F32, F64])] * 3))
-def test_str_round_trips(dtypes):
-  policy = jmp_lab.Policy(*dtypes)
-  assert jmp_lab.get_policy(str(policy)) == policy
-
-
-@pytest.mark.parametrize("name", list(jmp_lab.PRESETS))
-def test_preset_str_round_trips(name):
-  policy = jmp_lab.get_policy(name)
-  assert jmp_lab.get_policy(str(policy)) == policy
-
-
 # --- bad input -------------------------------------------------------------
-
-
-@pytest.mark.parametrize("spec, must_mention", [
-    ("", ["empty", "mixed_bfloat16"]),
-    ("   ", ["empty"]),
-    ("q=f32", ["'q'", "params", "compute", "output"]),
-    ("p=f32,c=bf16,p=f16", ["duplicate", "'p'"]),
-    ("params=f32,p=f16", ["duplicate", "'p'"]),
-    ("c=float8", ["'float8'", "bfloat16", "half"]),
-    ("int8", ["'int8'", "float32"]),
-    ("c=int32", ["'int32'", "float16"]),
-    ("p=f32,c", ["'c'", "key=dtype"]),
-    ("f128", ["'f128'"]),
-])
-def test_bad_spec_raises_value_error(spec, must_mention):
-  with pytest.raises(ValueError) as info:
-    jmp_lab.get_policy(spec)
-  for text in must_mention:
-    assert text in str(info.value)
-
-
-def test_non_string_spec_raises_type_error():
-  with pytest.raises(TypeError, match="Policy or a string"):
-    jmp_lab.get_policy(16)
-
-
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.bool_, "int8"])
-def test_policy_rejects_non_floating_dtypes(dtype):
-  with pytest.raises(ValueError, match="accepted"):
-    jmp_lab.Policy(jnp.float32, dtype, jnp.float32)
-
-
-def test_policy_rejects_fp8_with_reason():
-  with pytest.raises(ValueError, match="fp8"):
-    jmp_lab.Policy(jnp.float32, jnp.float8_e4m3fn, jnp.float32)
-
-
-def test_policy_is_frozen_and_hashable():
-  policy = jmp_lab.get_policy("mixed_float16")
-  with pytest.raises(Exception):
-    policy.compute_dtype = F32  # type: ignore[misc]
-  assert hash(policy) == hash(jmp_lab.get_policy("p=f32,c=f16,o=f32"))
 
 
 # --- casting ---------------------------------------------------------------
@@ -172,7 +59,7 @@ def mixed_tree():
   }
 
 
-class CastTest(parameterized.TestCase):
+class CastTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters("float32", "mixed_bfloat16", "mixed_float16",
@@ -203,3 +90,106 @@ class CastTest(parameterized.TestCase):
   def test_same_dtype_leaf_is_not_copied(self):
     x = jnp.ones(3, jnp.float32)
     assert jmp_lab.get_policy("float32").cast_to_compute(x) is x
+
+
+class PolicyParsingTest(chex.TestCase):
+
+  @parameterized.parameters(*[
+      ("float32", (F32, F32, F32)),
+      ("mixed_bfloat16", (F32, BF16, F32)),
+      ("mixed_float16", (F32, F16, F32)),
+  ])
+  def test_presets(self, name, expected):
+    policy = jmp_lab.get_policy(name)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+  @parameterized.parameters(*[
+      ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+      ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+      ("c=f16", (F32, F16, F16)),             # params default f32; output follows compute
+      ("p=bf16", (BF16, BF16, BF16)),         # compute follows params
+      ("p=f16,c=bf16", (F16, BF16, BF16)),
+      ("o=f16", (F32, F32, F16)),
+      ("bf16", (BF16, BF16, BF16)),           # bare dtype name sets all three
+      ("single", (F32, F32, F32)),
+      ("full", (F32, F32, F32)),
+      ("f64", (F64, F64, F64)),
+      (" compute = bfloat16 , params = f32 ", (F32, BF16, BF16)),
+  ])
+  def test_parse(self, spec, expected):
+    policy = jmp_lab.get_policy(spec)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+  def test_policy_instance_passes_through(self):
+    policy = jmp_lab.Policy("f32", "bf16", "f32")
+    assert jmp_lab.get_policy(policy) is policy
+
+  def test_half_is_float16_on_cpu(self):
+    assert jmp_lab.get_policy("half").compute_dtype == F16
+
+  @parameterized.parameters(*[
+      ("tpu", None, BF16),
+      ("gpu", "9.0", BF16),
+      ("gpu", "8.0", BF16),
+      ("gpu", "7.5", F16),
+      ("gpu", None, F16),
+      ("cpu", None, F16),
+  ])
+  def test_half_dtype_rule(self, platform, capability, expected):
+    device = types.SimpleNamespace(platform=platform, compute_capability=capability)
+    assert half_dtype(device) == expected
+
+  @given(jmp_policy_strings())
+  def test_agrees_with_jmp(self, spec):
+    ours = jmp_lab.get_policy(spec)
+    theirs = jmp.get_policy(spec)
+    assert ours.param_dtype == np.dtype(theirs.param_dtype)
+    assert ours.compute_dtype == np.dtype(theirs.compute_dtype)
+    assert ours.output_dtype == np.dtype(theirs.output_dtype)
+
+  @given(st.tuples(*[st.sampled_from([F16, BF16, F32, F64])] * 3))
+  def test_str_round_trips(self, dtypes):
+    policy = jmp_lab.Policy(*dtypes)
+    assert jmp_lab.get_policy(str(policy)) == policy
+
+  @parameterized.product(name=list(jmp_lab.PRESETS))
+  def test_preset_str_round_trips(self, name):
+    policy = jmp_lab.get_policy(name)
+    assert jmp_lab.get_policy(str(policy)) == policy
+
+  @parameterized.parameters(*[
+      ("", ["empty", "mixed_bfloat16"]),
+      ("   ", ["empty"]),
+      ("q=f32", ["'q'", "params", "compute", "output"]),
+      ("p=f32,c=bf16,p=f16", ["duplicate", "'p'"]),
+      ("params=f32,p=f16", ["duplicate", "'p'"]),
+      ("c=float8", ["'float8'", "bfloat16", "half"]),
+      ("int8", ["'int8'", "float32"]),
+      ("c=int32", ["'int32'", "float16"]),
+      ("p=f32,c", ["'c'", "key=dtype"]),
+      ("f128", ["'f128'"]),
+  ])
+  def test_bad_spec_raises_value_error(self, spec, must_mention):
+    with pytest.raises(ValueError) as info:
+      jmp_lab.get_policy(spec)
+    for text in must_mention:
+      assert text in str(info.value)
+
+  def test_non_string_spec_raises_type_error(self):
+    with pytest.raises(TypeError, match="Policy or a string"):
+      jmp_lab.get_policy(16)
+
+  @parameterized.product(dtype=[jnp.int8, jnp.int32, jnp.bool_, "int8"])
+  def test_policy_rejects_non_floating_dtypes(self, dtype):
+    with pytest.raises(ValueError, match="accepted"):
+      jmp_lab.Policy(jnp.float32, dtype, jnp.float32)
+
+  def test_policy_rejects_fp8_with_reason(self):
+    with pytest.raises(ValueError, match="fp8"):
+      jmp_lab.Policy(jnp.float32, jnp.float8_e4m3fn, jnp.float32)
+
+  def test_policy_is_frozen_and_hashable(self):
+    policy = jmp_lab.get_policy("mixed_float16")
+    with pytest.raises(Exception):
+      policy.compute_dtype = F32  # type: ignore[misc]
+    assert hash(policy) == hash(jmp_lab.get_policy("p=f32,c=f16,o=f32"))

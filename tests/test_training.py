@@ -16,7 +16,7 @@ import jmp_lab
 from jmp_lab import linen as jl
 
 
-class ScaledValueAndGradTest(parameterized.TestCase):
+class ScaledValueAndGradTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_returns_unscaled_loss_and_scaled_grads(self):
@@ -78,7 +78,7 @@ BATCH = {"x": jax.random.normal(jax.random.key(1), (8, 5)),
          "y": jnp.arange(8) % 3}
 
 
-class TrainStepTest(parameterized.TestCase):
+class TrainStepTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters("float32", "mixed_bfloat16", "p=f16,c=f16,o=f32")
@@ -152,7 +152,7 @@ def train_digits(spec, loss_scale, steps=600):
   for _ in range(steps):
     idx = rng.integers(0, 1400, 128)
     state, _ = step(state, {"x": x[idx], "y": y[idx]})
-  full_loss, _ = digits_loss(state.params, state, {"x": x[:1400], "y": y[:1400]})
+  full_loss = digits_loss(state.params, state, {"x": x[:1400], "y": y[:1400]})
   return state, float(full_loss)
 
 
@@ -174,18 +174,47 @@ def underflow_share(params, spec, loss_scale):
   return lost / nonzero
 
 
-def test_fp16_underflows_without_scaling_and_matches_fp32_with_it():
-  fp32_state, fp32_loss = train_digits("float32", jmp_lab.NoOpLossScale())
-  # Late in training (confident predictions) many gradients are tiny: in
-  # fp16 without scaling a measured share of them flushes to zero.
-  unscaled = underflow_share(fp32_state.params, "mixed_float16", 1.0)
-  scaled = underflow_share(fp32_state.params, "mixed_float16", 2.0**15)
-  assert unscaled > 0.005, unscaled    # measured ~1.7% at 600 steps
-  assert scaled < unscaled / 10, (scaled, unscaled)
+# --- bug: the donated step deleted the caller's arrays -----------------------
 
-  dyn_state, dyn_loss = train_digits("mixed_float16", jmp_lab.DynamicLossScale())
-  # Stated tolerance: within 5% (+1e-4 nats) of fp32's full training loss.
-  # Measured: fp32 0.0011646, fp16 + dynamic scaling 0.0011645.
-  assert abs(dyn_loss - fp32_loss) <= 0.05 * fp32_loss + 1e-4, (
-      dyn_loss, fp32_loss)
-  assert int(dyn_state.skipped_steps) < 20
+
+class TrainingTest(chex.TestCase):
+
+  def test_fp16_underflows_without_scaling_and_matches_fp32_with_it(self):
+    fp32_state, fp32_loss = train_digits("float32", jmp_lab.NoOpLossScale())
+    # Late in training (confident predictions) many gradients are tiny: in
+    # fp16 without scaling a measured share of them flushes to zero.
+    unscaled = underflow_share(fp32_state.params, "mixed_float16", 1.0)
+    scaled = underflow_share(fp32_state.params, "mixed_float16", 2.0**15)
+    assert unscaled > 0.005, unscaled    # measured ~1.7% at 600 steps
+    assert scaled < unscaled / 10, (scaled, unscaled)
+
+    dyn_state, dyn_loss = train_digits("mixed_float16", jmp_lab.DynamicLossScale())
+    # Stated tolerance: within 5% (+1e-4 nats) of fp32's full training loss.
+    # Measured: fp32 0.0011646, fp16 + dynamic scaling 0.0011645.
+    assert abs(dyn_loss - fp32_loss) <= 0.05 * fp32_loss + 1e-4, (
+        dyn_loss, fp32_loss)
+    assert int(dyn_state.skipped_steps) < 20
+
+  @parameterized.product(spec=["float32", "p=bf16,c=bf16,o=f32"])
+  def test_donated_step_leaves_the_callers_params_and_model_state_alive(self, spec):
+    policy = jmp_lab.get_policy(spec)
+    params = policy.cast_to_param({"w": jnp.ones((4, 3)), "b": jnp.zeros(3)})
+    model_state = {"count": jnp.zeros(())}
+
+    def loss_fn(p, state, batch):
+      out = batch @ p["w"].astype(jnp.float32) + p["b"].astype(jnp.float32)
+      new_model_state = {"count": state.model_state["count"] + 1}
+      return jnp.mean(out**2), {"model_state": new_model_state}
+
+    state = jmp_lab.TrainState.create(
+        apply_fn=None or (lambda *a: None), params=params, policy=policy,
+        model_state=model_state,
+        tx=jmp_lab.mixed_precision(optax.sgd(0.1), policy=policy,
+                                   loss_scale=jmp_lab.NoOpLossScale()))
+    step = jmp_lab.make_train_step(loss_fn)  # donates the state
+    state, _ = step(state, jnp.ones((2, 4)))
+    state, _ = step(state, jnp.ones((2, 4)))
+    for leaf in jax.tree_util.tree_leaves((params, model_state)):
+      assert not leaf.is_deleted()
+    chex.assert_trees_all_equal(params["b"], policy.cast_to_param(jnp.zeros(3)))
+    assert float(state.model_state["count"]) == 2.0

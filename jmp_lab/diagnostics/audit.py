@@ -24,8 +24,8 @@ from jmp_lab.policy import Policy, get_policy
 # Step audit: matmuls, convolutions and casts of a traced function.
 # --------------------------------------------------------------------------
 
-HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-FP8_DTYPES = tuple(np.dtype(getattr(jnp, n)) for n in (
+_HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_FP8_DTYPES = tuple(np.dtype(getattr(jnp, n)) for n in (
     "float8_e4m3fn", "float8_e5m2") if hasattr(jnp, n))
 
 
@@ -45,7 +45,7 @@ class MatmulRecord:
 
   @property
   def half(self) -> bool:
-    return all(np.dtype(d) in HALF_DTYPES + FP8_DTYPES for d in self.operand_dtypes)
+    return all(np.dtype(d) in _HALF_DTYPES + _FP8_DTYPES for d in self.operand_dtypes)
 
 
 def _dot_dims(eqn):
@@ -93,7 +93,7 @@ def _walk(jaxpr, times, records, casts):
     if name in ("dot_general", "conv_general_dilated"):
       dims, flops = (_dot_dims if name == "dot_general" else _conv_dims)(eqn)
       dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
-      multiple = 16 if all(d in FP8_DTYPES for d in dtypes) else 8
+      multiple = 16 if all(d in _FP8_DTYPES for d in dtypes) else 8
       odd = tuple(k for k, v in dims.items() if v % multiple)
       accumulation = eqn.params.get("preferred_element_type") or np.result_type(
           *dtypes)
@@ -194,7 +194,7 @@ def audit_step(fn: Callable[..., Any], *args, policy: Any = None,
   total = sum(r.flops for r in records) or 1.0
   half_flops = sum(r.flops for r in records if r.half)
   could_be_half = []
-  if policy is not None and policy.compute_dtype in HALF_DTYPES:
+  if policy is not None and policy.compute_dtype in _HALF_DTYPES:
     could_be_half = [r for r in records if not r.half and
                      all(d == "float32" for d in r.operand_dtypes)]
   return AuditReport(

@@ -1,0 +1,282 @@
+"""The bad-input catalogue: every public entry point refuses a mistake with a
+ValueError or TypeError that names the argument, the bad value and what is
+accepted -- never a jax-internal error or a silent wrong answer."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jmp_lab
+from jmp_lab import linen as jl
+
+BF16 = "p=bf16,c=bf16,o=f32"
+NO_SCALE = jmp_lab.NoOpLossScale()
+
+
+def params(extra=False, drop=False, width=4):
+  tree = {"dense": {"w": jnp.ones((3, width), jnp.bfloat16),
+                    "b": jnp.zeros((width,), jnp.bfloat16)}}
+  if extra:
+    tree["head"] = jnp.ones((2,), jnp.bfloat16)
+  if drop:
+    del tree["dense"]["b"]
+  return tree
+
+
+def mixed(spec=BF16):
+  return jmp_lab.mixed_precision(optax.adam(1e-3), policy=spec,
+                                 loss_scale=NO_SCALE)
+
+
+def fused(**kwargs):
+  return jmp_lab.fused_adamw(1e-3, policy=BF16, loss_scale=NO_SCALE, **kwargs)
+
+
+def update_with_state_of(tx, built_for, used_with):
+  state = tx.init(built_for)
+  grads = jax.tree_util.tree_map(jnp.ones_like, used_with)
+  return tx.update(grads, state, used_with)
+
+
+def train_state(tx=None, spec="float32"):
+  model = jl.with_policy(nn.Dense(3), spec)
+  variables = model.init(jax.random.key(0), jnp.ones((1, 2)))
+  tx = tx or jmp_lab.mixed_precision(optax.sgd(0.1), policy=spec,
+                                     loss_scale=NO_SCALE)
+  return jmp_lab.TrainState.create(apply_fn=model.apply,
+                                   params=variables["params"], tx=tx,
+                                   policy=spec)
+
+
+def step_with(loss_output):
+  def loss_fn(params, state, batch):
+    loss = jnp.mean(state.apply_fn({"params": params}, batch) ** 2)
+    return loss_output(loss)
+  return jmp_lab.make_train_step(loss_fn, donate=False)(
+      train_state(), jnp.ones((2, 2)))
+
+
+# (id, thunk, exception, patterns that must all appear in the message)
+CASES = [
+    # --- policies ------------------------------------------------------------
+    ("policy-unknown-dtype", lambda: jmp_lab.get_policy("p=f32,c=bf17"),
+     ValueError, ["bf17", "accepted names", "bfloat16"]),
+    ("policy-almost-dtype", lambda: jmp_lab.get_policy("compute_float16"),
+     ValueError, ["compute_float16", "accepted"]),
+    ("policy-unknown-key", lambda: jmp_lab.get_policy("p=f32,x=bf16"),
+     ValueError, ["'x'", "accepted keys", "params"]),
+    ("policy-duplicate-key", lambda: jmp_lab.get_policy("p=f32,params=bf16"),
+     ValueError, ["duplicate key", "params"]),
+    ("policy-empty", lambda: jmp_lab.get_policy("  "),
+     ValueError, ["empty", "mixed_bfloat16"]),
+    ("policy-not-a-string", lambda: jmp_lab.get_policy(16),
+     TypeError, ["Policy or a string", "16"]),
+    ("policy-integer-dtype", lambda: jmp_lab.Policy("float32", "int8", "float32"),
+     ValueError, ["int8", "accepted"]),
+    ("policy-fp8-dtype",
+     lambda: jmp_lab.Policy(jnp.float8_e4m3fn, jnp.float32, jnp.float32),
+     ValueError, ["param_dtype", "float8_e4m3fn", "accepted"]),
+    ("policy-not-a-dtype", lambda: jmp_lab.Policy(object(), "f32", "f32"),
+     TypeError, ["param_dtype", "floating dtype"]),
+    # --- loss scales -------------------------------------------------------
+    ("static-scale-zero", lambda: jmp_lab.StaticLossScale(0.0),
+     ValueError, ["loss_scale", "> 0", "0.0"]),
+    ("static-scale-negative", lambda: jmp_lab.StaticLossScale(-2.0),
+     ValueError, ["loss_scale", "-2.0"]),
+    ("static-scale-inf", lambda: jmp_lab.StaticLossScale(float("inf")),
+     ValueError, ["loss_scale", "finite", "inf"]),
+    ("static-scale-vector", lambda: jmp_lab.StaticLossScale(jnp.ones(2)),
+     ValueError, ["loss_scale", "scalar", "(2,)"]),
+    ("dynamic-growth-interval-zero",
+     lambda: jmp_lab.DynamicLossScale(growth_interval=0),
+     ValueError, ["growth_interval", ">= 1", "0"]),
+    ("dynamic-growth-interval-fraction",
+     lambda: jmp_lab.DynamicLossScale(growth_interval=2.5),
+     ValueError, ["growth_interval", "integer", "2.5"]),
+    ("dynamic-growth-factor", lambda: jmp_lab.DynamicLossScale(growth_factor=1.0),
+     ValueError, ["growth_factor", "> 1", "1.0"]),
+    ("dynamic-backoff-factor",
+     lambda: jmp_lab.DynamicLossScale(backoff_factor=1.5),
+     ValueError, ["backoff_factor", "(0, 1)", "1.5"]),
+    ("dynamic-min-scale-zero", lambda: jmp_lab.DynamicLossScale(min_loss_scale=0),
+     ValueError, ["min_loss_scale", "> 0", "0"]),
+    ("dynamic-scale-above-max",
+     lambda: jmp_lab.DynamicLossScale(loss_scale=2.0**30),
+     ValueError, ["1073741824", "max_loss_scale"]),
+    ("dynamic-min-above-max",
+     lambda: jmp_lab.DynamicLossScale(min_loss_scale=4.0, max_loss_scale=2.0,
+                                      loss_scale=3.0),
+     ValueError, ["min_loss_scale 4.0", "max_loss_scale 2.0"]),
+    ("dynamic-float-counter", lambda: jmp_lab.DynamicLossScale(counter=1.5),
+     TypeError, ["counter", "integer scalar", "float"]),
+    ("adjust-vector-predicate",
+     lambda: jmp_lab.DynamicLossScale().adjust(jnp.ones(2, bool)),
+     TypeError, ["grads_finite", "scalar bool", "bool[2]"]),
+    ("select-tree-vector-predicate",
+     lambda: jmp_lab.select_tree(jnp.ones(2), 1.0, 2.0),
+     TypeError, ["pred", "scalar bool", "float32[2]"]),
+    ("select-tree-mismatch",
+     lambda: jmp_lab.select_tree(True, {"a": jnp.ones(1)}, {"b": jnp.ones(1)}),
+     ValueError, ["on_true", "['a']", "['b']"]),
+    # --- mixed_precision -----------------------------------------------------
+    ("mixed-uncalled-factory",
+     lambda: jmp_lab.mixed_precision(optax.adam, policy=BF16, loss_scale=NO_SCALE),
+     TypeError, ["inner", "GradientTransformation", "adam", "uncalled"]),
+    ("mixed-string-transformation",
+     lambda: jmp_lab.mixed_precision("adam", policy=BF16, loss_scale=NO_SCALE),
+     TypeError, ["inner", "GradientTransformation", "'adam'"]),
+    ("mixed-number-loss-scale",
+     lambda: jmp_lab.mixed_precision(optax.adam(1e-3), policy=BF16,
+                                     loss_scale=2.0**15),
+     TypeError, ["loss_scale", "32768.0", "StaticLossScale"]),
+    ("mixed-bad-policy",
+     lambda: jmp_lab.mixed_precision(optax.adam(1e-3), policy="p=float17",
+                                     loss_scale=NO_SCALE),
+     ValueError, ["float17", "accepted"]),
+    ("mixed-state-extra-leaf",
+     lambda: update_with_state_of(mixed(), params(), params(extra=True)),
+     ValueError, ["optimizer state does not match the params", "['head']"]),
+    ("mixed-state-missing-leaf",
+     lambda: update_with_state_of(mixed(), params(), params(drop=True)),
+     ValueError, ["optimizer state does not match the params",
+                  "['dense']['b']"]),
+    ("mixed-state-other-shapes",
+     lambda: update_with_state_of(mixed(), params(), params(width=5)),
+     ValueError, ["optimizer state does not match the params",
+                  "['dense']['b']", "bfloat16[5]", "bfloat16[4]"]),
+    ("mixed-fp32-state-other-shapes",
+     lambda: update_with_state_of(
+         mixed("float32"), jmp_lab.cast_floating(params(), jnp.float32),
+         jmp_lab.cast_floating(params(width=5), jnp.float32)),
+     ValueError, ["optimizer state does not match the params",
+                  "['dense']['b']"]),
+    ("mixed-update-without-params",
+     lambda: mixed().update(params(), mixed().init(params())),
+     ValueError, ["needs params", "tx.update(grads, opt_state, params)"]),
+    ("mixed-params-wrong-dtype",
+     lambda: mixed().init(jmp_lab.cast_floating(params(), jnp.float32)),
+     ValueError, ["['dense']['b']", "float32", "param_dtype is bfloat16"]),
+    ("mixed-grads-wrong-dtype",
+     lambda: mixed().update(jmp_lab.cast_floating(params(), jnp.float32),
+                            mixed().init(params()), params()),
+     ValueError, ["gradient ['dense']['b']", "float32", "param dtype"]),
+    ("mixed-update-with-fused-state",
+     lambda: mixed().update(params(), fused().init(params()), params()),
+     TypeError, ["state its init returned", "FusedAdamWState"]),
+    # --- fused_adamw ---------------------------------------------------------
+    ("fused-nan-learning-rate",
+     lambda: jmp_lab.fused_adamw(float("nan"), policy=BF16, loss_scale=NO_SCALE),
+     ValueError, ["learning_rate", "finite", "nan"]),
+    ("fused-inf-learning-rate",
+     lambda: jmp_lab.fused_adamw(float("inf"), policy=BF16, loss_scale=NO_SCALE),
+     ValueError, ["learning_rate", "finite", "inf"]),
+    ("fused-nan-array-learning-rate",
+     lambda: jmp_lab.fused_adamw(jnp.float32(jnp.nan), policy=BF16,
+                                 loss_scale=NO_SCALE),
+     ValueError, ["learning_rate", "nan"]),
+    ("fused-negative-learning-rate",
+     lambda: jmp_lab.fused_adamw(-1e-3, policy=BF16, loss_scale=NO_SCALE),
+     ValueError, ["learning_rate", "-0.001", "[0, inf)"]),
+    ("fused-string-learning-rate",
+     lambda: jmp_lab.fused_adamw("1e-3", policy=BF16, loss_scale=NO_SCALE),
+     TypeError, ["learning_rate", "real number", "'1e-3'"]),
+    ("fused-b1-one", lambda: fused(b1=1.0),
+     ValueError, ["b1", "[0, 1)", "1.0"]),
+    ("fused-b2-nan", lambda: fused(b2=float("nan")),
+     ValueError, ["b2", "nan"]),
+    ("fused-negative-eps", lambda: fused(eps=-1e-8),
+     ValueError, ["eps", "-1e-08"]),
+    ("fused-inf-weight-decay", lambda: fused(weight_decay=float("inf")),
+     ValueError, ["weight_decay", "inf"]),
+    ("fused-zero-max-grad-norm", lambda: fused(max_grad_norm=0.0),
+     ValueError, ["max_grad_norm", "(0, inf)", "0.0"]),
+    ("fused-string-max-grad-norm", lambda: fused(max_grad_norm="1"),
+     TypeError, ["max_grad_norm", "real number", "'1'"]),
+    ("fused-number-loss-scale",
+     lambda: jmp_lab.fused_adamw(1e-3, policy=BF16, loss_scale=1024),
+     TypeError, ["loss_scale", "1024", "StaticLossScale"]),
+    ("fused-unknown-backend", lambda: fused(backend="cuda"),
+     ValueError, ["'cuda'", "accepted", "mosaic", "reference"]),
+    ("fused-state-extra-leaf",
+     lambda: update_with_state_of(fused(), params(), params(extra=True)),
+     ValueError, ["optimizer state does not match the params", "['head']"]),
+    ("fused-state-missing-leaf",
+     lambda: update_with_state_of(fused(), params(), params(drop=True)),
+     ValueError, ["optimizer state does not match the params",
+                  "['dense']['b']"]),
+    ("fused-state-other-shapes",
+     lambda: update_with_state_of(fused(), params(), params(width=5)),
+     ValueError, ["optimizer state does not match the params",
+                  "['dense']['b']", "bfloat16[5]"]),
+    ("fused-flat-params-of-mixed-state",
+     lambda: jmp_lab.flat_params(mixed().init(params()), params()),
+     TypeError, ["fused_adamw optimizer state", "MixedPrecisionState"]),
+    ("fused-unflatten-wrong-shape",
+     lambda: jmp_lab.unflatten_params(fused().init(params()), jnp.ones(3)),
+     ValueError, ["flat must be", "float32[3]"]),
+    # --- training helpers ----------------------------------------------------
+    ("scaled-grad-number-loss-scale",
+     lambda: jmp_lab.scaled_value_and_grad(jnp.sum, 128.0),
+     TypeError, ["loss_scale", "128.0", "StaticLossScale"]),
+    ("scaled-grad-vector-loss",
+     lambda: jmp_lab.scaled_value_and_grad(lambda x: x * 2, NO_SCALE)(jnp.ones(3)),
+     TypeError, ["floating scalar", "float32[3]"]),
+    ("train-state-uncalled-factory", lambda: train_state(tx=optax.adam),
+     TypeError, ["tx", "GradientTransformation", "uncalled"]),
+    ("train-state-string-tx", lambda: train_state(tx="adamw"),
+     TypeError, ["tx", "GradientTransformation", "'adamw'"]),
+    ("train-state-plain-optax", lambda: train_state(tx=optax.adam(1e-3)),
+     TypeError, ["tx", "jmp_lab optimizer", "mixed_precision"]),
+    ("train-step-loss-fn-not-callable",
+     lambda: jmp_lab.make_train_step("loss"),
+     TypeError, ["loss_fn", "callable", "'loss'"]),
+    ("train-step-three-tuple", lambda: step_with(lambda loss: (loss, {}, {})),
+     TypeError, ["loss_fn(params, state, batch) must return", "tuple of 3"]),
+    ("train-step-metrics-as-aux",
+     lambda: step_with(lambda loss: (loss, {"accuracy": loss})),
+     TypeError, ["'metrics'", "aux keys ['accuracy']"]),
+    ("train-step-vector-loss",
+     lambda: step_with(lambda loss: jnp.stack([loss, loss])),
+     TypeError, ["must return a floating scalar loss", "float32[2]"]),
+    ("train-step-metrics-not-dict",
+     lambda: step_with(lambda loss: (loss, {"metrics": [loss]})),
+     TypeError, ["metrics of type list"]),
+    # --- linen ---------------------------------------------------------------
+    ("linen-not-a-module",
+     lambda: jl.with_policy(lambda x: x, "mixed_bfloat16"),
+     TypeError, ["flax.linen.Module", "function"]),
+    ("linen-bad-policy", lambda: jl.with_policy(nn.Dense(2), "p=f33"),
+     ValueError, ["f33", "accepted"]),
+    ("linen-class-override-not-a-class",
+     lambda: jl.with_policy(nn.Dense(2), "float32",
+                            class_overrides={"Dense": "float32"}),
+     TypeError, ["class_overrides", "'Dense'"]),
+    ("linen-bad-path-regex",
+     lambda: jl.with_policy(nn.Dense(2), "float32",
+                            path_overrides={"(": "float32"}),
+     ValueError, ["path_overrides", "'('"]),
+]
+
+
+def test_the_catalogue_is_large_and_unique():
+  assert len(CASES) >= 40
+  assert len({case[0] for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("thunk,error,patterns",
+                         [case[1:] for case in CASES],
+                         ids=[case[0] for case in CASES])
+def test_bad_input_is_refused_clearly(thunk, error, patterns):
+  with pytest.raises((TypeError, ValueError)) as raised:
+    thunk()
+  assert type(raised.value) is error, repr(raised.value)
+  message = str(raised.value)
+  for pattern in patterns:
+    assert pattern in message, f"{pattern!r} not in {message!r}"
+  # A message of our own, not one from inside jax.
+  assert not re.search(r"incompatible shapes|cannot reshape|iteration over a "
+                       r"0-d|Dict key mismatch", message)
