@@ -156,7 +156,7 @@ def diagnose(result, x_train, y_train, out_dir: str) -> None:
   state, model = result["state"], result["model"]
   batch = {"x": x_train[:256], "y": y_train[:256]}
   # Unscaled gradients at the final params: what fp16 would have to hold.
-  grads = jax.grad(lambda p: loss_fn(p, state, batch)[0])(state.params)
+  grads = jax.grad(lambda p: loss_fn(p, state, batch))(state.params)
   hist = jmp_lab.diagnostics.gradient_histogram(grads)
   scale = result["final_scale"]
   print(f"gradients of {result['policy']}: {100 * hist.share_underflowing(1.0):.2f}% "
