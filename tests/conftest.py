@@ -4,11 +4,18 @@ Two CPU devices, so that cross-device behaviour (shard_map, NamedSharding)
 is exercised without a GPU. This must run before JAX initialises a backend.
 """
 
-import chex
-import hypothesis
-import jax
-import jax.numpy as jnp
-import numpy as np
+import os
+
+# With the CUDA plugin installed (the gpu-compile extra), jax would try to
+# start CUDA; on these machines there is none, and compiling for an H100
+# without one needs the CPU platform. Set JAX_PLATFORMS=cuda to test on a GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import chex  # noqa: E402
+import hypothesis  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 chex.set_n_cpu_devices(2)
 
@@ -18,8 +25,6 @@ hypothesis.settings.register_profile("default", deadline=None, max_examples=50)
 hypothesis.settings.register_profile(
     "ci", deadline=None, max_examples=50, derandomize=True,
     print_blob=True)
-import os  # noqa: E402
-
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 

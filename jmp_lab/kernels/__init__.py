@@ -2,15 +2,28 @@
 
 Backends, one per file:
 
-* ``"mosaic"`` (:mod:`.mosaic`) -- Mosaic GPU / ``plgpu``, for Hopper
-  (compute capability >= 9.0);
 * ``"triton"`` (:mod:`.pallas_triton`) -- Pallas' Triton backend, for NVIDIA
-  GPUs of compute capability >= 8.0 (deprecated upstream in jax 0.11);
-* ``"interpret"`` (:mod:`.pallas_triton`) -- the same Pallas kernel in
-  interpret mode, on any device (slow; for tests);
+  GPUs of compute capability >= 8.0 (deprecated upstream in jax 0.11, still
+  present); it updates the master and moments in place;
+* ``"mosaic"`` (:mod:`.mosaic`) -- Mosaic GPU / ``plgpu``, for Hopper
+  (compute capability >= 9.0); ``plgpu.kernel`` cannot alias its outputs to
+  its inputs, so a donated state costs three extra copies;
+* ``"interpret"`` (:mod:`.pallas_triton`) -- the Triton kernel in interpret
+  mode, on any device (slow; for tests);
 * ``"reference"`` (:mod:`.reference`) -- plain jnp, the fallback everywhere.
 
-``"auto"`` picks mosaic, then triton, then reference, and logs its choice.
+``"auto"`` decides by the platform the step is *compiled for*
+(``jax.lax.platform_dependent``), not by the first local device: a step
+compiled for CUDA -- on a GPU machine, or ahead of time on a CPU-only one --
+contains the Pallas kernel (Triton where it can be imported, else Mosaic GPU;
+on a local GPU older than Ampere, the reference), and a step compiled for
+anything else uses the reference. Compiled for an H100, the Triton kernel
+moves 28 B/param in place; the Mosaic kernel plus its copies moves 56
+(benchmarks/RESULTS.md).
+
+An explicit GPU backend is taken as asked, wherever the step is compiled, so
+it can be compiled for a GPU on a machine without one; running it on a CPU
+fails when the step is lowered.
 """
 
 from __future__ import annotations
@@ -33,20 +46,6 @@ def _compute_capability(device: jax.Device) -> Optional[float]:
   return None if capability is None else float(capability)
 
 
-def available_backends(device: Optional[jax.Device] = None) -> tuple[str, ...]:
-  """The backends that can run on ``device`` (default: the first device)."""
-  device = device or jax.local_devices()[0]
-  found = []
-  capability = _compute_capability(device)
-  if device.platform == "gpu" and capability is not None:
-    if capability >= 9.0 and _importable("jax.experimental.pallas.mosaic_gpu"):
-      found.append("mosaic")
-    if capability >= 8.0 and _importable("jax.experimental.pallas.triton"):
-      found.append("triton")
-  found += ["interpret", "reference"]
-  return tuple(found)
-
-
 def _importable(module: str) -> bool:
   try:
     __import__(module)
@@ -55,34 +54,71 @@ def _importable(module: str) -> bool:
     return False
 
 
-def resolve_backend(backend: str, device: Optional[jax.Device] = None) -> str:
-  """Turns ``backend`` (maybe ``"auto"``) into a backend that can run here.
+_GPU_MODULES = {"triton": "jax.experimental.pallas.triton",
+                "mosaic": "jax.experimental.pallas.mosaic_gpu"}
+
+
+def available_backends() -> tuple[str, ...]:
+  """The backends this installation can build a step with."""
+  found = [b for b in ("triton", "mosaic") if _importable(_GPU_MODULES[b])]
+  return tuple(found) + ("interpret", "reference")
+
+
+def resolve_backend(backend: str) -> str:
+  """Checks a backend name (``"auto"`` is resolved when the step is lowered).
 
   Raises:
-    ValueError: for an unknown name, or an explicit backend this device
-      cannot run.
+    ValueError: for an unknown name, or a GPU backend whose Pallas module
+      this jax cannot import.
   """
   if backend not in BACKENDS:
     raise ValueError(
         f"unknown fused backend {backend!r}; accepted: {', '.join(BACKENDS)}")
-  device = device or jax.local_devices()[0]
-  available = available_backends(device)
-  if backend == "auto":
-    chosen = next(b for b in ("mosaic", "triton", "reference")
-                  if b in available)
-    logger.info("jmp_lab fused update: backend %r on %s", chosen,
-                device.device_kind)
-    return chosen
-  if backend not in available:
+  if backend != "auto" and backend not in available_backends():
     raise ValueError(
-        f"fused backend {backend!r} is not available on {device.device_kind} "
-        f"({device.platform}); available here: {', '.join(available)}")
+        f"fused backend {backend!r} needs {_GPU_MODULES[backend]}, which this "
+        f"jax {jax.__version__} cannot import; available: "
+        f"{', '.join(available_backends())}")
   return backend
+
+
+def _local_gpu_capability() -> Optional[float]:
+  for device in jax.local_devices():
+    if device.platform == "gpu":
+      capability = getattr(device, "compute_capability", None)
+      return None if capability is None else float(capability)
+  return None
+
+
+def cuda_backend() -> str:
+  """The kernel ``"auto"`` puts in a step compiled for CUDA."""
+  capability = _local_gpu_capability()
+  if capability is not None and capability < 8.0:
+    return "reference"
+  for backend in ("triton", "mosaic"):
+    if backend in available_backends() and (
+        backend != "mosaic" or capability is None or capability >= 9.0):
+      return backend
+  return "reference"
 
 
 def fused_update(backend: str, config: AdamWConfig, g, p, mu, nu, hyper,
                  flags) -> Outputs:
-  """Runs the fused update with a resolved ``backend``."""
+  """Runs the fused update with ``backend`` (see the module doc)."""
+  args = (g, p, mu, nu, hyper, flags)
+  if backend == "auto":
+    chosen = cuda_backend()
+    logger.info("jmp_lab fused update: %r when compiled for CUDA, reference "
+                "elsewhere", chosen)
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=lambda *a: _run(chosen, config, *a),
+        default=lambda *a: _run("reference", config, *a))
+  return _run(backend, config, *args)
+
+
+def _run(backend: str, config: AdamWConfig, g, p, mu, nu, hyper, flags
+         ) -> Outputs:
   if backend == "reference":
     return reference.fused_update(config, g, p, mu, nu, hyper, flags)
   if backend in ("interpret", "triton"):
@@ -95,4 +131,4 @@ def fused_update(backend: str, config: AdamWConfig, g, p, mu, nu, hyper,
 
 
 __all__ = ["AdamWConfig", "BACKENDS", "Outputs", "available_backends",
-           "fused_update", "resolve_backend"]
+           "cuda_backend", "fused_update", "resolve_backend"]
