@@ -24,6 +24,14 @@ Usage::
 
   PYTHONPATH=. python benchmarks/fused_update.py                # GPU sizes
   PYTHONPATH=. python benchmarks/fused_update.py --sizes 1M,4M  # CPU-sized
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/fused_update.py --target h100
+
+``--target h100`` (or ``h200``) needs no GPU: it compiles each path's donated
+step for that GPU (``jmp_lab.diagnostics.compiled_report``) and prints bytes
+per step and per parameter (XLA's cost model plus the custom calls' operand
+and result bytes), kernels launched, argument+temporary memory, the Pallas
+kernel's registers and spills, and a roofline lower bound -- a model, not a
+measurement.
 
 Timings are medians of ``--repeats`` device-synchronised runs after
 ``--warmup`` runs. On a CPU the numbers are ratios of the reference backend,
@@ -184,6 +192,87 @@ def fits(size: int) -> bool:
   return size * 60 < limit
 
 
+def _update_step(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def compiled_rows(size: int, dtype, target: str, leaves: int = 16):
+  """``(path, CompiledReport)`` for each update path, compiled for ``target``.
+
+  Everything is abstract (shapes only): no parameter memory is allocated.
+  """
+  from jmp_lab.diagnostics import compiled_report
+  policy = jmp_lab.Policy(dtype, dtype, jnp.float32)
+  params = jax.eval_shape(lambda: make_params(size, dtype, leaves))
+  grads = params
+  loss_scale = jmp_lab.StaticLossScale(1024.0)
+  fused = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale)
+  unfused = jmp_lab.mixed_precision(optax.adamw(1e-4), policy=policy,
+                                    loss_scale=loss_scale)
+  params32 = jax.tree_util.tree_map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+  fused_state = jax.eval_shape(fused.init, params)
+  flat = jax.eval_shape(lambda s, p: jmp_lab.flat_params(s, p), fused_state,
+                        params)
+  hyper = jax.ShapeDtypeStruct((5,), jnp.float32)
+  flags = jax.ShapeDtypeStruct((2,), jnp.int32)
+  config = jmp_lab.kernels.AdamWConfig(0.9, 0.999, 1e-8, 1e-4, dtype)
+
+  def kernel(g, p, mu, nu, hyper, flags):
+    return jmp_lab.kernels.fused_update("auto", config, g, p, mu, nu, hyper,
+                                        flags)
+
+  donate = dict(donate_argnums=(0, 1))
+  return [
+      ("fused (tree grads)", compiled_report(
+          _update_step(fused), params, fused_state, grads, target=target,
+          **donate)),
+      ("fused (flat params)", compiled_report(
+          _update_step(fused), flat, fused_state, flat, target=target,
+          **donate)),
+      ("fused kernel alone", compiled_report(
+          kernel, flat, fused_state.master_params, fused_state.mu,
+          fused_state.nu, hyper, flags, target=target,
+          donate_argnums=(1, 2, 3))),
+      ("unfused mixed_precision(adamw)", compiled_report(
+          _update_step(unfused), params, jax.eval_shape(unfused.init, params),
+          grads, target=target, **donate)),
+      ("plain optax.adamw, fp32 params", compiled_report(
+          _update_step(optax.adamw(1e-4)), params32,
+          jax.eval_shape(optax.adamw(1e-4).init, params32), params32,
+          target=target, **donate)),
+  ]
+
+
+def compiled_table(size: int, rows) -> str:
+  lines = ["| params | path | GB/step | B/param | kernels | args+temp MiB "
+           "| Pallas kernel | roofline us (model) |", "|" + "---|" * 8]
+  for name, report in rows:
+    moved = report.bytes_accessed
+    memory = report.memory.get("argument", 0) + report.memory.get("temp", 0)
+    pallas = ", ".join(f"{k.backend} {k.registers} regs, {k.spill_bytes} B spill"
+                       for k in report.pallas_kernels) or "none"
+    lines.append(
+        f"| {size:,} | {name} | {moved / 1e9:.3f} | {moved / size:.1f} | "
+        f"{report.kernels} | {memory / 2**20:,.0f} | {pallas} | "
+        f"{report.roofline_seconds()['total'] * 1e6:.0f} |")
+  return "\n".join(lines)
+
+
+def main_compiled(args) -> None:
+  dtype = np.dtype(jnp.dtype(args.param_dtype))
+  print(f"# compiled for {args.target} without a GPU; jax {jax.__version__}; "
+        f"params {dtype.name}, {args.leaves} leaves; fused backend auto -> "
+        f"{jmp_lab.kernels.cuda_backend()}")
+  for size in map(parse_size, args.sizes.split(",")):
+    print(compiled_table(size, compiled_rows(size, dtype, args.target,
+                                             args.leaves)))
+    sys.stdout.flush()
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   on_gpu = jax.default_backend() == "gpu"
@@ -192,7 +281,15 @@ def main(argv=None):
                       choices=["bfloat16", "float16"])
   parser.add_argument("--warmup", type=int, default=5 if on_gpu else 2)
   parser.add_argument("--repeats", type=int, default=50 if on_gpu else 7)
+  parser.add_argument("--target", choices=["h100", "h200"],
+                      help="compile for this GPU (no GPU needed) and print "
+                           "the compiled tables instead of timing")
+  parser.add_argument("--leaves", type=int, default=16)
   args = parser.parse_args(argv)
+  if args.target:
+    if argv is None and "--sizes" not in sys.argv:
+      args.sizes = "4M,100M"
+    return main_compiled(args)
 
   dtype = np.dtype(jnp.dtype(args.param_dtype))
   policy = jmp_lab.Policy(dtype, dtype, jnp.float32)

@@ -23,6 +23,15 @@ fp32-highest, TF32 and the best torch AMP bf16. A plot goes to --plot.
 
   PYTHONPATH=. python benchmarks/train_step.py                 # GPU, GPT-2 small
   PYTHONPATH=. python benchmarks/train_step.py --small         # CPU-sized
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/train_step.py --target h100
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/train_step.py --target h100 \
+      --devices 8 --configs bf16,fp16                           # data parallel
+
+``--target`` needs no GPU: each configuration's step is compiled for that GPU
+(``jmp_lab.diagnostics.compiled_report``, shapes only) and a table gives
+bytes per step, kernels, argument+temporary memory per device, the GEMMs'
+math (16-bit, tf32, fp32) by FLOP share, the collectives and a roofline lower
+bound on the step time -- a model, not a measurement.
 
 On a CPU the figures are a smoke test of the harness, not speed claims.
 """
@@ -127,6 +136,45 @@ def make_state(config: Config, size: ModelSize):
                                  policy=policy, loss_scale=loss_scale)
   return jmp_lab.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
                                    policy=policy)
+
+
+def compiled_step_report(config: Config, size: ModelSize, target: str,
+                         devices: int = 1):
+  """The config's donated train step compiled for ``devices`` x ``target``.
+
+  Shapes only: no parameter memory is allocated. With several devices the
+  step is data parallel (params replicated, the batch split over "data").
+  """
+  from jax.sharding import PartitionSpec as P
+  from jmp_lab.diagnostics import compiled_report
+  with jax.default_matmul_precision(config.precision or "default"):
+    state = jax.eval_shape(lambda: make_state(config, size))
+    batch = jax.ShapeDtypeStruct((size.batch * devices, size.seq_len + 1),
+                                 jnp.int32)
+    return compiled_report(jmp_lab.make_train_step(loss_fn), state, batch,
+                           target=target, devices=devices,
+                           in_specs=(P(), P("data")))
+
+
+def compiled_table(reports) -> str:
+  lines = ["| config | GB/step | kernels | args+temp GiB/device | GEMM math "
+           "(FLOP share) | fp32/tf32 GEMMs | collectives | Pallas kernel "
+           "| roofline ms (model) |", "|" + "---|" * 9]
+  for name, r in reports:
+    math_share = ", ".join(
+        f"{kind} {r.gemm_flop_share(kind):.0%}"
+        for kind in ("fp8", "16-bit", "tf32", "fp32")
+        if r.gemm_flop_share(kind))
+    pallas = ", ".join(f"{k.backend} ({k.registers} regs, {k.spill_bytes} B "
+                       f"spill)" for k in r.pallas_kernels) or "none"
+    collectives = ", ".join(f"{k} x{v}" for k, v in
+                            sorted(r.collective_summary().items())) or "none"
+    memory = r.memory.get("argument", 0) + r.memory.get("temp", 0)
+    lines.append(
+        f"| {name} | {r.bytes_accessed / 1e9:.1f} | {r.kernels} | "
+        f"{memory / 2**30:.2f} | {math_share} | {len(r.fp32_gemms)} | "
+        f"{collectives} | {pallas} | {r.roofline_seconds()['total'] * 1e3:.2f} |")
+  return "\n".join(lines)
 
 
 def random_batches(size: ModelSize, batch: int, count: int):
@@ -323,16 +371,31 @@ def main(argv=None):
   parser.add_argument("--no-batch-search", action="store_true")
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--plot", default=None)
+  parser.add_argument("--target", choices=["h100", "h200"],
+                      help="compile for this GPU (no GPU needed) and print "
+                           "the compiled table instead of timing")
+  parser.add_argument("--devices", type=int, default=1,
+                      help="with --target: GPUs, data parallel")
   args = parser.parse_args(argv)
 
-  size = SMALL if args.small else ModelSize()
+  small = args.small and not args.target  # --target means GPT-2 small
+  size = SMALL if small else ModelSize()
   size = dataclasses.replace(size, **{k: v for k, v in vars(args).items()
                                       if k in ModelSize.__dataclass_fields__ and v})
+  chosen = [c for c in CONFIGS if c.name in args.configs.split(",")]
+  if args.target:
+    print(f"# compiled for {args.devices} x {args.target} without a GPU; jax "
+          f"{jax.__version__}; model {size}")
+    reports = []
+    for c in chosen:
+      reports.append((c.name, compiled_step_report(c, size, args.target,
+                                                   args.devices)))
+    print(compiled_table(reports))
+    return reports
   device = jax.local_devices()[0]
   peak = bf16_matmul_peak(8192 if on_gpu else 512)
   print(f"# {device.device_kind}; jax {jax.__version__}; model {size}; "
         f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s")
-  chosen = [c for c in CONFIGS if c.name in args.configs.split(",")]
   rows = [run_jax(c, size, warmup=args.warmup, steps=args.steps) for c in chosen]
   if on_gpu and not args.no_torch:
     for dtype_name in ("bf16", "fp16"):

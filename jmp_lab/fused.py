@@ -52,6 +52,10 @@ from jmp_lab.state import FusedAdamWState, find_state
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
+# Unpacking the update buffer into dozens of leaves in one XLA:GPU kernel
+# spills registers (see kernels.layout.unpack); 8 leaves a kernel does not.
+_LEAVES_PER_FUSION = 8
+
 
 def _is_flat(layout: flat_layout.FlatLayout, params: Any) -> bool:
   """Whether ``params`` is the flat buffer form (see :func:`flat_params`)."""
@@ -243,7 +247,7 @@ def fused_adamw(
     # Updates: the half copy minus the params (exact: see the kernel), or
     # the fp32 update itself when the params are the master.
     new_values = out.extra if flat else flat_layout.unpack(
-        layout, out.extra, rest=params)
+        layout, out.extra, rest=params, leaves_per_fusion=_LEAVES_PER_FUSION)
     updates = jax.tree_util.tree_map(
         lambda new, p: (new.astype(jnp.float32) - p.astype(jnp.float32)
                         if keep_master else new)

@@ -12,10 +12,18 @@ One module per question, each answering with a dataclass whose ``table()``
   memory, state bytes per parameter and activation bytes, per policy;
   :func:`compiled_memory` reads XLA's memory analysis;
 * :mod:`.recorder` -- :class:`TrainingRecorder`: the loss, loss scale and
-  skipped steps, recorded without synchronising inside a step.
+  skipped steps, recorded without synchronising inside a step;
+* :mod:`.compiled` -- :func:`compiled_report`: the step compiled for an H100
+  or H200 on a machine without a GPU: memory, bytes, kernels, GEMM dtypes,
+  collectives, Pallas registers and a roofline model (:mod:`.hlo` reads the
+  compiled module).
 """
 
 from jmp_lab.diagnostics.audit import AuditReport, MatmulRecord, audit_step
+from jmp_lab.diagnostics.compiled import (CollectiveRecord, CompiledReport,
+                                          GemmRecord, GpuTarget, PallasKernel,
+                                          compile_for_gpu, compiled_report,
+                                          gpu_mesh, gpu_target)
 from jmp_lab.diagnostics.histogram import (BF16, FP16, FloatRange,
                                            GradientHistogram,
                                            gradient_histogram,
@@ -28,16 +36,25 @@ from jmp_lab.diagnostics.recorder import TrainingRecorder
 __all__ = [
     "AuditReport",
     "BF16",
+    "CollectiveRecord",
+    "CompiledReport",
     "FP16",
     "FloatRange",
+    "GemmRecord",
+    "GpuTarget",
     "GradientHistogram",
     "MatmulRecord",
     "MemoryReport",
     "MemoryRow",
+    "PallasKernel",
     "TrainingRecorder",
     "activation_bytes",
     "audit_step",
+    "compile_for_gpu",
     "compiled_memory",
+    "compiled_report",
+    "gpu_mesh",
+    "gpu_target",
     "gradient_histogram",
     "memory_report",
     "memory_row",

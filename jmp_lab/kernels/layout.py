@@ -123,18 +123,30 @@ def pack(layout: FlatLayout, tree: Any, dtype) -> jax.Array:
   return jnp.concatenate(parts).reshape(layout.rows, LANES)
 
 
-def unpack(layout: FlatLayout, flat: jax.Array, rest: Any = None) -> Any:
+def unpack(layout: FlatLayout, flat: jax.Array, rest: Any = None, *,
+           leaves_per_fusion: Optional[int] = None) -> Any:
   """The tree held in ``flat``; non-trainable leaves come from ``rest``.
 
   Without ``rest`` the non-trainable leaves are None.
+
+  With ``leaves_per_fusion``, every that many leaves read ``flat`` through an
+  ``optimization_barrier`` of their own (free at run time). XLA:GPU fuses all
+  consumers of one buffer into one multi-output kernel: for a model with
+  dozens of leaves that kernel needs more than 255 registers and spills
+  (seen compiling GPT-2-small for an H100). Separate values keep each group's
+  kernel small.
   """
   flat = flat.reshape(-1)
   rest_leaves = (layout.treedef.flatten_up_to(rest) if rest is not None
                  else [None] * len(layout.shapes))
   leaves = []
+  source, used = flat, 0
   for offset, shape, other in zip(layout.offsets, layout.shapes, rest_leaves):
     if offset is None:
       leaves.append(other)
-    else:
-      leaves.append(flat[offset:offset + math.prod(shape)].reshape(shape))
+      continue
+    if leaves_per_fusion and used == leaves_per_fusion:
+      source, used = jax.lax.optimization_barrier(flat), 0
+    used += 1
+    leaves.append(source[offset:offset + math.prod(shape)].reshape(shape))
   return layout.treedef.unflatten(leaves)

@@ -1,0 +1,186 @@
+"""Compiled for an H100 on every CI run, without a GPU.
+
+XLA's GPU compiler (the CUDA plugin, from the gpu-compile extra) compiles the
+Pallas kernels and whole train steps for sm_90a; these tests read the
+compiled modules: spills, registers, GEMM dtypes, collectives, bytes.
+"""
+
+import importlib.metadata
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jmp_lab
+from jmp_lab.diagnostics import compiled, hlo
+from jmp_lab.kernels.reference import AdamWConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import train_step  # noqa: E402
+
+SDS = jax.ShapeDtypeStruct
+
+
+# --- the HLO reader --------------------------------------------------------
+
+HLO = """
+%fused_mul (p0: f32[64,32]) -> f32[64,32] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  ROOT %m = f32[64,32]{1,0} multiply(%p0, %p0)
+}
+
+ENTRY %main.3 (a.1: bf16[64,128], b.1: bf16[128,32]) -> (f32[64,32], bf16[64,32]) {
+  %a.1 = bf16[64,128]{1,0} parameter(0)
+  %b.1 = bf16[128,32]{1,0} parameter(1)
+  %custom-call.1 = (bf16[64,32]{1,0}, s8[4096]{0}) custom-call(%a.1, %b.1), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]},"precision_config":{"operand_precision":["DEFAULT","DEFAULT"]}}}
+  %get-tuple-element.1 = bf16[64,32]{1,0} get-tuple-element(%custom-call.1), index=0
+  %convert = f32[64,32]{1,0} fusion(%get-tuple-element.1), kind=kLoop, calls=%fused_mul
+  %all-reduce-start = f32[64,32]{1,0} all-reduce-start(%convert), replica_groups={}, to_apply=%add
+  %all-reduce-done = f32[64,32]{1,0} all-reduce-done(%all-reduce-start)
+  ROOT %tuple = (f32[64,32]{1,0}, bf16[64,32]{1,0}) tuple(%all-reduce-done, %get-tuple-element.1)
+}
+"""
+
+
+def test_hlo_reader_resolves_shapes_operands_and_configs():
+  module = hlo.parse_module(HLO)
+  entry = module.entry
+  assert entry.name == "main.3" and "fused_mul" in module.computations
+  gemm = next(i for i in entry.instructions if i.opcode == "custom-call")
+  assert [str(a) for a in gemm.result] == ["bf16[64,32]", "s8[4096]"]
+  assert [str(t[0]) for t in gemm.operand_types] == ["bf16[64,128]", "bf16[128,32]"]
+  assert gemm.attribute("custom_call_target") == "__cublas$lt$matmul"
+  assert gemm.backend_config()["gemm_backend_config"]["dot_dimension_numbers"][
+      "lhs_contracting_dimensions"] == ["1"]
+  assert gemm.operand_bytes == 64 * 128 * 2 + 128 * 32 * 2
+
+
+def test_walker_counts_kernels_gemms_collectives_and_custom_call_bytes():
+  walker = compiled._Walker(hlo.parse_module(HLO))
+  walker.walk(walker.module.entry, 1)
+  assert walker.kernels == 3  # cuBLAS, the fusion, the all-reduce
+  (gemm,) = walker.gemms
+  assert (gemm.kind, gemm.operands, gemm.math) == ("cublas", "bf16 x bf16 -> bf16", "16-bit")
+  assert gemm.flops == 2 * 64 * 32 * 128
+  # The cuBLAS workspace is scratch: only the operands and the product count.
+  assert walker.custom_call_bytes == 64 * 128 * 2 + 128 * 32 * 2 + 64 * 32 * 2
+  (reduce,) = walker.collectives
+  assert (reduce.kind, reduce.dtypes, reduce.bytes) == ("all-reduce", ("f32",), 64 * 32 * 4)
+
+
+# --- targets and errors ----------------------------------------------------
+
+
+def test_targets_ship_with_the_package():
+  h100, h200 = compiled.gpu_target("h100"), compiled.gpu_target("H200")
+  assert h100.memory_bandwidth == 3.35232e12 and h200.memory_bandwidth == 4.8e12
+  assert "core_count: 132" in h100.config
+  assert compiled.gpu_target(h100.config).name == "custom"
+
+
+@pytest.mark.parametrize("call, error, pattern", [
+    (lambda: compiled.gpu_target("h300"), ValueError, "unknown target 'h300'.*h100"),
+    (lambda: compiled.gpu_target(100), TypeError, "target must be"),
+    (lambda: compiled.gpu_mesh("h100", devices=0), ValueError, "devices must be an int >= 1, got 0"),
+])
+def test_bad_arguments_are_named(call, error, pattern):
+  with pytest.raises(error, match=pattern):
+    call()
+
+
+def test_missing_plugin_says_what_to_install(monkeypatch):
+  def version(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+  monkeypatch.setattr(importlib.metadata, "version", version)
+  with pytest.raises(RuntimeError, match=r"jmp_lab\[gpu-compile\].*cuda12-local"):
+    compiled.gpu_mesh("h100")
+
+
+# --- small functions: GEMM math and the byte model ----------------------------
+
+
+@pytest.mark.parametrize("dtype, precision, math", [
+    (jnp.bfloat16, "default", "16-bit"),
+    (jnp.float16, "default", "16-bit"),
+    (jnp.float32, "default", "tf32"),
+    (jnp.float32, "highest", "fp32"),
+])
+def test_gemm_math_follows_dtype_and_precision(dtype, precision, math):
+  a = SDS((256, 512), dtype)
+  with jax.default_matmul_precision(precision):
+    report = compiled.compiled_report(lambda x, y: x @ y.T, a, a)
+  (gemm,) = report.gemms
+  assert (gemm.kind, gemm.math, gemm.flops) == ("cublas", math, 2 * 256 * 256 * 512)
+  assert report.fp32_gemms == ([] if math == "16-bit" else [gemm])
+
+
+def test_byte_model_of_one_elementwise_kernel_is_exact():
+  """y = 2x + 1 over 1M floats: one kernel, 4 B read and 4 B written each."""
+  x = SDS((2**20,), jnp.float32)
+  report = compiled.compiled_report(lambda x: 2 * x + 1, x)
+  assert report.kernels == 1
+  assert report.bytes_accessed == report.kernel_io_bytes == 8 * 2**20
+  assert report.roofline_seconds()["memory"] == pytest.approx(8 * 2**20 / 3.35232e12)
+
+
+# --- the Pallas kernels, compiled for sm_90a ----------------------------------
+
+
+@pytest.mark.parametrize("keep_master", [True, False])
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_pallas_kernel_compiles_for_sm90a_without_spills(backend, keep_master):
+  rows = 132 * 8 * 4
+  config = AdamWConfig(0.9, 0.999, 1e-8, 1e-4,
+                       np.dtype(jnp.bfloat16) if keep_master else None)
+  args = ((SDS((rows, 256), jnp.bfloat16),)
+          + tuple(SDS((rows, 256), jnp.float32) for _ in range(3))
+          + (SDS((5,), jnp.float32), SDS((2,), jnp.int32)))
+  report = compiled.compiled_report(
+      lambda *a: jmp_lab.kernels.fused_update(backend, config, *a), *args,
+      donate_argnums=(1, 2, 3), fail_on_spill=True)
+  (kernel,) = report.pallas_kernels
+  assert kernel.backend == backend
+  assert kernel.spill_bytes == 0
+  assert 32 <= kernel.registers <= 128  # measured: triton 78, mosaic 116
+  # The kernel reads g, p, m, v and writes p, m, v and the extra output.
+  elements = rows * 256
+  assert report.custom_call_bytes >= elements * (2 + 12 + 12 + (2 if keep_master else 4))
+
+
+# --- GPT-2-small, every configuration of the benchmark ------------------------
+
+
+@pytest.mark.parametrize("config", train_step.CONFIGS, ids=lambda c: c.name)
+def test_gpt2_small_step_compiles_for_h100(config):
+  report = train_step.compiled_step_report(config, train_step.ModelSize(), "h100")
+  policy = jmp_lab.get_policy(config.policy)
+  assert report.memory["temp"] > 0 and report.kernels > 100
+  assert len(report.gemms) >= 12 * 6  # every layer's projections, fwd and bwd
+  if policy.compute_dtype.itemsize == 2:
+    assert report.fp32_gemms == [], [g.operands for g in report.fp32_gemms]
+    assert report.gemm_flop_share("16-bit") == 1.0
+  else:
+    expected = "fp32" if config.precision == "highest" else "tf32"
+    assert report.gemm_flop_share(expected) == 1.0
+  pallas = report.pallas_kernels
+  assert [k.backend for k in pallas] == (["triton"] if config.fused else [])
+  assert all(k.spill_bytes == 0 for k in pallas)  # XLA's kernels: fail_on_spill
+
+
+# --- eight GPUs, data parallel -------------------------------------------------
+
+
+def test_data_parallel_step_on_8_h100s_reduces_gradients():
+  size = train_step.ModelSize(layers=2)
+  config = next(c for c in train_step.CONFIGS if c.name == "bf16")
+  report = train_step.compiled_step_report(config, size, "h100", devices=8)
+  summary = report.collective_summary()
+  assert any(k.startswith("all-reduce") for k in summary), summary
+  assert report.devices == 8
+  print(report)
