@@ -79,6 +79,23 @@ def kernel_inputs(size, grad_dtype, key, poison=None):
   return g.astype(grad_dtype), p, mu, nu
 
 
+def skip_unless_runnable(backend):
+  """The GPU backends run only on a GPU (``JAX_PLATFORMS=cuda``)."""
+  if backend in ("triton", "mosaic"):
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+      pytest.skip(f"{backend} runs on a GPU (benchmarks/gpu_run.sh runs these)")
+    capability = float(getattr(device, "compute_capability", "0"))
+    if capability < (9.0 if backend == "mosaic" else 8.0):
+      pytest.skip(f"{backend} needs a newer GPU than {device.device_kind}")
+
+
+# Worst master difference to the jitted reference, in fp32 ulps at the scale
+# of its operands. Mosaic GPU lowers no sqrt and uses x * rsqrt(x) (<= 2 ulps
+# of the square root), which can add a few ulps to the step.
+BACKEND_MAX_ULPS = {"interpret": MAX_ULPS, "triton": MAX_ULPS, "mosaic": 2 * MAX_ULPS}
+
+
 def hyper_and_flags(finite, boundary, count=7, b1=0.9, b2=0.999):
   inv1, inv2 = reference.inverse_bias_corrections(b1, b2, jnp.int32(count))
   hyper = jnp.stack([jnp.float32(3e-3), inv1, inv2, jnp.float32(256.0),
@@ -86,12 +103,14 @@ def hyper_and_flags(finite, boundary, count=7, b1=0.9, b2=0.999):
   return hyper, jnp.array([int(finite), boundary], jnp.int32)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "triton", "mosaic"])
 @pytest.mark.parametrize("size", [1, 127, 2049, 10**6 + 3])
 @pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("keep_master", [True, False])
-def test_interpret_kernel_matches_reference_within_one_ulp(size, grad_dtype,
-                                                           keep_master):
-  if size == 10**6 + 3 and not keep_master:
+def test_kernel_matches_reference_within_one_ulp(size, grad_dtype, keep_master,
+                                                 backend):
+  skip_unless_runnable(backend)
+  if size == 10**6 + 3 and not keep_master and backend == "interpret":
     pytest.skip("the large size runs once, with a master")
   config = AdamWConfig(0.9, 0.999, 1e-8, 0.01,
                        np.dtype(grad_dtype) if keep_master else None)
@@ -99,7 +118,7 @@ def test_interpret_kernel_matches_reference_within_one_ulp(size, grad_dtype,
   hyper, flags = hyper_and_flags(True, boundary=size // 3)
   want = jax.jit(lambda *a: reference.fused_update(config, *a))(
       g, p, mu, nu, hyper, flags)
-  got = jax.jit(lambda *a: pallas_triton.fused_update(config, *a, interpret=True))(
+  got = jax.jit(lambda *a: kernels.fused_update(backend, config, *a))(
       g, p, mu, nu, hyper, flags)
   for w, x in zip(want, got):
     chex.assert_type(x, w.dtype)
@@ -111,7 +130,7 @@ def test_interpret_kernel_matches_reference_within_one_ulp(size, grad_dtype,
   scale = np.maximum(np.abs(np.asarray(p)), np.abs(np.asarray(want.master)))
   master_ulps = np.abs(np.asarray(got.master) - np.asarray(want.master)) / np.spacing(
       scale.astype(np.float32))
-  assert master_ulps.max() <= MAX_ULPS, master_ulps.max()
+  assert master_ulps.max() <= BACKEND_MAX_ULPS[backend], master_ulps.max()
   assert np.mean(master_ulps <= 1) > 0.99
   if keep_master:  # the half copy: at most one half-precision ulp apart
     half_w, half_x = (np.asarray(v, np.float32) for v in (want.extra, got.extra))
@@ -119,16 +138,18 @@ def test_interpret_kernel_matches_reference_within_one_ulp(size, grad_dtype,
     assert np.all(np.abs(half_w - half_x) <= half_ulp)
   else:  # the fp32 update itself
     update_ulps = ulps_apart(want.extra, got.extra)  # at its own scale
-    assert update_ulps.max() <= MAX_ULPS and np.mean(update_ulps <= 1) > 0.95
-  if grad_dtype == jnp.bfloat16:  # no fp16 conversions: XLA fuses alike
+    assert update_ulps.max() <= BACKEND_MAX_ULPS[backend]
+    assert np.mean(update_ulps <= 1) > 0.95
+  if grad_dtype == jnp.bfloat16 and backend == "interpret":  # XLA fuses alike
     chex.assert_trees_all_equal(got, want)
   # Something really happened: weights moved, decayed and undecayed alike.
   assert float(jnp.max(jnp.abs(got.master - p))) > 0
 
 
 @pytest.mark.parametrize("poison", [jnp.inf, -jnp.inf, jnp.nan])
-@pytest.mark.parametrize("backend_fn", ["reference", "interpret"])
+@pytest.mark.parametrize("backend_fn", ["reference", "interpret", "triton", "mosaic"])
 def test_non_finite_flag_writes_nothing_new(poison, backend_fn):
+  skip_unless_runnable(backend_fn)
   config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.bfloat16))
   g, p, mu, nu = kernel_inputs(5000, jnp.bfloat16, key=1, poison=poison)
   hyper, flags = hyper_and_flags(False, boundary=100)
