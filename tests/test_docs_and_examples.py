@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # README blocks run from the repository root
 
 
 def readme_python_blocks():
