@@ -32,11 +32,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lab import _checks, _tree
+from jmp_lab import _checks, _tree, fused
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy, get_policy
-from jmp_lab.state import (current_loss_scale, find_state, last_step_applied,
-                           master_params, skipped_steps)
+from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,
+                           last_step_applied, master_params, skipped_steps)
+
+
+# The name scope of the optimizer update inside a train step: compiled
+# reports (``CompiledReport.scope``) find its kernels and bytes by it.
+UPDATE_SCOPE = "jmp_lab_update"
 
 
 def scaled_value_and_grad(
@@ -107,6 +112,9 @@ class TrainState(flax.struct.PyTreeNode):
     apply_fn: the model's apply function (e.g. from ``jmp_lab.linen``).
     tx: the optimizer, normally :func:`jmp_lab.mixed_precision`.
     policy: the precision policy.
+    flat: whether ``params`` is :func:`jmp_lab.fused_adamw`'s flat buffer
+      (``TrainState.create(..., flat_params=True)``); ``params_tree`` is
+      then the tree view, and ``loss_fn`` receives that view.
   """
 
   step: jax.Array
@@ -116,20 +124,29 @@ class TrainState(flax.struct.PyTreeNode):
   apply_fn: Callable[..., Any] = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
   policy: Policy = flax.struct.field(pytree_node=False)
+  flat: bool = flax.struct.field(pytree_node=False, default=False)
 
   @classmethod
   def create(cls, *, apply_fn: Callable[..., Any], params: Any,
              tx: optax.GradientTransformation, policy: Union[Policy, str],
-             model_state: Optional[Any] = None) -> "TrainState":
+             model_state: Optional[Any] = None,
+             flat_params: bool = False) -> "TrainState":
     """Casts ``params`` to the policy's param dtype and initialises ``tx``.
 
     The state owns its arrays: params already in the param dtype, and the
     model state, are copied, so a donated step never deletes arrays the
     caller still holds.
 
+    With ``flat_params=True`` (``tx`` must be :func:`jmp_lab.fused_adamw`)
+    the params are kept as the optimizer's flat buffer: the loss function
+    reads them through a tree view, gradients arrive flat, and the kernel
+    writes the new params in place -- no packing, unpacking or
+    ``apply_updates`` pass. Integer params are not kept in that mode.
+
     Raises:
       TypeError: if ``tx`` is not an optax transformation, ``apply_fn`` is
-        not callable, or ``tx`` is not a jmp_lab optimizer.
+        not callable, or ``tx`` is not a jmp_lab optimizer (``fused_adamw``
+        with ``flat_params``).
     """
     _checks.check_transformation(tx, "TrainState.create's tx")
     if not callable(apply_fn):
@@ -147,9 +164,23 @@ class TrainState(flax.struct.PyTreeNode):
           "(jmp_lab.mixed_precision(...) or jmp_lab.fused_adamw(...)), which "
           "keeps the loss scale and skips non-finite steps; got one whose "
           f"state is a {type(opt_state).__name__}") from None
+    if flat_params:
+      if not isinstance(find_state(opt_state), FusedAdamWState):
+        raise TypeError(
+            f"flat_params=True needs tx=jmp_lab.fused_adamw(...), whose "
+            f"state keeps flat buffers; got a "
+            f"{type(find_state(opt_state)).__name__}")
+      params = fused.flat_params(opt_state, params)
     return cls(step=jnp.zeros((), jnp.int32), params=params,
                opt_state=opt_state, model_state=model_state,
-               apply_fn=apply_fn, tx=tx, policy=policy)
+               apply_fn=apply_fn, tx=tx, policy=policy, flat=bool(flat_params))
+
+  @property
+  def params_tree(self) -> Any:
+    """The params as a tree (a view of the flat buffer when ``flat``)."""
+    if self.flat:
+      return fused.unflatten_params(self.opt_state, self.params)
+    return self.params
 
   @property
   def loss_scale(self) -> LossScale:
@@ -160,7 +191,7 @@ class TrainState(flax.struct.PyTreeNode):
   def master_params(self) -> Any:
     """The fp32 master params (the params themselves if they are fp32)."""
     master = master_params(self.opt_state)
-    return self.params if master is None else master
+    return self.params_tree if master is None else master
 
   @property
   def skipped_steps(self) -> jax.Array:
@@ -173,9 +204,17 @@ class TrainState(flax.struct.PyTreeNode):
     On a non-finite step only the loss scale and the skip counter change:
     ``params``, ``step`` and ``model_state`` keep their old values.
     """
-    updates, opt_state = self.tx.update(grads, self.opt_state, self.params,
-                                        **extra_args)
-    params = optax.apply_updates(self.params, updates)
+    # Named, so that compiled reports can find the update's kernels.
+    with jax.named_scope(UPDATE_SCOPE):
+      new_params = getattr(self.tx.update, "new_params", None)
+      if new_params is not None and not extra_args:
+        # fused_adamw hands back the params its kernel wrote: no updates
+        # tree and no apply_updates pass (the same values, bit for bit).
+        params, opt_state = new_params(grads, self.opt_state, self.params)
+      else:
+        updates, opt_state = self.tx.update(grads, self.opt_state,
+                                            self.params, **extra_args)
+        params = optax.apply_updates(self.params, updates)
     applied = last_step_applied(opt_state)
     new_model_state = self.model_state
     if model_state is not None:
@@ -258,7 +297,11 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
   """
   # 1-3. Forward in the compute dtype, backward through the scaled loss.
   loss_scale = state.loss_scale
-  normalized = lambda p, s, b: _split_loss_output(loss_fn(p, s, b), s)  # noqa: E731
+  def normalized(params, state, batch):
+    if state.flat:  # the loss reads a tree view; the gradient arrives flat
+      params = fused.unflatten_params(state.opt_state, params)
+    return _split_loss_output(loss_fn(params, state, batch), state)
+
   (loss, (model_state, metrics)), scaled_grads = scaled_value_and_grad(
       normalized, loss_scale, has_aux=True)(state.params, state, batch)
 

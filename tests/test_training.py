@@ -218,3 +218,41 @@ class TrainingTest(chex.TestCase):
       assert not leaf.is_deleted()
     chex.assert_trees_all_equal(params["b"], policy.cast_to_param(jnp.zeros(3)))
     assert float(state.model_state["count"]) == 2.0
+
+
+class FlatParamsTest(chex.TestCase):
+  """TrainState.create(flat_params=True): fused_adamw's flat buffer as the
+  params, a tree view for the loss, flat gradients, no apply_updates."""
+
+  def _states(self, spec):
+    model = jl.with_policy(DeepMLP(), spec)
+    x, y = digits()
+    params = model.init(jax.random.key(0), x[:1])["params"]
+    make = lambda flat: jmp_lab.TrainState.create(  # noqa: E731
+        apply_fn=model.apply, params=params, policy=spec, flat_params=flat,
+        tx=jmp_lab.fused_adamw(3e-3, policy=spec, max_grad_norm=1.0,
+                               loss_scale=jmp_lab.DynamicLossScale(2.0**14)))
+    return make(False), make(True), {"x": x[:256], "y": y[:256]}
+
+  @parameterized.parameters("mixed_float16", "p=bf16,c=bf16,o=f32")
+  def test_flat_state_trains_exactly_like_the_tree_state(self, spec):
+    tree_state, flat_state, batch = self._states(spec)
+    assert flat_state.flat and flat_state.params.ndim == 2
+    step = jmp_lab.make_train_step(digits_loss)
+    poisoned = {"x": jnp.asarray(batch["x"]).at[0, 0].set(jnp.inf), "y": batch["y"]}
+    for b in (batch, batch, poisoned, batch):
+      tree_state, tree_metrics = step(tree_state, b)
+      flat_state, flat_metrics = step(flat_state, b)
+      assert bool(tree_metrics["grads_finite"]) == bool(flat_metrics["grads_finite"])
+    assert int(flat_state.skipped_steps) == 1 and int(flat_state.step) == 3
+    chex.assert_trees_all_equal(flat_state.params_tree, tree_state.params)
+    chex.assert_trees_all_equal(flat_state.master_params, tree_state.master_params)
+
+  def test_flat_params_need_the_fused_optimizer(self):
+    model = jl.with_policy(DeepMLP(), "float32")
+    params = model.init(jax.random.key(0), jnp.ones((1, 64)))["params"]
+    with pytest.raises(TypeError, match="flat_params=True needs tx=jmp_lab.fused_adamw"):
+      jmp_lab.TrainState.create(
+          apply_fn=model.apply, params=params, policy="float32", flat_params=True,
+          tx=jmp_lab.mixed_precision(optax.sgd(0.1), policy="float32",
+                                     loss_scale=jmp_lab.NoOpLossScale()))

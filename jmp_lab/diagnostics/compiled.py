@@ -261,6 +261,17 @@ class GemmRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelRecord:
+  """One kernel launch site: what it is, where it came from, what it moves."""
+
+  name: str
+  opcode: str
+  op_name: str              # jax's name stack, e.g. "jit(step)/jmp_lab_update/..."
+  io_bytes: int             # operands (the sliced part only) + results
+  times: int
+
+
+@dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
   kind: str
   dtypes: tuple[str, ...]
@@ -299,6 +310,7 @@ class CompiledReport:
   gemms: list[GemmRecord]
   collectives: list[CollectiveRecord]
   pallas_kernels: list[PallasKernel]
+  kernel_records: list[KernelRecord] = dataclasses.field(repr=False)
   hlo_text: str = dataclasses.field(repr=False)
 
   @property
@@ -320,6 +332,16 @@ class CompiledReport:
     total = self.gemm_flops
     return (sum(g.flops * g.times for g in self.gemms if g.math == math_kind)
             / total if total else 0.0)
+
+  def scope(self, name: str) -> dict[str, int]:
+    """Kernels and kernel-boundary bytes of the ops under a name scope.
+
+    Wrap code in ``jax.named_scope(name)`` to find it here: the train step
+    puts the optimizer update under ``"jmp_lab_update"``.
+    """
+    records = [k for k in self.kernel_records if name in k.op_name.split("/")]
+    return {"kernels": sum(k.times for k in records),
+            "io_bytes": sum(k.io_bytes * k.times for k in records)}
 
   def collective_summary(self) -> dict[str, int]:
     """Launches per step by ``"kind dtype"``, e.g. ``{"all-reduce f32": 3}``."""
@@ -406,6 +428,7 @@ class _Walker:
     self.gemms: list[GemmRecord] = []
     self.collectives: list[CollectiveRecord] = []
     self.pallas: list[tuple[str, str]] = []
+    self.records: list[KernelRecord] = []
 
   def walk(self, computation: hlo.Computation, times: int) -> None:
     for inst in computation.instructions:
@@ -440,8 +463,9 @@ class _Walker:
     if op in _NO_KERNEL or op.endswith("-done"):
       return
     self.kernels += times
-    io = inst.operand_bytes + inst.result_bytes
+    io = self.io_bytes(inst)
     self.kernel_io_bytes += io * times
+    self.records.append(KernelRecord(inst.name, op, inst.op_name, io, times))
     kind = op[:-len("-start")] if op.endswith("-start") else op
     if kind in _COLLECTIVES:
       arrays = inst.operand_types[0] if inst.operand_types else inst.result
@@ -452,6 +476,29 @@ class _Walker:
       self.custom_call(inst, times)
     elif op == "fusion":
       self.fusion(inst, times)
+
+  def io_bytes(self, inst: hlo.Instruction) -> int:
+    """Operand and result bytes; a fusion operand read only through slices
+    counts as the slices it reads, not the whole buffer."""
+    if inst.opcode != "fusion":
+      return inst.operand_bytes + inst.result_bytes
+    comps = self.called(inst, "calls")
+    if not comps:
+      return inst.operand_bytes + inst.result_bytes
+    users: dict[str, list[hlo.Instruction]] = collections.defaultdict(list)
+    for i in comps[0].instructions:
+      for operand in i.operands:
+        users[operand].append(i)
+    sliced = {}
+    for i in comps[0].instructions:
+      number = i.parameter_number if i.opcode == "parameter" else None
+      uses = users.get(i.name, [])
+      if number is not None and uses and all(
+          u.opcode in ("slice", "dynamic-slice") for u in uses):
+        sliced[number] = sum(u.result_bytes for u in uses)
+    operands = sum(sliced.get(n, sum(a.bytes for a in arrays))
+                   for n, arrays in enumerate(inst.operand_types))
+    return operands + inst.result_bytes
 
   def custom_call(self, inst: hlo.Instruction, times: int) -> None:
     target = inst.attribute("custom_call_target") or ""
@@ -620,9 +667,9 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
       custom_call_bytes=walker.custom_call_bytes,
       kernel_io_bytes=walker.kernel_io_bytes, kernels=walker.kernels,
       gemms=walker.gemms, collectives=walker.collectives,
-      pallas_kernels=pallas, hlo_text=text)
+      pallas_kernels=pallas, kernel_records=walker.records, hlo_text=text)
 
 
 __all__ = ["CollectiveRecord", "CompiledReport", "GemmRecord", "GpuTarget",
-           "PallasKernel", "compile_for_gpu", "compiled_report", "gpu_mesh",
+           "KernelRecord", "PallasKernel", "compile_for_gpu", "compiled_report", "gpu_mesh",
            "gpu_target"]

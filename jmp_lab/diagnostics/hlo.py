@@ -69,6 +69,7 @@ class Instruction:
   operands: list[str]
   operand_types: list[list[Array]]
   attributes: str
+  operand_text: str = ""
 
   @property
   def result_bytes(self) -> int:
@@ -77,6 +78,17 @@ class Instruction:
   @property
   def operand_bytes(self) -> int:
     return sum(a.bytes for arrays in self.operand_types for a in arrays)
+
+  @property
+  def op_name(self) -> str:
+    """jax's name stack for the op (``jit(step)/.../dot_general``), or ''."""
+    match = re.search(r'op_name="([^"]*)"', self.attributes)
+    return match.group(1) if match else ""
+
+  @property
+  def parameter_number(self) -> Optional[int]:
+    """For a ``parameter`` instruction, its index."""
+    return int(self.operand_text) if self.opcode == "parameter" else None
 
   def attribute(self, key: str) -> Optional[str]:
     """The value of ``key=...`` (e.g. ``calls``, ``custom_call_target``)."""
@@ -149,7 +161,8 @@ def _parse_instruction(name: str, rest: str, types: dict[str, list[Array]]
   result = parse_arrays(type_text)
   types[name] = result
   return Instruction(name, opcode, result, operands,
-                     [types.get(o, []) for o in operands], attributes)
+                     [types.get(o, []) for o in operands], attributes,
+                     operand_text.strip())
 
 
 def parse_module(text: str) -> Module:

@@ -14,6 +14,7 @@ buffer (which would cost a byte per parameter).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -150,3 +151,35 @@ def unpack(layout: FlatLayout, flat: jax.Array, rest: Any = None, *,
     used += 1
     leaves.append(source[offset:offset + math.prod(shape)].reshape(shape))
   return layout.treedef.unflatten(leaves)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def view(layout: FlatLayout, flat: jax.Array) -> Any:
+  """:func:`unpack` for a model that reads its params from ``flat``.
+
+  The same values; the gradient with respect to ``flat`` is assembled by
+  :func:`pack` (one concatenation) instead of autodiff's sum of one padded
+  buffer per leaf, which XLA:GPU compiles into a kernel that spills registers
+  for a model with hundreds of leaves (seen on GPT-2-small for an H100).
+  """
+  return unpack(layout, flat)
+
+
+def _view_fwd(layout, flat):
+  # An empty array carries the dtype: residuals must be JAX values.
+  return unpack(layout, flat), jnp.zeros((0,), flat.dtype)
+
+
+def _view_bwd(layout, dtype_carrier, cotangents):
+  dtype = dtype_carrier.dtype
+  cotangents = jax.tree_util.tree_map(
+      lambda c, shape: jnp.zeros(shape, dtype) if c is None else c,
+      cotangents, _shapes_tree(layout), is_leaf=lambda x: x is None)
+  return (pack(layout, cotangents, dtype),)
+
+
+def _shapes_tree(layout: FlatLayout) -> Any:
+  return layout.treedef.unflatten(list(layout.shapes))
+
+
+view.defvjp(_view_fwd, _view_bwd)
