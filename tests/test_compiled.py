@@ -206,3 +206,14 @@ def test_flat_fused_update_is_one_kernel_pass_on_h100(config):
   assert per_param <= budget, per_param
   (kernel,) = report.pallas_kernels
   assert kernel.spill_bytes == 0
+
+
+def test_triton_gemm_fusions_are_found_with_their_dtypes():
+  """With triton_gemm=True XLA emits GEMMs as Triton fusions; the dot inside
+  is found and reported like a cuBLAS call."""
+  a = SDS((256, 512), jnp.bfloat16)
+  report = compiled.compiled_report(lambda x, y: (x @ y.T).astype(jnp.float32),
+                                    a, a, triton_gemm=True)
+  kinds = {(g.kind, g.lhs.dtype, g.rhs.dtype) for g in report.gemms}
+  assert kinds == {("triton", "bf16", "bf16")}, kinds
+  assert report.gemm_flops == 2 * 256 * 256 * 512
