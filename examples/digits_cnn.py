@@ -153,7 +153,7 @@ def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
 
 def diagnose(result, x_train, y_train, out_dir: str) -> None:
   """Writes the gradient histogram and prints the audit of the train step."""
-  state, model = result["state"], result["model"]
+  state = result["state"]
   batch = {"x": x_train[:256], "y": y_train[:256]}
   # Unscaled gradients at the final params: what fp16 would have to hold.
   grads = jax.grad(lambda p: loss_fn(p, state, batch))(state.params)

@@ -1,6 +1,5 @@
 """Tests for jmp_lab.diagnostics."""
 
-import math
 
 import chex
 import flax.linen as nn

@@ -2,7 +2,6 @@
 reference, CUDA cross-lowering of the GPU kernels, and the backend chooser."""
 
 import logging
-import math
 
 import chex
 import jax

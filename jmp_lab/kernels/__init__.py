@@ -41,11 +41,6 @@ logger = logging.getLogger("jmp_lab")
 BACKENDS = ("auto", "mosaic", "triton", "interpret", "reference")
 
 
-def _compute_capability(device: jax.Device) -> Optional[float]:
-  capability = getattr(device, "compute_capability", None)
-  return None if capability is None else float(capability)
-
-
 def _importable(module: str) -> bool:
   try:
     __import__(module)

@@ -14,8 +14,6 @@ copies the old values through, so the outputs still equal the inputs.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
