@@ -9,8 +9,11 @@ tree-wide XLA ops of the unfused path:
 2. one kernel pass that reads p, m, v and g and writes p, m, v and the half
    copy, in place; a non-finite flag means nothing new is written.
 
-Per parameter (fp32 master, m, v; half gradients) that is 14 B read, 14 B
-written and 2 B for the flag pass: about 30 B.
+Per parameter (fp32 master, m, v; half gradients) the kernel reads 14 B and
+writes 14 B. Compiled for an H100 (benchmarks/RESULTS.md): the kernel moves
+28 B/param; packing a gradient tree, which XLA fuses with the finite flag,
+adds 4; unpacking the new params into a tree adds about 11, which
+``TrainState.create(..., flat_params=True)`` avoids.
 
 State layout: ``master_params``, ``mu`` and ``nu`` are ``(rows, 256)`` fp32
 buffers, padded to whole kernel blocks; :func:`jmp_lab.master_params` still
