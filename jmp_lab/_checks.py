@@ -212,6 +212,8 @@ def unscale_and_check(grads: Any, params: Any, loss_scale: LossScale,
   The one global finite check of every jmp_lab optimizer: under ``jit`` XLA
   fuses the unscale into the reduction, so it reads each gradient once.
   """
+  # jmp_lab.jmp's NoOpLossScale unscales to the tree itself (as jmp's does):
+  # the inner optimizer must still see fp32.
   unscaled = jax.tree_util.tree_map(
       lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
       if _tree.is_floating_array(g) else g, loss_scale.unscale(grads))

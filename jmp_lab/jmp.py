@@ -111,6 +111,8 @@ class DynamicLossScale(_loss_scale.DynamicLossScale):
     factor = float(np.asarray(factor))
     super().__init__(loss_scale=loss_scale, counter=counter,
                      growth_interval=period, growth_factor=factor,
+                     # A factor <= 0 is passed on for the validation to
+                     # name it, rather than failing here on 1 / 0.
                      backoff_factor=1 / factor if factor > 0 else factor,
                      min_loss_scale=min_loss_scale,
                      max_loss_scale=max_loss_scale)

@@ -157,7 +157,7 @@ class TrainState(flax.struct.PyTreeNode):
     model_state = _owned(model_state, model_state) if model_state else {}
     opt_state = tx.init(params)
     try:
-      find_state(opt_state)
+      jmp_lab_state = find_state(opt_state)
     except ValueError:
       raise TypeError(
           "TrainState.create's tx must be a jmp_lab optimizer "
@@ -165,11 +165,10 @@ class TrainState(flax.struct.PyTreeNode):
           "keeps the loss scale and skips non-finite steps; got one whose "
           f"state is a {type(opt_state).__name__}") from None
     if flat_params:
-      if not isinstance(find_state(opt_state), FusedAdamWState):
+      if not isinstance(jmp_lab_state, FusedAdamWState):
         raise TypeError(
             f"flat_params=True needs tx=jmp_lab.fused_adamw(...), whose "
-            f"state keeps flat buffers; got a "
-            f"{type(find_state(opt_state)).__name__}")
+            f"state keeps flat buffers; got a {type(jmp_lab_state).__name__}")
       params = fused.flat_params(opt_state, params)
     return cls(step=jnp.zeros((), jnp.int32), params=params,
                opt_state=opt_state, model_state=model_state,

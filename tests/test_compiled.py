@@ -128,6 +128,18 @@ def test_byte_model_of_one_elementwise_kernel_is_exact():
   assert report.roofline_seconds()["memory"] == pytest.approx(8 * 2**20 / 3.35232e12)
 
 
+def test_byte_model_counts_a_sliced_operand_as_the_slices_read():
+  """Four kernels, each reading a quarter of one buffer: 8 B per element in
+  all, not four whole-buffer reads (which gave 20)."""
+  n = 2**22
+  report = compiled.compiled_report(
+      lambda f: [f[i * n // 4:(i + 1) * n // 4] + 1 for i in range(4)],
+      SDS((n,), jnp.float32))
+  assert report.kernels == 4
+  assert report.kernel_io_bytes == 8 * n
+  assert report.bytes_accessed == pytest.approx(8 * n, abs=64)  # + the constant 1
+
+
 # --- the Pallas kernels, compiled for sm_90a ----------------------------------
 
 

@@ -295,7 +295,8 @@ class CompiledReport:
 
   Byte figures are per step. ``bytes_accessed`` is XLA's cost model plus the
   custom calls' operand and result bytes; ``kernel_io_bytes`` counts every
-  kernel's operands and results once (an upper bound where a kernel updates
+  kernel's operands (an operand read only through slices, as those slices)
+  and results once (an upper bound where a kernel updates
   a buffer in place, a lower bound where it re-reads an operand).
   """
 
