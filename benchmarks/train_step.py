@@ -140,7 +140,8 @@ def make_state(config: Config, size: ModelSize):
                 else jmp_lab.NoOpLossScale())
   if config.fused:
     tx = jmp_lab.fused_adamw(3e-4, weight_decay=0.1, policy=policy,
-                             loss_scale=loss_scale)
+                             loss_scale=loss_scale,
+                             layout="flat" if config.flat else "tree")
   else:
     tx = jmp_lab.mixed_precision(optax.adamw(3e-4, weight_decay=0.1),
                                  policy=policy, loss_scale=loss_scale)

@@ -60,6 +60,8 @@ from jmp_lab.state import FusedAdamWState, find_state
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
+LAYOUTS = ("tree", "flat")
+
 # Unpacking the update buffer into dozens of leaves in one XLA:GPU kernel
 # spills registers (see kernels.layout.unpack); 8 leaves a kernel does not.
 _LEAVES_PER_FUSION = 8
@@ -77,6 +79,11 @@ def _fused_state(opt_state: Any) -> FusedAdamWState:
     raise TypeError(
         f"flat params need a fused_adamw optimizer state, got a "
         f"{type(state).__name__}")
+  if not isinstance(state.layout, flat_layout.FlatLayout):
+    raise ValueError(
+        "flat params need the flat state layout: build the optimizer with "
+        "jmp_lab.fused_adamw(..., layout='flat'); this state has "
+        "layout='tree'")
   return state
 
 
@@ -158,6 +165,7 @@ def fused_adamw(
     backend: str = "auto",
     max_grad_norm: Optional[float] = None,
     axis_name: Optional[str] = None,
+    layout: str = "tree",
 ) -> optax.GradientTransformationExtraArgs:
   """Mixed-precision AdamW as one fused kernel pass.
 
@@ -189,28 +197,69 @@ def fused_adamw(
   _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
                          max_grad_norm)
   backend = kernels.resolve_backend(backend)
+  if layout not in LAYOUTS:
+    raise ValueError(f"unknown layout {layout!r}; accepted: "
+                     f"{', '.join(map(repr, LAYOUTS))}")
+  if layout == "tree" and backend == "mosaic":
+    raise ValueError(
+        "backend='mosaic' needs layout='flat': the multi-tensor kernel of "
+        "layout='tree' is Triton only (backend 'auto', 'triton', 'interpret' "
+        "or 'reference')")
   keep_master = _checks.keeps_master_copy(policy)
+  multi_tensor_backend = kernels.tree_backend(backend, half_params=keep_master)
   config = AdamWConfig(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                        half_dtype=policy.param_dtype if keep_master else None)
 
   def init_fn(params):
     _checks.check_params(params, policy)
-    layout = flat_layout.make_layout(params, _decay_mask(mask, params),
-                                     policy.param_dtype)
+    decay_mask = _decay_mask(mask, params)
+    common = dict(count=jnp.zeros((), jnp.int32),
+                  loss_scale=fresh_copy(loss_scale),
+                  skipped_steps=jnp.zeros((), jnp.int32),
+                  last_step_applied=jnp.ones((), bool),
+                  params_spec=_checks.ParamsSpec.of(params))
+    if layout == "tree":
+      tree_layout = flat_layout.make_tree_layout(params, decay_mask,
+                                                 policy.param_dtype)
+      leaves = tree_layout.leaves(params)
+      zeros = lambda: tree_layout.tree(  # noqa: E731
+          [jnp.zeros(x.shape, jnp.float32) for x in leaves])
+      master = (tree_layout.tree([x.astype(jnp.float32) for x in leaves])
+                if keep_master else None)
+      return FusedAdamWState(master_params=master, mu=zeros(), nu=zeros(),
+                             layout=tree_layout, **common)
+    buffers = flat_layout.make_layout(params, decay_mask, policy.param_dtype)
     # Two separate buffers: one array for both moments would make a donated
     # state donate the same buffer twice.
-    zeros = lambda: jnp.zeros((layout.rows, flat_layout.LANES), jnp.float32)  # noqa: E731
+    zeros = lambda: jnp.zeros((buffers.rows, flat_layout.LANES), jnp.float32)  # noqa: E731
     return FusedAdamWState(
-        count=jnp.zeros((), jnp.int32),
-        master_params=(flat_layout.pack(layout, params, jnp.float32)
+        master_params=(flat_layout.pack(buffers, params, jnp.float32)
                        if keep_master else None),
-        mu=zeros(), nu=zeros(), loss_scale=fresh_copy(loss_scale),
-        skipped_steps=jnp.zeros((), jnp.int32),
-        last_step_applied=jnp.ones((), bool), layout=layout,
-        params_spec=_checks.ParamsSpec.of(params))
+        mu=zeros(), nu=zeros(), layout=buffers, **common)
 
-  def step(grads, state, params):
-    """The kernel pass: ``(outputs, new state, whether params are flat)``."""
+  def hyperparameters(state, clip):
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, state.count + 1)
+    return jnp.stack([jnp.asarray(x, jnp.float32) for x in
+                      (lr, inv_bias1, inv_bias2, state.loss_scale.loss_scale,
+                       clip)])
+
+  def clip_factor(sumsq):
+    if max_grad_norm is None:
+      return jnp.float32(1.0)
+    norm = jnp.sqrt(sumsq)
+    return jnp.where(norm < max_grad_norm, 1.0, max_grad_norm / norm)
+
+  def next_state(state, finite, master, mu, nu):
+    return FusedAdamWState(
+        count=state.count + finite.astype(jnp.int32),
+        master_params=master if keep_master else None, mu=mu, nu=nu,
+        loss_scale=state.loss_scale.adjust(finite),
+        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+        last_step_applied=finite, layout=state.layout,
+        params_spec=state.params_spec)
+
+  def check_call(grads, state, params):
     if params is None:
       raise ValueError(
           "fused_adamw's update needs params: call "
@@ -219,8 +268,40 @@ def fused_adamw(
       raise TypeError(
           f"fused_adamw's update needs the state its init returned, got "
           f"{type(state).__name__}")
-    layout = state.layout
-    flat = _is_flat(layout, params)
+
+  def tree_step(grads, state, params, write_extra):
+    """The multi-tensor pass: ``(new params or updates leaves, new state)``.
+
+    Two kernels over the leaves as they are: the gradient statistics (finite
+    flag and clip norm), then the update, in place.
+    """
+    _checks.check_state_matches(state.params_spec, params)
+    _checks.check_params(params, policy)
+    _checks.check_grads(grads, params)
+    tree_layout = state.layout
+    g = tree_layout.leaves(grads)
+    p = tree_layout.leaves(state.master_params if keep_master else params)
+    sumsq, finite = kernels.tree_grad_stats(
+        multi_tensor_backend, g, jnp.asarray(state.loss_scale.loss_scale, jnp.float32))
+    if axis_name is not None:
+      # pmin over {0, 1}: one non-finite device makes every device skip.
+      # The gradients are already reduced over the axis (every device holds
+      # all of them), so the norm is local: summing it would count it N times.
+      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
+    hyper = hyperparameters(state, clip_factor(sumsq))
+    flags = jnp.stack([finite.astype(jnp.int32), jnp.int32(0)])
+    out = kernels.tree_update(
+        multi_tensor_backend, config, tree_layout.trainable_decays, g, p,
+        tree_layout.leaves(state.mu), tree_layout.leaves(state.nu), hyper,
+        flags, write_extra=write_extra)
+    new_state = next_state(state, finite, tree_layout.tree(out.master),
+                           tree_layout.tree(out.mu), tree_layout.tree(out.nu))
+    return out, new_state
+
+  def flat_step(grads, state, params):
+    """The flat-buffer pass: ``(outputs, new state, whether params are flat)``."""
+    buffers = state.layout
+    flat = _is_flat(buffers, params)
     if not flat:
       _checks.check_state_matches(state.params_spec, params)
       _checks.check_params(params, policy)
@@ -233,61 +314,55 @@ def fused_adamw(
     # The gradients are already reduced over axis_name (every device holds
     # all of them), so the norm is local: summing it over the axis would
     # count it N times.
-    flat_grads = grads if flat else flat_layout.pack(layout, grads,
+    flat_grads = grads if flat else flat_layout.pack(buffers, grads,
                                                      policy.param_dtype)
     grads32, finite = _checks.unscale_and_check(
         flat_grads, flat_grads, state.loss_scale, axis_name)
-    clip = jnp.float32(1.0)
-    if max_grad_norm is not None:
-      norm = jnp.sqrt(jnp.sum(jnp.square(grads32)))
-      clip = jnp.where(norm < max_grad_norm, 1.0, max_grad_norm / norm)
-
-    # One kernel over the flat buffers.
+    hyper = hyperparameters(state, clip_factor(jnp.sum(jnp.square(grads32))))
     if keep_master:
       flat_params = state.master_params
     else:
-      flat_params = params if flat else flat_layout.pack(layout, params,
+      flat_params = params if flat else flat_layout.pack(buffers, params,
                                                          jnp.float32)
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, state.count + 1)
-    hyper = jnp.stack([jnp.asarray(x, jnp.float32) for x in
-                       (lr, inv_bias1, inv_bias2, state.loss_scale.loss_scale,
-                        clip)])
     flags = jnp.stack([finite.astype(jnp.int32),
-                       jnp.asarray(layout.decay_boundary, jnp.int32)])
+                       jnp.asarray(buffers.decay_boundary, jnp.int32)])
     out = kernels.fused_update(backend, config, flat_grads, flat_params,
                                state.mu, state.nu, hyper, flags)
+    return out, next_state(state, finite, out.master, out.mu, out.nu), flat
 
-    new_state = FusedAdamWState(
-        count=state.count + finite.astype(jnp.int32),
-        master_params=out.master if keep_master else None,
-        mu=out.mu, nu=out.nu,
-        loss_scale=state.loss_scale.adjust(finite),
-        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-        last_step_applied=finite, layout=layout,
-        params_spec=state.params_spec)
-    return out, new_state, flat
-
-  def update_fn(grads, state, params=None, **extra_args):
-    del extra_args  # AdamW takes none; accepted for optax API compatibility.
-    out, new_state, flat = step(grads, state, params)
-    # Updates: the half copy minus the params (exact: see the kernel), or
-    # the fp32 update itself when the params are the master.
-    new_values = out.extra if flat else flat_layout.unpack(
-        new_state.layout, out.extra, rest=params,
-        leaves_per_fusion=_LEAVES_PER_FUSION)
-    updates = jax.tree_util.tree_map(
+  def exact_updates(new_values, params):
+    """Updates from the half copy (``cast(new) - params``, exact: see the
+    kernel) or the fp32 update itself when the params are the master."""
+    return jax.tree_util.tree_map(
         lambda new, p: (new.astype(jnp.float32) - p.astype(jnp.float32)
                         if keep_master else new)
         if _tree.is_floating_array(p) else jnp.zeros_like(p),
         new_values, params)
-    return updates, new_state
+
+  def update_fn(grads, state, params=None, **extra_args):
+    del extra_args  # AdamW takes none; accepted for optax API compatibility.
+    check_call(grads, state, params)
+    if isinstance(state.layout, flat_layout.TreeLayout):
+      out, new_state = tree_step(grads, state, params, write_extra=True)
+      return exact_updates(state.layout.tree(out.extra, rest=params),
+                           params), new_state
+    out, new_state, flat = flat_step(grads, state, params)
+    new_values = out.extra if flat else flat_layout.unpack(
+        new_state.layout, out.extra, rest=params,
+        leaves_per_fusion=_LEAVES_PER_FUSION)
+    return exact_updates(new_values, params), new_state
 
   def new_params_fn(grads, state, params=None):
     """``(new params, new state)``: the params the kernel wrote, with no
     ``updates`` tree and no ``optax.apply_updates`` pass (equal, bit for bit,
     to ``apply_updates(params, update_fn(...)[0])``)."""
-    out, new_state, flat = step(grads, state, params)
+    check_call(grads, state, params)
+    if isinstance(state.layout, flat_layout.TreeLayout):
+      # With fp32 params the kernel's master output *is* the new params.
+      out, new_state = tree_step(grads, state, params, write_extra=keep_master)
+      new = out.extra if keep_master else out.master
+      return state.layout.tree(new, rest=params), new_state
+    out, new_state, flat = flat_step(grads, state, params)
     new_flat = out.extra if keep_master else out.master
     if flat:
       return new_flat, new_state

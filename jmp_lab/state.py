@@ -3,8 +3,8 @@
 Both optimizers keep the same public fields, so code that trains with one can
 switch to the other:
 
-* ``master_params`` -- the fp32 master (a tree for :func:`~jmp_lab.
-  mixed_precision`, a flat buffer for :func:`~jmp_lab.fused_adamw`), or None
+* ``master_params`` -- the fp32 master (a tree, or a flat buffer for
+  :func:`~jmp_lab.fused_adamw` with ``layout="flat"``), or None
   when the params are fp32 and are the master themselves;
 * ``loss_scale`` -- the :class:`~jmp_lab.LossScale` for the next step;
 * ``skipped_steps`` -- how many steps were skipped for non-finite gradients;
@@ -59,19 +59,20 @@ class FusedAdamWState(NamedTuple):
   """State of :func:`jmp_lab.fused_adamw`."""
 
   count: jax.Array                       # applied (not skipped) steps, int32
-  master_params: Optional[jax.Array]     # flat fp32, or None for fp32 params
-  mu: jax.Array                          # flat first moment
-  nu: jax.Array                          # flat second moment
+  master_params: Optional[Any]           # fp32 (tree or flat), None for fp32 params
+  mu: Any                                # first moment (tree or flat)
+  nu: Any                                # second moment (tree or flat)
   loss_scale: LossScale
   skipped_steps: jax.Array               # int32 scalar
   last_step_applied: jax.Array           # bool scalar
-  layout: flat_layout.FlatLayout         # static: where each leaf lives
+  layout: Union[flat_layout.TreeLayout, flat_layout.FlatLayout]  # static
   params_spec: ParamsSpec                # static: the params it was built for
 
   def master_tree(self) -> Optional[Any]:
     """The fp32 master as a tree (non-trainable leaves are None)."""
-    if self.master_params is None:
-      return None
+    if self.master_params is None or isinstance(self.layout,
+                                                 flat_layout.TreeLayout):
+      return self.master_params
     return flat_layout.unpack(self.layout, self.master_params)
 
 

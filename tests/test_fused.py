@@ -38,13 +38,35 @@ def run(tx, params, steps=12, poison_at=(4,), transform=jax.jit):
 
 
 POLICIES = ["p=bf16,c=bf16,o=f32", "p=f16,c=f16,o=f32", "float32"]
+LAYOUTS = ["tree", "flat"]
 
 
 class FusedStateTest(chex.TestCase):
 
-  def test_state_fields_and_flat_layout(self):
+  def test_tree_layout_keeps_the_leaves_as_they_are(self):
     params = make_params(jnp.bfloat16)
     tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16",
+                             loss_scale=jmp_lab.DynamicLossScale())
+    state = tx.init(params)
+    for field in ("master_params", "mu", "nu"):
+      tree = getattr(state, field)
+      assert tree["step"] is None
+      chex.assert_trees_all_equal_shapes(tree["dense"], params["dense"])
+      chex.assert_type(jax.tree_util.tree_leaves(tree["dense"]), jnp.float32)
+    chex.assert_trees_all_equal(
+        jmp_lab.master_params(state)["dense"], jax.tree_util.tree_map(
+            lambda p: p.astype(jnp.float32), params["dense"]))
+
+  def test_flat_params_need_the_flat_layout(self):
+    params = make_params(jnp.bfloat16)
+    state = jmp_lab.fused_adamw(1e-3, policy="p=bf16",
+                                loss_scale=jmp_lab.NoOpLossScale()).init(params)
+    with pytest.raises(ValueError, match="layout='flat'"):
+      jmp_lab.flat_params(state, params)
+
+  def test_state_fields_and_flat_layout(self):
+    params = make_params(jnp.bfloat16)
+    tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16", layout="flat",
                              loss_scale=jmp_lab.DynamicLossScale())
     state = tx.init(params)
     for field in ("master_params", "mu", "nu"):
@@ -68,11 +90,12 @@ class FusedStateTest(chex.TestCase):
     assert state.master_params is None and jmp_lab.master_params(state) is None
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_skip_changes_only_scale_and_counter(self):
+  @parameterized.product(layout=LAYOUTS)
+  def test_skip_changes_only_scale_and_counter(self, layout):
     params = make_params(jnp.float16)
     tx = jmp_lab.fused_adamw(SCHEDULE, policy="p=f16,c=f16",
                              loss_scale=jmp_lab.DynamicLossScale(64.0),
-                             backend="interpret")
+                             backend="interpret", layout=layout)
     state = tx.init(params)
     updates, new_state = self.variant(tx.update)(
         scaled_grads(params, 64.0, 0, poison=True), state, params)
@@ -82,23 +105,26 @@ class FusedStateTest(chex.TestCase):
     assert int(new_state.skipped_steps) == 1
     assert float(new_state.loss_scale.loss_scale) == 32.0
 
-  def test_donated_state_is_updated_in_place(self):
+  @parameterized.product(layout=LAYOUTS)
+  def test_donated_state_is_updated_in_place(self, layout):
     params = make_params(jnp.bfloat16)
     tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16",
                              loss_scale=jmp_lab.StaticLossScale(8.0),
-                             backend="interpret")
+                             backend="interpret", layout=layout)
     state = tx.init(params)
-    old_mu = state.mu
+    old_mu = jax.tree_util.tree_leaves(state.mu)
     update = jax.jit(tx.update, donate_argnums=1)
     _, state = update(scaled_grads(params, 8.0, 0), state, params)
-    assert old_mu.is_deleted()
-    assert float(jnp.max(jnp.abs(state.mu))) > 0
+    assert all(x.is_deleted() for x in old_mu)
+    assert max(float(jnp.max(jnp.abs(x)))
+               for x in jax.tree_util.tree_leaves(state.mu)) > 0
 
-  def test_sharded_non_finite_gradient_skips(self):
+  @parameterized.product(layout=LAYOUTS)
+  def test_sharded_non_finite_gradient_skips(self, layout):
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     sharded = NamedSharding(mesh, P("data"))
     params = jax.device_put({"w": jnp.ones(4, jnp.bfloat16)}, sharded)
-    tx = jmp_lab.fused_adamw(1.0, policy="p=bf16",
+    tx = jmp_lab.fused_adamw(1.0, policy="p=bf16", layout=layout,
                              loss_scale=jmp_lab.StaticLossScale(1.0))
     state = tx.init(params)
     grads = jax.device_put({"w": jnp.array([1, 1, 1, jnp.inf], jnp.bfloat16)},
@@ -140,6 +166,13 @@ class FusedBadInputTest(chex.TestCase):
     with pytest.raises(ValueError, match="unknown fused backend"):
       self.make(backend="pallas")
 
+  def test_unknown_layout_and_mosaic_tree_layout(self):
+    with pytest.raises(ValueError, match=r"unknown layout 'rows'.*'tree', 'flat'"):
+      self.make(layout="rows")
+    if "mosaic" in jmp_lab.kernels.available_backends():
+      with pytest.raises(ValueError, match="backend='mosaic' needs layout='flat'"):
+        self.make(backend="mosaic")
+
   def test_params_dtype_and_grads_checked(self):
     tx = self.make()
     with pytest.raises(ValueError, match=r"param \['dense'\]\['bias'\]"):
@@ -160,8 +193,10 @@ class FusedBadInputTest(chex.TestCase):
 class FusedAdamWTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.product(spec=POLICIES, backend=["reference", "interpret"])
-  def test_trajectory_matches_mixed_precision_adamw(self, spec, backend):
+  @parameterized.product(spec=POLICIES, backend=["reference", "interpret"],
+                         layout=LAYOUTS)
+  def test_trajectory_matches_mixed_precision_adamw(self, spec, backend,
+                                                    layout):
     policy = jmp_lab.get_policy(spec)
     params = make_params(policy.param_dtype)
     loss_scale = jmp_lab.DynamicLossScale(2.0**10, growth_interval=3)
@@ -171,7 +206,7 @@ class FusedAdamWTest(chex.TestCase):
         transform=self.variant)
     got, got_state = run(jmp_lab.fused_adamw(
         SCHEDULE, weight_decay=0.1, mask=not_bias, policy=policy,
-        loss_scale=loss_scale, backend=backend), params,
+        loss_scale=loss_scale, backend=backend, layout=layout), params,
         transform=self.variant)
     # The fused update applies Adam's bias corrections as reciprocals (see
     # kernels.reference): within an fp32 ulp or two of optax per step.
@@ -198,7 +233,7 @@ class FusedAdamWTest(chex.TestCase):
               "b": jnp.ones(3, policy.param_dtype)}
     tx = jmp_lab.fused_adamw(1e-2, policy=policy,
                              loss_scale=jmp_lab.StaticLossScale(4.0),
-                             backend="interpret")
+                             backend="interpret", layout="flat")
 
     def loss(tree):
       return 4.0 * (jnp.sum(jnp.sin(tree["a"].astype(jnp.float32)))
@@ -217,8 +252,9 @@ class FusedAdamWTest(chex.TestCase):
     chex.assert_trees_all_equal(jmp_lab.unflatten_params(flat_state, flat), tree)
     chex.assert_trees_all_equal(flat_state.mu, tree_state.mu)
 
-  @parameterized.product(backend=["reference", "interpret"])
-  def test_max_grad_norm_clips_unscaled_gradients_like_optax(self, backend):
+  @parameterized.product(backend=["reference", "interpret"], layout=LAYOUTS)
+  def test_max_grad_norm_clips_unscaled_gradients_like_optax(self, backend,
+                                                             layout):
     policy = jmp_lab.get_policy("p=bf16,c=bf16,o=f32")
     params = make_params(jnp.bfloat16)
     loss_scale = jmp_lab.DynamicLossScale(2.0**12, growth_interval=3)
@@ -226,9 +262,11 @@ class FusedAdamWTest(chex.TestCase):
         optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(SCHEDULE)),
         policy=policy, loss_scale=loss_scale), params)
     got, _ = run(jmp_lab.fused_adamw(SCHEDULE, policy=policy, loss_scale=loss_scale,
-                                     max_grad_norm=0.5, backend=backend), params)
+                                     max_grad_norm=0.5, backend=backend,
+                                     layout=layout), params)
     unclipped, _ = run(jmp_lab.fused_adamw(SCHEDULE, policy=policy,
-                                           loss_scale=loss_scale, backend=backend),
+                                           loss_scale=loss_scale, backend=backend,
+                                           layout=layout),
                        params)
     # Clipping multiplies by max_norm / norm where optax divides then
     # multiplies: a rounding apart, which bf16 params mostly absorb.
@@ -243,35 +281,40 @@ class FusedAdamWTest(chex.TestCase):
     with pytest.raises(ValueError, match=r"mask.*\['dense'\]\['bias'\]"):
       tx.init(params)
 
-  def test_prefix_mask_decays_whole_subtrees(self):
+  @parameterized.product(layout=LAYOUTS, backend=["reference", "interpret"])
+  def test_prefix_mask_decays_whole_subtrees(self, layout, backend):
     params = {"decayed": {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)},
               "kept": jnp.ones(4, jnp.bfloat16)}
     tx = jmp_lab.fused_adamw(1e-1, weight_decay=0.5, policy="p=bf16",
-                             loss_scale=jmp_lab.NoOpLossScale(),
-                             mask={"decayed": True, "kept": False})
+                             loss_scale=jmp_lab.NoOpLossScale(), layout=layout,
+                             mask={"decayed": True, "kept": False},
+                             backend=backend)
     state = tx.init(params)
-    assert state.layout.decay_boundary == 5
     grads = jax.tree_util.tree_map(jnp.zeros_like, params)  # only decay moves
     updates, _ = tx.update(grads, state, params)
     assert float(updates["kept"][0]) == 0.0 and float(updates["decayed"]["a"][0]) < 0
 
   def test_flat_params_uses_the_param_dtype_whatever_leaf_comes_first(self):
     params = {"a_step": jnp.int32(7), "w": jnp.arange(6.0).astype(jnp.bfloat16)}
-    tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale())
+    tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16", loss_scale=jmp_lab.NoOpLossScale(),
+                             layout="flat")
     state = tx.init(params)
     flat = jmp_lab.flat_params(state, params)
     chex.assert_type(flat, jnp.bfloat16)
     chex.assert_trees_all_equal(jmp_lab.unflatten_params(state, flat)["w"], params["w"])
 
-  def test_max_grad_norm_under_shard_map_equals_the_single_device_run(self):
+  @parameterized.product(layout=LAYOUTS)
+  def test_max_grad_norm_under_shard_map_equals_the_single_device_run(self,
+                                                                      layout):
     """Gradients pmean-ed over the axis are replicated: the clip norm is their
     norm, not the sum over the copies (which clipped sqrt(N) times too hard)."""
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     params = make_params(jnp.bfloat16)
     tx = jmp_lab.fused_adamw(0.1, eps=1e-2, policy="p=bf16,c=bf16,o=f32", max_grad_norm=0.05,
-                             loss_scale=jmp_lab.StaticLossScale(4.0), axis_name="data")
+                             loss_scale=jmp_lab.StaticLossScale(4.0), axis_name="data",
+                             layout=layout)
     single = jmp_lab.fused_adamw(0.1, eps=1e-2, policy="p=bf16,c=bf16,o=f32", max_grad_norm=0.05,
-                                 loss_scale=jmp_lab.StaticLossScale(4.0))
+                                 loss_scale=jmp_lab.StaticLossScale(4.0), layout=layout)
     per_shard = [scaled_grads(params, 4.0, step) for step in (0, 1)]
     mean_grads = jax.tree_util.tree_map(
         lambda a, b: ((a.astype(jnp.float32) + b.astype(jnp.float32)) / 2).astype(a.dtype)

@@ -33,7 +33,7 @@ from typing import Optional
 
 import jax
 
-from jmp_lab.kernels import pallas_triton, reference
+from jmp_lab.kernels import multi_tensor, pallas_triton, reference
 from jmp_lab.kernels.reference import AdamWConfig, Outputs
 
 logger = logging.getLogger("jmp_lab")
@@ -112,6 +112,74 @@ def fused_update(backend: str, config: AdamWConfig, g, p, mu, nu, hyper,
   return _run(backend, config, *args)
 
 
+def tree_grad_stats(backend: str, grads, scale):
+  """``(sum of squares, all finite)`` of the unscaled gradient leaves."""
+  if backend == "auto":
+    chosen = _tree_cuda_backend()
+    return jax.lax.platform_dependent(
+        grads, scale,
+        cuda=lambda g, s: _tree_stats(chosen, g, s),
+        default=lambda g, s: _tree_stats("reference", g, s))
+  return _tree_stats(backend, grads, scale)
+
+
+def tree_update(backend: str, config: AdamWConfig, decays, g, p, mu, nu,
+                hyper, flags, *, write_extra: bool) -> Outputs:
+  """The fused update over lists of leaves (the tree layout)."""
+  def run(chosen, *args):
+    return _tree_run(chosen, config, decays, *args, write_extra=write_extra)
+  args = (g, p, mu, nu, hyper, flags)
+  if backend == "auto":
+    chosen = _tree_cuda_backend()
+    logger.info("jmp_lab multi-tensor update: %r when compiled for CUDA, "
+                "reference elsewhere", chosen)
+    return jax.lax.platform_dependent(
+        *args, cuda=lambda *a: run(chosen, *a),
+        default=lambda *a: run("reference", *a))
+  return run(backend, *args)
+
+
+def tree_backend(backend: str, *, half_params: bool) -> str:
+  """The backend the tree layout runs for ``backend``.
+
+  ``"auto"`` keeps XLA's own per-leaf fusion (the reference) when the params
+  are fp32: compiled for an H100, XLA's update there reads the bf16 GEMM
+  outputs and never writes fp32 gradients (28.0 B/param on GPT-2-small),
+  while the kernel must be handed fp32 gradient leaves (38.9 B/param, and
+  the step moves 73.3 GB against 71.7). With half params and an fp32 master
+  the kernel wins: 30.0 against 32.0 B/param (benchmarks/RESULTS.md).
+  """
+  return "reference" if backend == "auto" and not half_params else backend
+
+
+def _tree_cuda_backend() -> str:
+  """The multi-tensor kernel is Triton only. ``cuda_backend`` prefers Triton,
+  so "mosaic" there means Triton cannot be imported: use the reference."""
+  chosen = cuda_backend()
+  return "reference" if chosen == "mosaic" else chosen
+
+
+def _tree_stats(backend: str, grads, scale):
+  if backend == "reference":
+    return reference.tree_grad_stats(grads, scale)
+  if backend in ("interpret", "triton"):
+    return multi_tensor.grad_stats(grads, scale,
+                                   interpret=backend == "interpret")
+  raise ValueError(f"the tree layout has no {backend!r} backend")
+
+
+def _tree_run(backend: str, config: AdamWConfig, decays, g, p, mu, nu, hyper,
+              flags, *, write_extra: bool) -> Outputs:
+  if backend == "reference":
+    return reference.tree_update(config, decays, g, p, mu, nu, hyper, flags,
+                                 write_extra=write_extra)
+  if backend in ("interpret", "triton"):
+    return multi_tensor.update(config, decays, g, p, mu, nu, hyper, flags,
+                               write_extra=write_extra,
+                               interpret=backend == "interpret")
+  raise ValueError(f"the tree layout has no {backend!r} backend")
+
+
 def _run(backend: str, config: AdamWConfig, g, p, mu, nu, hyper, flags
          ) -> Outputs:
   if backend == "reference":
@@ -126,4 +194,5 @@ def _run(backend: str, config: AdamWConfig, g, p, mu, nu, hyper, flags
 
 
 __all__ = ["AdamWConfig", "BACKENDS", "Outputs", "available_backends",
-           "cuda_backend", "fused_update", "resolve_backend"]
+           "cuda_backend", "fused_update", "resolve_backend",
+           "tree_backend", "tree_grad_stats", "tree_update"]

@@ -1,6 +1,9 @@
-"""Flat, padded buffers for the fused optimizer.
+"""The two state layouts of the fused optimizer: flat buffers, or the leaves.
 
-The fused update streams the master weights and Adam moments as persistent
+:class:`TreeLayout` keeps the master and moments as trees like the params,
+updated by the multi-tensor kernel (:mod:`.multi_tensor`) with no packing.
+
+:class:`FlatLayout`: the fused update streams the master weights and Adam moments as persistent
 2-D buffers of shape ``(rows, LANES)``: TMA copies on Hopper move at most 256
 elements per dimension, and a 2-D tile keeps every backend's block shape a
 power of two. The number of rows is padded so that every kernel program gets
@@ -74,6 +77,53 @@ class FlatLayout:
 
 
 jax.tree_util.register_static(FlatLayout)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLayout:
+  """The trainable leaves of the params, kept as they are (static).
+
+  Attributes:
+    treedef: the params' tree structure.
+    trainable: per leaf (in tree order), whether it is a floating param.
+    decays: per leaf, whether it is weight-decayed (False if not trainable).
+    param_dtype: the dtype of the params' floating leaves.
+  """
+
+  treedef: Any
+  trainable: tuple[bool, ...]
+  decays: tuple[bool, ...]
+  param_dtype: np.dtype
+
+  def leaves(self, tree: Any) -> list:
+    """The trainable leaves of ``tree`` (a params-like tree), in order."""
+    return [x for x, keep in zip(self.treedef.flatten_up_to(tree),
+                                 self.trainable) if keep]
+
+  def tree(self, leaves: list, rest: Any = None) -> Any:
+    """The tree of trainable ``leaves``; the others come from ``rest`` (or
+    are None)."""
+    rest_leaves = (self.treedef.flatten_up_to(rest) if rest is not None
+                   else [None] * len(self.trainable))
+    it = iter(leaves)
+    return self.treedef.unflatten([next(it) if keep else other for keep, other
+                                   in zip(self.trainable, rest_leaves)])
+
+  @property
+  def trainable_decays(self) -> tuple[bool, ...]:
+    return tuple(d for d, keep in zip(self.decays, self.trainable) if keep)
+
+
+jax.tree_util.register_static(TreeLayout)
+
+
+def make_tree_layout(params: Any, decay_mask: Any, param_dtype) -> TreeLayout:
+  """The :class:`TreeLayout` of ``params`` (see :func:`make_layout`)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  masks = treedef.flatten_up_to(_broadcast_mask(decay_mask, params))
+  trainable = tuple(_tree.is_floating_array(x) for x in leaves)
+  decays = tuple(bool(m) and t for m, t in zip(masks, trainable))
+  return TreeLayout(treedef, trainable, decays, np.dtype(param_dtype))
 
 
 def make_layout(params: Any, decay_mask: Any, param_dtype) -> FlatLayout:

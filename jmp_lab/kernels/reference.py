@@ -120,3 +120,30 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
                      else p.astype(config.half_dtype))
   return Outputs(*(jnp.where(finite, new, old) for new, old in
                    zip(out, (p, mu, nu, unchanged_extra))))
+
+
+def tree_grad_stats(grads, scale) -> tuple[jax.Array, jax.Array]:
+  """``(sum of squares of g / scale, whether every g / scale is finite)``
+  over a list of gradient leaves, in jnp (a reduction per leaf)."""
+  unscaled = [g.astype(jnp.float32) / scale for g in grads]
+  sumsq = sum((jnp.sum(g * g) for g in unscaled), jnp.float32(0))
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in unscaled]))
+  return sumsq, finite
+
+
+def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
+                write_extra: bool) -> Outputs:
+  """:func:`fused_update` over lists of leaves: XLA fuses it leaf by leaf."""
+  finite = flags[FINITE] == 1
+  leaves = []
+  for g_, p_, mu_, nu_, decay in zip(g, p, mu, nu, decays):
+    out = adamw_elementwise(config, g_, p_, mu_, nu_, jnp.bool_(decay),
+                            hyper[LR], hyper[INV_BIAS1], hyper[INV_BIAS2],
+                            hyper[SCALE], hyper[CLIP])
+    unchanged_extra = (jnp.zeros_like(p_) if config.half_dtype is None
+                       else p_.astype(config.half_dtype))
+    leaves.append([jnp.where(finite, new, old) for new, old in
+                   zip(out, (p_, mu_, nu_, unchanged_extra))])
+  master, mu, nu, extra = (list(x) for x in zip(*leaves)) if leaves else (
+      [], [], [], [])
+  return Outputs(master, mu, nu, extra if write_extra else None)
