@@ -2,12 +2,16 @@
 
 Prints, for each size, a table of:
 
-* ``fused (tree grads)`` -- ``jmp_lab.fused_adamw`` + ``optax.apply_updates``
-  in one jitted, donated step, gradients arriving as a tree (so packed first);
-* ``fused (flat params)`` -- the same step with params and gradients in the
-  flat form (``jmp_lab.flat_params``): the difference to the row above is
-  what packing the gradient tree and unpacking the updates cost;
-* ``fused kernel alone`` -- just the kernel on pre-packed buffers;
+* ``fused tree (new params)`` -- ``jmp_lab.fused_adamw`` with its default
+  ``layout="tree"``: the multi-tensor kernels over the leaves as they are,
+  taking the new params from the kernel as ``TrainState`` does
+  (``update.new_params``), in one jitted, donated step;
+* ``fused tree (updates + apply_updates)`` -- the same through the optax API;
+* ``fused flat (tree grads)`` -- ``layout="flat"``, gradients arriving as a
+  tree (so packed first), + ``optax.apply_updates``;
+* ``fused flat (flat params)`` -- the same step with params and gradients in
+  the flat form (``jmp_lab.flat_params``);
+* ``fused flat kernel alone`` -- just the flat kernel on pre-packed buffers;
 * ``unfused`` -- ``mixed_precision(optax.adamw(...))`` + ``apply_updates``;
 * ``torch fused AdamW`` -- on a CUDA GPU with torch: ``AdamW(fused=True)``
   stepped through ``torch.amp.GradScaler`` (fp32 params and grads, as AMP
@@ -94,6 +98,20 @@ def time_optimizer(tx, params, grads, *, warmup, repeats, state=None):
   step = jax.jit(step, donate_argnums=(0, 1))
   params = jax.tree_util.tree_map(jnp.copy, params)  # the caller keeps its own
   carry = [params, tx.init(params) if state is None else state]
+
+  def run():
+    carry[0], carry[1] = step(carry[0], carry[1], grads)
+    jax.block_until_ready(carry)
+
+  return median_seconds(run, warmup=warmup, repeats=repeats)
+
+
+def time_new_params(tx, params, grads, *, warmup, repeats):
+  """Median seconds of one donated step taking the new params from the
+  kernel (``update.new_params``), as ``TrainState`` does."""
+  step = jax.jit(_new_params_step(tx), donate_argnums=(0, 1))
+  params = jax.tree_util.tree_map(jnp.copy, params)
+  carry = [params, tx.init(params)]
 
   def run():
     carry[0], carry[1] = step(carry[0], carry[1], grads)
@@ -199,6 +217,12 @@ def _update_step(tx):
   return step
 
 
+def _new_params_step(tx):
+  def step(params, state, grads):
+    return tx.update.new_params(grads, state, params)
+  return step
+
+
 def compiled_rows(size: int, dtype, target: str, leaves: int = 16):
   """``(path, CompiledReport)`` for each update path, compiled for ``target``.
 
@@ -209,7 +233,10 @@ def compiled_rows(size: int, dtype, target: str, leaves: int = 16):
   params = jax.eval_shape(lambda: make_params(size, dtype, leaves))
   grads = params
   loss_scale = jmp_lab.StaticLossScale(1024.0)
-  fused = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale)
+  tree = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale)
+  tree_state = jax.eval_shape(tree.init, params)
+  fused = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale,
+                              layout="flat")
   unfused = jmp_lab.mixed_precision(optax.adamw(1e-4), policy=policy,
                                     loss_scale=loss_scale)
   params32 = jax.tree_util.tree_map(
@@ -227,13 +254,19 @@ def compiled_rows(size: int, dtype, target: str, leaves: int = 16):
 
   donate = dict(donate_argnums=(0, 1))
   return [
-      ("fused (tree grads)", compiled_report(
+      ("fused tree (new params)", compiled_report(
+          _new_params_step(tree), params, tree_state, grads, target=target,
+          **donate)),
+      ("fused tree (updates + apply_updates)", compiled_report(
+          _update_step(tree), params, tree_state, grads, target=target,
+          **donate)),
+      ("fused flat (tree grads)", compiled_report(
           _update_step(fused), params, fused_state, grads, target=target,
           **donate)),
-      ("fused (flat params)", compiled_report(
+      ("fused flat (flat params)", compiled_report(
           _update_step(fused), flat, fused_state, flat, target=target,
           **donate)),
-      ("fused kernel alone", compiled_report(
+      ("fused flat kernel alone", compiled_report(
           kernel, flat, fused_state.master_params, fused_state.mu,
           fused_state.nu, hyper, flags, target=target,
           donate_argnums=(1, 2, 3))),
@@ -288,7 +321,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.target:
     if argv is None and "--sizes" not in sys.argv:
-      args.sizes = "4M,100M"
+      args.sizes = "10M,100M,1B"
     return main_compiled(args)
 
   dtype = np.dtype(jnp.dtype(args.param_dtype))
@@ -308,17 +341,23 @@ def main(argv=None):
     params = make_params(size, dtype)
     grads = jax.tree_util.tree_map(lambda p: (p * 1024).astype(dtype), params)
     loss_scale = jmp_lab.StaticLossScale(1024.0)
-    fused = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale)
+    tree = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale)
+    fused = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale,
+                                layout="flat")
     unfused = jmp_lab.mixed_precision(optax.adamw(1e-4), policy=policy,
                                       loss_scale=loss_scale)
     copy_s = time_copy(size, **timing)
     copy_bw = 8 * size / copy_s
     rows = [
-        ("fused (tree grads)", time_optimizer(fused, params, grads, **timing),
-         FUSED_BYTES),
-        ("fused (flat params)", time_flat_step(fused, params, grads, **timing),
-         FUSED_BYTES),
-        ("fused kernel alone (flat, no flag pass)",
+        ("fused tree (new params)",
+         time_new_params(tree, params, grads, **timing), FUSED_BYTES),
+        ("fused tree (updates + apply_updates)",
+         time_optimizer(tree, params, grads, **timing), FUSED_BYTES),
+        ("fused flat (tree grads)",
+         time_optimizer(fused, params, grads, **timing), FUSED_BYTES),
+        ("fused flat (flat params)",
+         time_flat_step(fused, params, grads, **timing), FUSED_BYTES),
+        ("fused flat kernel alone (no flag pass)",
          time_flat_kernel(fused, params, grads, **timing), FUSED_BYTES - 2),
         ("unfused mixed_precision(adamw)",
          time_optimizer(unfused, params, grads, **timing), UNFUSED_BYTES_MIN),
@@ -328,7 +367,7 @@ def main(argv=None):
       rows.append(("torch AdamW(fused) + GradScaler", torch_s, TORCH_BYTES))
     rows.append(("copy (x + 1, fp32)", copy_s, 8))
     reference = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale,
-                                    backend="reference")
+                                    backend="reference", layout="flat")
     state = reference.init(params)
     xla_bytes = {
         "fused, tree grads": xla_bytes_per_param(reference, params, grads),

@@ -137,8 +137,8 @@ class TrainState(flax.struct.PyTreeNode):
     model state, are copied, so a donated step never deletes arrays the
     caller still holds.
 
-    With ``flat_params=True`` (``tx`` must be :func:`jmp_lab.fused_adamw`)
-    the params are kept as the optimizer's flat buffer: the loss function
+    With ``flat_params=True`` (``tx`` must be
+    ``jmp_lab.fused_adamw(..., layout="flat")``) the params are kept as the optimizer's flat buffer: the loss function
     reads them through a tree view, gradients arrive flat, and the kernel
     writes the new params in place -- no packing, unpacking or
     ``apply_updates`` pass. Integer params are not kept in that mode.
@@ -147,6 +147,7 @@ class TrainState(flax.struct.PyTreeNode):
       TypeError: if ``tx`` is not an optax transformation, ``apply_fn`` is
         not callable, or ``tx`` is not a jmp_lab optimizer (``fused_adamw``
         with ``flat_params``).
+      ValueError: with ``flat_params``, if ``tx`` keeps the tree layout.
     """
     _checks.check_transformation(tx, "TrainState.create's tx")
     if not callable(apply_fn):

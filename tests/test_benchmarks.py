@@ -38,5 +38,7 @@ def test_largest_batch_bisection(capacity, upper, expected):
 def test_fused_update_benchmark_small(capsys):
   fused_update.main(["--sizes", "20K", "--warmup", "1", "--repeats", "2"])
   out = capsys.readouterr().out
-  for name in ("fused (tree grads)", "fused (flat params)", "unfused", "copy"):
+  for name in ("fused tree (new params)", "fused tree (updates + apply_updates)",
+               "fused flat (tree grads)", "fused flat (flat params)", "unfused",
+               "copy"):
     assert name in out

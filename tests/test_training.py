@@ -231,7 +231,8 @@ class FlatParamsTest(chex.TestCase):
     make = lambda flat: jmp_lab.TrainState.create(  # noqa: E731
         apply_fn=model.apply, params=params, policy=spec, flat_params=flat,
         tx=jmp_lab.fused_adamw(3e-3, policy=spec, max_grad_norm=1.0,
-                               loss_scale=jmp_lab.DynamicLossScale(2.0**14)))
+                               loss_scale=jmp_lab.DynamicLossScale(2.0**14),
+                               layout="flat" if flat else "tree"))
     return make(False), make(True), {"x": x[:256], "y": y[:256]}
 
   @parameterized.parameters("mixed_float16", "p=bf16,c=bf16,o=f32")
@@ -247,6 +248,15 @@ class FlatParamsTest(chex.TestCase):
     assert int(flat_state.skipped_steps) == 1 and int(flat_state.step) == 3
     chex.assert_trees_all_equal(flat_state.params_tree, tree_state.params)
     chex.assert_trees_all_equal(flat_state.master_params, tree_state.master_params)
+
+  def test_flat_params_need_the_flat_layout(self):
+    model = jl.with_policy(DeepMLP(), "float32")
+    params = model.init(jax.random.key(0), jnp.ones((1, 64)))["params"]
+    with pytest.raises(ValueError, match="fused_adamw\\(..., layout='flat'\\)"):
+      jmp_lab.TrainState.create(
+          apply_fn=model.apply, params=params, policy="float32", flat_params=True,
+          tx=jmp_lab.fused_adamw(1e-3, policy="float32",
+                                 loss_scale=jmp_lab.NoOpLossScale()))
 
   def test_flat_params_need_the_fused_optimizer(self):
     model = jl.with_policy(DeepMLP(), "float32")

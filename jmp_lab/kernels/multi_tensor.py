@@ -44,7 +44,7 @@ from jmp_lab.kernels.reference import (CLIP, FINITE, INV_BIAS1, INV_BIAS2, LR,
 # Leaves per kernel launch. Each leaf is a conditional block of its own in
 # the kernel, and Triton's compile time grows faster than linearly with
 # their number (compiled for an H100: about 4 s for 16 leaves, 24 s for 48,
-# 200 s for 150); GPT-2-small's 148 leaves take 10 launches of each kernel.
+# 200 s for 150); GPT-2-small's 197 leaves take 13 launches of each kernel.
 LEAVES_PER_LAUNCH = 16
 
 # Elements per kernel program: large enough that the per-program overhead
