@@ -7,7 +7,8 @@ sign change): then ``u`` rounds in fp32 and ``p + u`` rounds to a neighbour of
 ``cast(m)``. No fp32 ``u`` reaches ``cast(m)`` there, so the master is snapped
 to the half value that ``p + u`` does reach. The snap moves the master by a
 few fp32 ulps of the old param -- the size of the master update's own rounding
--- and only in the elements that need it.
+-- and only in the elements that need it. A bf16 master is also kept off exact
+bf16 ties (:func:`jmp_lab.remainder.untie`, one fp32 ulp).
 
 Element-wise jnp only, so that every kernel backend can call it on loaded
 values as well as the tree optimizer on whole leaves.
@@ -19,6 +20,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab import remainder
 
 
 class ReachableHalf(NamedTuple):
@@ -49,4 +53,8 @@ def reachable_half(old_half: jax.Array, new_master: jax.Array,
   reached = (old + update).astype(half_dtype)  # exactly what optax does
   reached32 = reached.astype(jnp.float32)
   master = jnp.where(reached32 == target, new_master, reached32)
+  if np.dtype(half_dtype) == np.dtype(jnp.bfloat16):
+    # Off exact ties, so that (params, low 16 bits) is the master, exactly:
+    # master="remainder" keeps only those (see jmp_lab.remainder).
+    master = remainder.untie(master)
   return ReachableHalf(master, reached, update)

@@ -57,9 +57,10 @@ from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jmp_lab import _checks, _exact, _tree
+from jmp_lab import _checks, _exact, _tree, remainder
 from jmp_lab.loss_scale import LossScale, fresh_copy, select_tree
 from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import MixedPrecisionState
@@ -84,9 +85,84 @@ def _exact_half_updates(params: Any, new_master: Any) -> tuple[Any, Any]:
   return updates, master
 
 
+def _direct_half_updates(params, new_trainable, finite, state, new_state,
+                         rounding):
+  """``master="none"``: updates that move the half params to the new fp32
+  values rounded to the param dtype (to nearest, or stochastically with the
+  state's key; a skipped step leaves the key as it was)."""
+  leaves, treedef = jax.tree_util.tree_flatten(
+      new_trainable, is_leaf=lambda x: x is None)
+  if rounding == "stochastic":
+    key, step_key = jax.random.split(state.rounding_key)
+    targets = [None if x is None else _stochastic_round_bf16(
+        x, jax.random.fold_in(step_key, i)) for i, x in enumerate(leaves)]
+    new_state = new_state._replace(
+        rounding_key=jax.random.wrap_key_data(jnp.where(
+            finite, jax.random.key_data(key),
+            jax.random.key_data(state.rounding_key))))
+  else:
+    targets = leaves
+  rounded = _checks.merge_floating(treedef.unflatten(targets), params)
+
+  def leaf(p, target):
+    if not _tree.is_floating_array(p):
+      return jnp.zeros_like(p)
+    # The update that takes p to the rounded value (see jmp_lab._exact).
+    half = target.astype(p.dtype).astype(jnp.float32)
+    return _exact.reachable_half(p, half, p.dtype).update
+
+  return jax.tree_util.tree_map(leaf, params, rounded), new_state
+
+
 # --------------------------------------------------------------------------
 # The transformation.
 # --------------------------------------------------------------------------
+
+
+MASTER_MODES = ("float32", "remainder", "none")
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
+def check_master_mode(master: str, rounding: str, policy: Policy) -> None:
+  """Refuses a master/rounding combination the policy cannot have."""
+  if master not in MASTER_MODES:
+    raise ValueError(f"unknown master {master!r}; accepted: "
+                     f"{', '.join(map(repr, MASTER_MODES))}")
+  if rounding not in ROUNDING_MODES:
+    raise ValueError(f"unknown rounding {rounding!r}; accepted: "
+                     f"{', '.join(map(repr, ROUNDING_MODES))}")
+  if master != "none" and rounding != "nearest":
+    raise ValueError(
+        f"rounding={rounding!r} needs master='none': with master={master!r} "
+        f"the params are cast(master), rounded to nearest")
+  if master == "float32":
+    return
+  dtype = np.dtype(policy.param_dtype)
+  if dtype.itemsize >= 4:
+    raise ValueError(
+        f"master={master!r} needs half params, but the policy's param dtype "
+        f"is {dtype.name}: fp32 params are their own master")
+  if master == "remainder" and dtype != np.dtype(jnp.bfloat16):
+    raise ValueError(
+        f"master='remainder' needs bfloat16 params (bf16 is the upper half of "
+        f"an fp32 number; {dtype.name} is not): use master='float32'")
+  if rounding == "stochastic" and dtype != np.dtype(jnp.bfloat16):
+    raise ValueError(
+        f"rounding='stochastic' needs bfloat16 params, got {dtype.name}")
+
+
+def _stochastic_round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+  """``x`` (fp32) rounded to bf16 up or down with probability by distance.
+
+  Adds 16 random bits below the bf16 mantissa and truncates: integer
+  arithmetic on the bit pattern, which XLA has no excess-precision rewrite
+  for (jax issue 23007 is about bf16 *float* error terms becoming 0).
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  noise = jax.random.bits(key, x.shape, jnp.uint32) & 0xFFFF
+  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(
+      jnp.bfloat16)
 
 
 def mixed_precision(
@@ -95,6 +171,9 @@ def mixed_precision(
     policy: Union[Policy, str],
     loss_scale: LossScale,
     axis_name: Optional[Union[str, Sequence[str]]] = None,
+    master: str = "float32",
+    rounding: str = "nearest",
+    rounding_seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with fp32 master weights and loss scaling.
 
@@ -108,6 +187,24 @@ def mixed_precision(
     axis_name: inside ``shard_map``, the mapped axis name(s) over which the
       finite check must agree (under plain ``jit`` with sharded arrays the
       check is global already).
+    master: how the fp32 master is kept, for half params:
+
+      * ``"float32"`` (default): an fp32 copy, 4 B/param;
+      * ``"remainder"``: bf16 params only; the state keeps the lower 16 bits
+        of the fp32 master (2 B/param) and the master is rebuilt exactly
+        from params and remainder every step (:mod:`jmp_lab.remainder`):
+        the trajectory is bit-identical to ``"float32"``;
+      * ``"none"``: no master; the half params are updated directly, rounded
+        by ``rounding``. With ``"nearest"`` an update smaller than half a
+        param ulp rounds away and is lost (training can stall at small
+        learning rates); ``"stochastic"`` (bf16 only) rounds up or down with
+        probability by distance, so updates survive in expectation.
+
+      ``jmp_lab.master_params(state, params)`` returns the fp32 master in the
+      modes that keep one.
+    rounding: ``"nearest"`` or ``"stochastic"`` (``master="none"`` only).
+    rounding_seed: the seed of the stochastic-rounding key, kept in the
+      state: runs are reproducible, and a skipped step draws nothing.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -118,22 +215,33 @@ def mixed_precision(
   policy = get_policy(policy)
   _checks.check_loss_scale(loss_scale)
   inner = optax.with_extra_args_support(inner)
+  check_master_mode(master, rounding, policy)
   keep_master = _checks.keeps_master_copy(policy)
+  to_f32 = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+      lambda x: x.astype(jnp.float32) if _tree.is_floating_array(x) else x,
+      tree)
 
   def init_fn(params):
     _checks.check_params(params, policy)
-    master = (jax.tree_util.tree_map(
-        lambda x: x.astype(jnp.float32) if _tree.is_floating_array(x) else x,
-        params) if keep_master else None)
-    trainable = _checks.floating_only(params if master is None else master,
+    master32 = to_f32(params) if keep_master else None
+    remainders = None
+    if keep_master and master == "remainder":
+      # The params are the master exactly: every remainder starts at zero.
+      remainders = jax.tree_util.tree_map(
+          lambda x: jnp.zeros(x.shape, jnp.uint16)
+          if _tree.is_floating_array(x) else None, params)
+    trainable = _checks.floating_only(params if master32 is None else master32,
                                       params)
     return MixedPrecisionState(
-        master_params=master,
+        master_params=master32 if master == "float32" else None,
         inner_state=inner.init(trainable),
         loss_scale=fresh_copy(loss_scale),
         skipped_steps=jnp.zeros((), jnp.int32),
         last_step_applied=jnp.ones((), bool),
-        params_spec=_checks.ParamsSpec.of(params))
+        params_spec=_checks.ParamsSpec.of(params),
+        master_remainder=remainders,
+        rounding_key=(jax.random.key(rounding_seed)
+                      if rounding == "stochastic" else None))
 
   def update_fn(grads, state, params=None, **extra_args):
     if params is None:
@@ -152,9 +260,15 @@ def mixed_precision(
     grads32, finite = _checks.unscale_and_check(grads, params,
                                                 state.loss_scale, axis_name)
 
-    # 2. The inner transformation, on the fp32 master.
-    master = params if state.master_params is None else state.master_params
-    trainable = _checks.floating_only(master, params)
+    # 2. The inner transformation, on the fp32 master (rebuilt from the
+    # remainder, or the params themselves in fp32 when none is kept).
+    if master == "remainder":
+      master32 = state.master_tree(params)
+    elif master == "none":
+      master32 = to_f32(params)
+    else:
+      master32 = params if state.master_params is None else state.master_params
+    trainable = _checks.floating_only(master32, params)
     inner_updates, new_inner_state = inner.update(
         grads32, state.inner_state, trainable, **extra_args)
     new_trainable = optax.apply_updates(trainable, inner_updates)
@@ -172,7 +286,10 @@ def mixed_precision(
         params_spec=state.params_spec)
 
     # 4. Updates that land the params exactly on cast(new_master).
-    if state.master_params is None:
+    if master == "none" and keep_master:
+      return _direct_half_updates(params, new_trainable, finite, state,
+                                  new_state, rounding)
+    if state.master_params is None and master == "float32":
       # The params are the master, and apply_updates(p, u) is by definition
       # how the new master was computed: hand back u itself (zero if skipped).
       updates = _checks.merge_floating(
@@ -183,6 +300,10 @@ def mixed_precision(
       return updates, new_state
     updates, new_master = _exact_half_updates(
         params, _checks.merge_floating(new_trainable, params))
+    if master == "remainder":
+      return updates, new_state._replace(master_remainder=jax.tree_util.tree_map(
+          lambda m, r: None if r is None else remainder.split(m)[1],
+          new_master, state.master_remainder, is_leaf=lambda x: x is None))
     return updates, new_state._replace(master_params=new_master)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

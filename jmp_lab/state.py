@@ -35,6 +35,7 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 import optax
 
+from jmp_lab import remainder
 from jmp_lab._checks import ParamsSpec
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.loss_scale import LossScale
@@ -49,10 +50,24 @@ class MixedPrecisionState(NamedTuple):
   skipped_steps: jax.Array               # int32 scalar
   last_step_applied: jax.Array           # bool scalar
   params_spec: ParamsSpec                # static: the params it was built for
+  master_remainder: Optional[Any] = None  # uint16 tree (master="remainder")
+  rounding_key: Optional[jax.Array] = None  # PRNG key (stochastic rounding)
 
-  def master_tree(self) -> Optional[optax.Params]:
-    """The master params as a tree (None when the params are the master)."""
-    return self.master_params
+  def master_tree(self, params: Any = None) -> Optional[optax.Params]:
+    """The master params as a tree (None when no master is kept).
+
+    With ``master="remainder"`` the master is rebuilt from ``params``.
+    """
+    if self.master_remainder is None:
+      return self.master_params
+    if params is None:
+      raise ValueError(
+          "this state keeps the master as the params plus a remainder "
+          "(master='remainder'): pass the params, "
+          "jmp_lab.master_params(opt_state, params)")
+    return jax.tree_util.tree_map(
+        lambda p, r: p if r is None else remainder.join(p, r), params,
+        self.master_remainder, is_leaf=lambda x: x is None)
 
 
 class FusedAdamWState(NamedTuple):
@@ -68,8 +83,9 @@ class FusedAdamWState(NamedTuple):
   layout: Union[flat_layout.TreeLayout, flat_layout.FlatLayout]  # static
   params_spec: ParamsSpec                # static: the params it was built for
 
-  def master_tree(self) -> Optional[Any]:
+  def master_tree(self, params: Any = None) -> Optional[Any]:
     """The fp32 master as a tree (non-trainable leaves are None)."""
+    del params  # the fused state always holds its master
     if self.master_params is None or isinstance(self.layout,
                                                  flat_layout.TreeLayout):
       return self.master_params
@@ -100,13 +116,16 @@ def find_state(opt_state: Any) -> State:
   return found[0]
 
 
-def master_params(opt_state: Any) -> Optional[optax.Params]:
+def master_params(opt_state: Any, params: Any = None
+                  ) -> Optional[optax.Params]:
   """The fp32 master params held in ``opt_state``, as a tree.
 
   Returns None when the policy's ``param_dtype`` is float32 (or float64): the
-  params are then the master and no copy is kept.
+  params are then the master and no copy is kept; and with ``master="none"``.
+  With ``master="remainder"`` the master is the params plus the remainder in
+  the state: pass ``params``.
   """
-  return find_state(opt_state).master_tree()
+  return find_state(opt_state).master_tree(params)
 
 
 def current_loss_scale(opt_state: Any) -> LossScale:

@@ -1,0 +1,68 @@
+"""The fp32 master as bf16 params plus a 16-bit remainder (``master="remainder"``).
+
+An fp32 number is 32 bits; bf16 is its upper 16, rounded to nearest even.
+Keeping the lower 16 bits beside the bf16 params (Transformer Engine's
+``store_param_remainders``) gives back the fp32 master exactly, at 2 bytes per
+parameter instead of 4:
+
+* :func:`split` -- ``master -> (cast(master) as bf16, lower 16 bits)``;
+* :func:`join` -- the inverse: if the lower bits are at least half a bf16 ulp,
+  rounding went up, so the upper bits are the param's minus one.
+
+The one value the pair cannot tell apart is an exact tie (lower bits
+``0x8000``), which round-to-nearest-even sends down or up depending on the
+upper bits. :func:`untie` moves such a master by one fp32 ulp towards the bf16
+value it rounds to (same param, no tie). Every jmp_lab optimizer applies it to
+every bf16 master it writes (:func:`jmp_lab._exact.reachable_half`), in the
+``"float32"`` mode too, so the two modes follow the same trajectory bit for
+bit. The move is 2**-24 relative, in one update in 65,536.
+
+Example::
+
+  >>> import jax.numpy as jnp
+  >>> master = jnp.array([1.0 + 2.0**-20, -3.14159], jnp.float32)
+  >>> params, rem = split(master)
+  >>> params.dtype, rem.dtype
+  (dtype(bfloat16), dtype('uint16'))
+  >>> bool(jnp.all(join(params, rem) == master))
+  True
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HALF_ULP = 0x8000
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(bf16 params, uint16 remainder)`` of an fp32 master (not a tie)."""
+  params = master.astype(jnp.bfloat16)
+  return params, (_bits(master) & 0xFFFF).astype(jnp.uint16)
+
+
+def join(params: jax.Array, remainder: jax.Array) -> jax.Array:
+  """The fp32 master that :func:`split` made ``(params, remainder)`` from."""
+  upper = jax.lax.bitcast_convert_type(params, jnp.uint16).astype(jnp.uint32)
+  rem = remainder.astype(jnp.uint32)
+  upper = upper - (rem >= _HALF_ULP).astype(jnp.uint32)  # rounding went up
+  return jax.lax.bitcast_convert_type((upper << 16) | rem, jnp.float32)
+
+
+def untie(master: jax.Array) -> jax.Array:
+  """``master`` moved off exact bf16 ties (one fp32 ulp, towards its bf16).
+
+  Elementwise jnp on fp32 values: every kernel backend can call it.
+  """
+  bits = _bits(master)
+  tie = (bits & 0xFFFF) == _HALF_ULP
+  # Round-to-nearest-even goes up from an odd upper half, down from an even.
+  rounds_up = ((bits >> 16) & 1) == 1
+  nudged = jnp.where(rounds_up, bits + 1, bits - 1)
+  return jax.lax.bitcast_convert_type(jnp.where(tie, nudged, bits),
+                                      jnp.float32)

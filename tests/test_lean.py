@@ -1,0 +1,190 @@
+"""Memory-lean masters of mixed_precision: remainder, none + rounding."""
+
+import chex
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jmp_lab
+from jmp_lab import remainder
+from conftest import FLOAT0
+
+
+def tree_bits_equal(a, b) -> bool:
+  """Whether two trees hold the same bit patterns (so -0.0 != 0.0)."""
+  def bits(x):
+    x = np.asarray(jax.random.key_data(x) if jnp.issubdtype(
+        getattr(x, "dtype", None), jax.dtypes.prng_key) else x)
+    return x.view(f"u{x.dtype.itemsize}") if x.dtype.kind == "f" or (
+        x.dtype == jnp.bfloat16) else x
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(
+      np.asarray(x).dtype == np.asarray(y).dtype
+      and np.array_equal(bits(x), bits(y)) for x, y in zip(la, lb))
+
+BF16 = "p=bf16,c=bf16,o=f32"
+
+
+def params_of(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"a": jnp.asarray(rng.normal(size=(257,)), jnp.bfloat16),
+          "step": jnp.int32(3),
+          "w": jnp.asarray(rng.normal(size=(16, 24)) * 0.1, jnp.bfloat16)}
+
+
+def grads_at(params, step, scale, poison=False):
+  def leaf(x):
+    if x.dtype != jnp.bfloat16:
+      return np.zeros(x.shape, FLOAT0)
+    g = jnp.sin(x.astype(jnp.float32) * (step + 1)) * scale
+    return (g.at[0].set(jnp.inf) if poison else g).astype(x.dtype)
+  return jax.tree_util.tree_map(leaf, params)
+
+
+def train(tx, params, steps, poison_at=()):
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, i, poison):
+    scale = jmp_lab.current_loss_scale(state).loss_scale
+    grads = jax.lax.cond(poison, lambda: grads_at(params, i, scale, True),
+                         lambda: grads_at(params, i, scale))
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(steps):
+    params, state = step(params, state, i, i in poison_at)
+  return params, state
+
+
+def make(master="float32", rounding="nearest", lr=1e-3, policy=BF16, **kwargs):
+  return jmp_lab.mixed_precision(
+      optax.adamw(lr, weight_decay=0.1), policy=policy, master=master,
+      rounding=rounding, loss_scale=jmp_lab.DynamicLossScale(2.0**12,
+                                                             growth_interval=50),
+      **kwargs)
+
+
+# --- the remainder encoding --------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(hnp.arrays(np.uint32, (64,)))
+def test_split_join_is_exact_off_ties(bits):
+  master = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float32)
+  master = remainder.untie(jnp.where(jnp.isfinite(master), master, 1.0))
+  params, rem = remainder.split(master)
+  chex.assert_trees_all_equal(params, master.astype(jnp.bfloat16))
+  assert tree_bits_equal(remainder.join(params, rem), master)
+
+
+def test_exact_ties_are_why_masters_are_untied():
+  """(bf16, low 16 bits) cannot tell the two exact ties apart: untie moves
+  them one fp32 ulp towards the bf16 value they round to."""
+  even_up, odd_up = 0x3F80_8000, 0x3F81_8000  # rounds down / up to even
+  ties = jax.lax.bitcast_convert_type(
+      jnp.array([even_up, odd_up], jnp.uint32), jnp.float32)
+  joined = remainder.join(*remainder.split(ties))
+  assert not tree_bits_equal(joined, ties)  # the ambiguity, without untie
+  untied = remainder.untie(ties)
+  chex.assert_trees_all_equal(untied.astype(jnp.bfloat16),
+                              ties.astype(jnp.bfloat16))
+  assert tree_bits_equal(remainder.join(*remainder.split(untied)), untied)
+  np.testing.assert_array_equal(
+      jax.lax.bitcast_convert_type(untied, jnp.uint32),
+      [even_up - 1, odd_up + 1])
+
+
+# --- master="remainder" -------------------------------------------------------
+
+def test_remainder_is_bit_identical_to_the_fp32_master_over_1000_steps():
+  params = params_of()
+  want, want_state = train(make("float32"), params, 1000, poison_at=(7, 500))
+  got, got_state = train(make("remainder"), params, 1000, poison_at=(7, 500))
+  assert tree_bits_equal(got, want)
+  assert tree_bits_equal(jmp_lab.master_params(got_state, got),
+                         jmp_lab.master_params(want_state))
+  assert int(got_state.skipped_steps) == int(want_state.skipped_steps) == 2
+  assert got_state.master_params is None
+  chex.assert_type(jax.tree_util.tree_leaves(got_state.master_remainder),
+                   jnp.uint16)
+
+
+def test_remainder_state_is_half_the_master_bytes():
+  params = params_of()
+  nbytes = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
+  full = make("float32").init(params)
+  lean = make("remainder").init(params)
+  assert nbytes(lean.master_remainder) * 2 == nbytes(full.master_params) - 4  # int leaf
+
+
+def test_master_params_of_a_remainder_state_needs_the_params():
+  state = make("remainder").init(params_of())
+  with pytest.raises(ValueError, match=r"master_params\(opt_state, params\)"):
+    jmp_lab.master_params(state)
+
+
+# --- master="none" -------------------------------------------------------------
+
+def test_nearest_rounding_stalls_where_stochastic_rounding_moves():
+  """At a learning rate whose updates are below half a bf16 ulp, round to
+  nearest loses them; stochastic rounding keeps them in expectation."""
+  params = params_of()
+  steps, lr = 200, 1e-5
+  _, master_state = train(make("float32", lr=lr), params, steps)
+  nearest, _ = train(make("none", lr=lr), params, steps)
+  stochastic, _ = train(make("none", "stochastic", lr=lr), params, steps)
+  master = jmp_lab.master_params(master_state)["w"]
+  moved = lambda w: float(jnp.mean(jnp.abs(  # noqa: E731
+      w.astype(jnp.float32) - params["w"].astype(jnp.float32))))
+  assert moved(nearest["w"]) < 0.2 * moved(master)
+  assert 0.5 * moved(master) < moved(stochastic["w"]) < 2 * moved(master)
+
+
+@pytest.mark.parametrize("with_jit", [True, False])
+def test_stochastic_rounding_is_unbiased_and_reproducible(with_jit):
+  x = jnp.full((20000,), 1.0 + 2.0**-9, jnp.float32)  # a quarter of a bf16 ulp
+  key = jax.random.key(3)
+  fn = jax.jit(jmp_lab.optimizer._stochastic_round_bf16) if with_jit else (
+      jmp_lab.optimizer._stochastic_round_bf16)
+  rounded = fn(x, key)
+  assert set(np.unique(np.asarray(rounded, np.float32))) == {1.0, 1.0078125}
+  assert float(jnp.mean(rounded.astype(jnp.float32))) == pytest.approx(
+      float(x[0]), abs=2e-4)
+  chex.assert_trees_all_equal(rounded, jmp_lab.optimizer._stochastic_round_bf16(x, key))
+
+
+def test_stochastic_runs_repeat_and_a_skipped_step_draws_nothing():
+  params = params_of()
+  tx = make("none", "stochastic", rounding_seed=5)
+  first, state = train(tx, params, 20, poison_at=(4,))
+  again, _ = train(tx, params, 20, poison_at=(4,))
+  assert tree_bits_equal(first, again)
+  state0 = tx.init(params)
+  _, skipped = tx.update(grads_at(params, 0, 4096.0, poison=True), state0, params)
+  assert tree_bits_equal(jax.random.key_data(skipped.rounding_key),
+                         jax.random.key_data(state0.rounding_key))
+  assert int(skipped.skipped_steps) == 1
+
+
+# --- bad input -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(master="fp32"), r"unknown master 'fp32'.*'float32', 'remainder', 'none'"),
+    (dict(master="none", rounding="up"), r"unknown rounding 'up'.*'nearest', 'stochastic'"),
+    (dict(rounding="stochastic"), r"rounding='stochastic' needs master='none'"),
+    (dict(master="remainder", rounding="stochastic"),
+     r"rounding='stochastic' needs master='none'"),
+    (dict(master="remainder", policy="p=f16,c=f16"),
+     r"master='remainder' needs bfloat16 params.*float16"),
+    (dict(master="none", rounding="stochastic", policy="p=f16,c=f16"),
+     r"rounding='stochastic' needs bfloat16 params, got float16"),
+    (dict(master="remainder", policy="float32"),
+     r"master='remainder' needs half params.*float32"),
+])
+def test_bad_master_modes_are_refused(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    make(**kwargs)
