@@ -103,6 +103,9 @@ class Config:
   fused: bool = False
   precision: Optional[str] = None   # jax_default_matmul_precision
   flat: bool = False       # fused only: TrainState.create(flat_params=True)
+  master: str = "float32"  # mixed_precision(master=...): memory-lean modes
+  rounding: str = "nearest"
+  mu_dtype: Optional[str] = None  # optax.adamw(mu_dtype=...)
 
 
 CONFIGS = [
@@ -132,6 +135,20 @@ FLAT_CONFIGS = [
 ]
 
 
+# Memory-lean masters (issue 13), bf16 params: compiled-for-H100 only.
+LEAN_CONFIGS = [
+    Config("bf16-o2-remainder", "p=bf16,c=bf16,o=f32", "none",
+           master="remainder"),
+    Config("bf16-o2-remainder-mu16", "p=bf16,c=bf16,o=f32", "none",
+           master="remainder", mu_dtype="bfloat16"),
+    Config("bf16-o2-none-sr", "p=bf16,c=bf16,o=f32", "none", master="none",
+           rounding="stochastic"),
+    Config("bf16-o2-none-sr-mu16", "p=bf16,c=bf16,o=f32", "none",
+           master="none", rounding="stochastic", mu_dtype="bfloat16"),
+]
+ALL_CONFIGS = CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS
+
+
 def make_state(config: Config, size: ModelSize):
   policy = jmp_lab.get_policy(config.policy)
   model = jl.with_policy(GPT(size), policy)
@@ -143,8 +160,10 @@ def make_state(config: Config, size: ModelSize):
                              loss_scale=loss_scale,
                              layout="flat" if config.flat else "tree")
   else:
-    tx = jmp_lab.mixed_precision(optax.adamw(3e-4, weight_decay=0.1),
-                                 policy=policy, loss_scale=loss_scale)
+    tx = jmp_lab.mixed_precision(
+        optax.adamw(3e-4, weight_decay=0.1, mu_dtype=config.mu_dtype),
+        policy=policy, loss_scale=loss_scale, master=config.master,
+        rounding=config.rounding)
   return jmp_lab.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
                                    policy=policy, flat_params=config.flat)
 
@@ -416,7 +435,7 @@ def main(argv=None):
   size = SMALL if small else ModelSize()
   size = dataclasses.replace(size, **{k: v for k, v in vars(args).items()
                                       if k in ModelSize.__dataclass_fields__ and v})
-  chosen = [c for c in CONFIGS + FLAT_CONFIGS
+  chosen = [c for c in ALL_CONFIGS
             if c.name in args.configs.split(",")]
   if args.target:
     print(f"# compiled for {args.devices} x {args.target} without a GPU; jax "

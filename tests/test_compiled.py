@@ -209,7 +209,7 @@ def test_multi_tensor_kernels_compile_for_sm90a_in_place(keep_master):
 def gpt2_report(name: str):
   """The GPT-2-small step of a benchmark config, compiled for an H100 once
   per test session (each compile takes 10-40 s)."""
-  config = next(c for c in train_step.CONFIGS + train_step.FLAT_CONFIGS
+  config = next(c for c in train_step.ALL_CONFIGS
                 if c.name == name)
   return train_step.compiled_step_report(config, train_step.ModelSize(), "h100")
 
@@ -323,3 +323,23 @@ def test_triton_gemm_fusions_are_found_with_their_dtypes():
   kinds = {(g.kind, g.lhs.dtype, g.rhs.dtype) for g in report.gemms}
   assert kinds == {("triton", "bf16", "bf16")}, kinds
   assert report.gemm_flops == 2 * 256 * 256 * 512
+
+
+# --- issue 13: memory-lean masters, compiled for an H100 ----------------------
+
+
+def test_lean_master_modes_shrink_the_step_arguments_on_h100():
+  """Argument bytes of the donated step (params + optimizer state + batch),
+  2-layer model: each mode saves what it stores less of, 2 B/param a step
+  (fp32 master 4 -> remainder 2 -> none 0; fp32 -> bf16 first moment)."""
+  size = train_step.ModelSize(layers=2)
+  params = train_step.param_count(size)
+  base = next(c for c in train_step.CONFIGS if c.name == "bf16-o2")
+  args = {c.name: train_step.compiled_step_report(c, size, "h100").memory["argument"]
+          for c in [base] + train_step.LEAN_CONFIGS}
+  saved = {name: (args["bf16-o2"] - value) / params for name, value in args.items()}
+  print({k: round(v, 3) for k, v in saved.items()})
+  assert saved["bf16-o2-remainder"] == pytest.approx(2, abs=0.01)
+  assert saved["bf16-o2-remainder-mu16"] == pytest.approx(4, abs=0.01)
+  assert saved["bf16-o2-none-sr"] == pytest.approx(4, abs=0.01)
+  assert saved["bf16-o2-none-sr-mu16"] == pytest.approx(6, abs=0.01)

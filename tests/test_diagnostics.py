@@ -129,13 +129,15 @@ class Wide(nn.Module):
     return nn.Dense(4)(x)
 
 
-def memory_row_for(spec):
+def memory_row_for(spec, name=None, **optimizer):
   policy = jmp_lab.get_policy(spec)
   model = jl.with_policy(Wide(), policy)
   x = jnp.ones((4096, 32))
   params = policy.cast_to_param(model.init(jax.random.key(0), x[:1])["params"])
-  tx = jmp_lab.mixed_precision(optax.adam(1e-3), policy=policy,
-                               loss_scale=jmp_lab.DynamicLossScale())
+  mu_dtype = optimizer.pop("mu_dtype", None)
+  tx = jmp_lab.mixed_precision(optax.adam(1e-3, mu_dtype=mu_dtype),
+                               policy=policy,
+                               loss_scale=jmp_lab.DynamicLossScale(), **optimizer)
   opt_state = tx.init(params)
 
   def loss(params, x):
@@ -145,7 +147,7 @@ def memory_row_for(spec):
     grads = jax.grad(loss)(params, x)
     return tx.update(grads, opt_state, params)
 
-  return dg.memory_row(spec, params=params, opt_state=opt_state, loss_fn=loss,
+  return dg.memory_row(name or spec, params=params, opt_state=opt_state, loss_fn=loss,
                        loss_args=(params, x), step=step,
                        step_args=(params, opt_state, x))
 
@@ -160,6 +162,21 @@ def test_memory_report_master_weights_cost_params_save_activations():
   assert fp32.compiled["peak"] > 0 and mixed.compiled["peak"] > 0
   table = dg.memory_report([fp32, mixed]).table()
   assert "float32" in table and "p=bf16" in table and "B/param" in table
+
+
+@pytest.mark.parametrize("optimizer,state_bytes", [
+    (dict(), 14),                                                   # fp32 master
+    (dict(master="remainder"), 12),
+    (dict(master="remainder", mu_dtype=jnp.bfloat16), 10),          # optax: mu only
+    (dict(master="none", rounding="stochastic"), 10),
+    (dict(master="none", rounding="stochastic", mu_dtype=jnp.bfloat16), 8),
+])
+def test_memory_report_bytes_per_param_of_each_master_mode(optimizer, state_bytes):
+  row = memory_row_for("p=bf16,c=bf16,o=f32", **dict(optimizer))
+  # A few scalars (loss scale, counters, the key) on 3,300 params.
+  assert row.state_bytes_per_param == pytest.approx(state_bytes, abs=0.05)
+  assert row.with_grads_bytes_per_param == pytest.approx(state_bytes + 2, abs=0.05)
+  assert "B/param (+ grads)" in dg.memory_report([row]).table()
 
 
 # --- recorder --------------------------------------------------------------

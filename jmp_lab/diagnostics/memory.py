@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jmp_lab import _tree
-from jmp_lab.state import master_params
+from jmp_lab.state import find_state
 
 # --------------------------------------------------------------------------
 # Memory report.
@@ -39,9 +39,17 @@ def compiled_memory(compiled) -> dict[str, int]:
   return memory
 
 
+def _leaf_bytes(x: Any) -> int:
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    # A typed PRNG key (e.g. the stochastic-rounding key) has no numpy
+    # dtype: count the words it is made of.
+    x = jax.eval_shape(jax.random.key_data, x)
+  return x.size * np.dtype(x.dtype).itemsize
+
+
 def _tree_bytes(tree: Any) -> int:
-  return sum(x.size * np.dtype(x.dtype).itemsize
-             for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
+  return sum(_leaf_bytes(x) for x in jax.tree_util.tree_leaves(tree)
+             if hasattr(x, "dtype"))
 
 
 def activation_bytes(loss_fn: Callable[..., Any], *args) -> int:
@@ -60,15 +68,23 @@ def activation_bytes(loss_fn: Callable[..., Any], *args) -> int:
 class MemoryRow:
   name: str
   params: int                 # parameters (count)
-  param_bytes: int            # params + master copy
-  optimizer_bytes: int        # moments, scale, counters (not the master)
+  param_bytes: int            # params + the stored fp32 master copy
+  optimizer_bytes: int        # moments, remainders, scale, counters
   activation_bytes: int
   compiled: dict[str, int]    # XLA memory_analysis of the step
   device_peak: Optional[int]  # memory_stats()["peak_bytes_in_use"] (GPU)
+  grad_bytes: int = 0         # the gradients, in the param dtype
 
   @property
   def state_bytes_per_param(self) -> float:
+    """Params plus optimizer state (master, remainder, moments) per param."""
     return (self.param_bytes + self.optimizer_bytes) / max(self.params, 1)
+
+  @property
+  def with_grads_bytes_per_param(self) -> float:
+    """:attr:`state_bytes_per_param` plus the gradients (the usual "16
+    bytes per parameter" of mixed-precision Adam counts them)."""
+    return self.state_bytes_per_param + self.grad_bytes / max(self.params, 1)
 
 
 def memory_row(name: str, *, params: Any, opt_state: Any,
@@ -76,19 +92,21 @@ def memory_row(name: str, *, params: Any, opt_state: Any,
                step: Optional[Callable[..., Any]] = None,
                step_args: Sequence[Any] = ()) -> MemoryRow:
   """The memory figures of one configuration (see :func:`memory_report`)."""
-  try:
-    master = master_params(opt_state)
+  try:  # the master as stored (not rebuilt from a remainder)
+    stored_master = find_state(opt_state).master_params
   except ValueError:
-    master = None
-  master_bytes = _tree_bytes(master) if master is not None else 0
+    stored_master = None
+  master_bytes = _tree_bytes(stored_master) if stored_master is not None else 0
   compiled, peak = {}, None
   if step is not None:
     compiled = compiled_memory(jax.jit(step).lower(*step_args).compile())
     device_stats = jax.local_devices()[0].memory_stats() or {}
     peak = device_stats.get("peak_bytes_in_use")
-  n_params = sum(x.size for x in jax.tree_util.tree_leaves(params)
-                 if _tree.is_floating_array(x))
+  floating = [x for x in jax.tree_util.tree_leaves(params)
+              if _tree.is_floating_array(x)]
+  n_params = sum(x.size for x in floating)
   return MemoryRow(
+      grad_bytes=_tree_bytes(floating),
       name=name, params=n_params,
       param_bytes=_tree_bytes(params) + master_bytes,
       optimizer_bytes=_tree_bytes(opt_state) - master_bytes,
@@ -117,14 +135,16 @@ def memory_report(rows: Sequence[MemoryRow]) -> MemoryReport:
 
 def _memory_table(rows: Sequence[MemoryRow]) -> str:
   mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
-  lines = ["| config | param+master MiB | optimizer MiB | B/param (state) "
+  lines = ["| config | param+master MiB | optimizer MiB "
+           "| B/param (params + state) | B/param (+ grads) "
            "| activations MiB | compiled args MiB | temp MiB | peak MiB "
-           "| device peak MiB |", "|" + "---|" * 9]
+           "| device peak MiB |", "|" + "---|" * 10]
   for r in rows:
     c = r.compiled
     lines.append(
         f"| {r.name} | {mib(r.param_bytes)} | {mib(r.optimizer_bytes)} | "
-        f"{r.state_bytes_per_param:.1f} | {mib(r.activation_bytes)} | "
+        f"{r.state_bytes_per_param:.1f} | {r.with_grads_bytes_per_param:.1f} | "
+        f"{mib(r.activation_bytes)} | "
         f"{mib(c.get('argument', 0))} | {mib(c.get('temp', 0))} | "
         f"{mib(c.get('peak', 0))} | "
         f"{mib(r.device_peak) if r.device_peak else 'n/a'} |")
