@@ -7,6 +7,8 @@ downloaded. The example shows:
 * bf16 and fp16 policies, with LayerNorm and the attention softmax in fp32;
 * gradient clipping on *unscaled* gradients (``--clip``);
 * the fused optimizer (``--fused``), or ``mixed_precision(optax.chain(...))``;
+* memory-lean masters (``--master remainder|none``, ``--rounding``,
+  ``--mu-dtype``) with bf16 params (``--policy p=bf16,c=bf16,o=f32``);
 * orbax checkpointing (``--ckpt-dir``) and ``--resume``;
 * tokens/s, and a sample of generated text at the end.
 
@@ -111,14 +113,20 @@ def make_optimizer(args, policy):
                 if args.loss_scale == "dynamic" else jmp_lab.NoOpLossScale())
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, max(args.steps, 100))
   if args.fused:
+    if args.master != "float32" or args.mu_dtype:
+      raise ValueError(
+          f"--master {args.master} / --mu-dtype need mixed_precision: "
+          f"fused_adamw keeps an fp32 master and fp32 moments (drop --fused)")
     # Clipping happens inside the fused kernel, on unscaled gradients.
     return jmp_lab.fused_adamw(schedule, weight_decay=0.01, policy=policy,
                                loss_scale=loss_scale, max_grad_norm=args.clip)
   # The wrapper unscales first, so clip_by_global_norm sees true gradients.
   return jmp_lab.mixed_precision(
       optax.chain(optax.clip_by_global_norm(args.clip),
-                  optax.adamw(schedule, weight_decay=0.01)),
-      policy=policy, loss_scale=loss_scale)
+                  optax.adamw(schedule, weight_decay=0.01,
+                              mu_dtype=args.mu_dtype)),
+      policy=policy, loss_scale=loss_scale, master=args.master,
+      rounding=args.rounding)
 
 
 def sample(model, params, prompt: bytes, length: int, max_len: int,
@@ -148,10 +156,20 @@ def main(argv=None):
   parser.add_argument("--data", default=None,
                       help="a text file (default: the stdlib's own sources)")
   parser.add_argument("--policy", default="mixed_bfloat16",
-                      choices=["float32", "mixed_bfloat16", "mixed_float16"])
+                      help="a preset (float32, mixed_bfloat16, mixed_float16) "
+                           "or a spec such as p=bf16,c=bf16,o=f32")
   parser.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"])
   parser.add_argument("--fused", action="store_true", help="use jmp_lab.fused_adamw")
   parser.add_argument("--clip", type=float, default=1.0, help="global-norm clip")
+  parser.add_argument("--master", default="float32",
+                      choices=["float32", "remainder", "none"],
+                      help="how the fp32 master is kept (bf16 params for "
+                           "remainder/none: --policy p=bf16,c=bf16,o=f32)")
+  parser.add_argument("--rounding", default="nearest",
+                      choices=["nearest", "stochastic"],
+                      help="rounding of the params with --master none")
+  parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"],
+                      help="dtype of Adam's first moment (optax mu_dtype)")
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--seq-len", type=int, default=128)
@@ -174,14 +192,16 @@ def main(argv=None):
                                     tx=make_optimizer(args, policy), policy=policy)
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   print(f"{len(tokens):,} bytes of text; {n_params:,} params; policy {policy}; "
-        f"optimizer {'fused_adamw' if args.fused else 'mixed_precision(adamw)'}")
+        f"optimizer {'fused_adamw' if args.fused else 'mixed_precision(adamw)'}"
+        f", master {args.master}")
 
   manager = ocp.CheckpointManager(
       os.path.abspath(args.ckpt_dir),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
   start_step = 0
   config = {"policy": str(policy), "fused": args.fused, "seq_len": args.seq_len,
-            "loss_scale": args.loss_scale}
+            "loss_scale": args.loss_scale, "master": args.master,
+            "rounding": args.rounding, "mu_dtype": args.mu_dtype}
   config_path = os.path.join(os.path.abspath(args.ckpt_dir), "run_config.json")
   if args.resume and manager.latest_step() is not None:
     saved = config

@@ -2,31 +2,28 @@
 
 Same semantics and state fields as
 ``mixed_precision(optax.adamw(...), policy=..., loss_scale=...)``, but the
-update is one kernel pass over persistent flat buffers instead of the dozen
-tree-wide XLA ops of the unfused path:
+update is done by Pallas kernels instead of the dozen tree-wide XLA ops of
+the unfused path. Two state layouts:
 
-1. a finite-flag pass over the gradients (global, like every jmp_lab check);
-2. one kernel pass that reads p, m, v and g and writes p, m, v and the half
-   copy, in place; a non-finite flag means nothing new is written.
+* ``layout="tree"`` (default): master, ``mu`` and ``nu`` are trees like the
+  params, updated by the multi-tensor kernels of
+  :mod:`jmp_lab.kernels.multi_tensor` (16 leaves a launch, no packing): a
+  statistics pass (finite flag and clip norm, 2 B/param with bf16
+  gradients), then the update, in place (28 B/param). Compiled for an H100,
+  the GPT-2-small step moves 71.2 GB against 71.4 for the unfused step, with
+  32 update kernels against 428 (benchmarks/RESULTS.md). With fp32 params
+  ``backend="auto"`` keeps XLA's per-leaf fusion, which the kernel cannot
+  beat there (see :func:`jmp_lab.kernels.tree_backend`).
+* ``layout="flat"``: ``(rows, 256)`` fp32 buffers, padded to whole kernel
+  blocks, one kernel for everything. Gradients that arrive as a tree are
+  packed first (a pass); a model that reads its params from the flat buffer
+  (:func:`flat_params`, :func:`unflatten_params`, or
+  ``TrainState.create(..., flat_params=True)``) hands in flat gradients.
+  Fewest launches (8 on GPT-2-small), more bytes (78.5 GB a step).
 
-Per parameter (fp32 master, m, v; half gradients) the kernel reads 14 B and
-writes 14 B. Compiled for an H100 (benchmarks/RESULTS.md): the kernel moves
-28 B/param; packing a gradient tree, which XLA fuses with the finite flag,
-adds 4; unpacking the new params into a tree adds about 11, which
-``TrainState.create(..., flat_params=True)`` avoids.
-
-State layout: ``master_params``, ``mu`` and ``nu`` are ``(rows, 256)`` fp32
-buffers, padded to whole kernel blocks; :func:`jmp_lab.master_params` still
-returns the master as a tree. Gradients that arrive as a tree are packed into
-one buffer first, which costs a pass over memory; a model that reads its
-params from the flat buffer (:func:`flat_params`, :func:`unflatten_params`,
-or ``TrainState.create(..., flat_params=True)``) hands in flat gradients and
-skips it. ``update.new_params(grads, state, params)`` returns the params the
-kernel wrote instead of an ``updates`` tree; ``TrainState`` uses it.
-
-Compiled for an H100, the update launches far fewer kernels than the unfused
-``mixed_precision(optax.adamw)`` (8 against 428 on GPT-2-small with flat
-params) but the whole step does not move fewer bytes: see README.md.
+:func:`jmp_lab.master_params` returns the master as a tree in both.
+``update.new_params(grads, state, params)`` returns the params the kernel
+wrote instead of an ``updates`` tree; ``TrainState`` uses it.
 
 Example::
 
@@ -90,6 +87,8 @@ def _fused_state(opt_state: Any) -> FusedAdamWState:
 def flat_params(opt_state: Any, params: Any) -> jax.Array:
   """``params`` as one flat ``(rows, 256)`` buffer in the param dtype.
 
+  Needs the state of ``fused_adamw(..., layout="flat")``.
+
   Keep the params in this form and let the model read them through
   :func:`unflatten_params`: the gradients then arrive flat, and
   ``update(flat_grads, state, flat_params)`` skips packing the gradient tree
@@ -99,7 +98,7 @@ def flat_params(opt_state: Any, params: Any) -> jax.Array:
 
     >>> import jax.numpy as jnp, jmp_lab
     >>> params = {"step": jnp.int32(0), "w": jnp.ones((2, 3), jnp.bfloat16)}
-    >>> tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16",
+    >>> tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16", layout="flat",
     ...                          loss_scale=jmp_lab.NoOpLossScale())
     >>> opt_state = tx.init(params)
     >>> flat = jmp_lab.flat_params(opt_state, params)
@@ -187,6 +186,13 @@ def fused_adamw(
       over. The gradients must already be reduced over it (e.g. by
       ``lax.pmean``), as for :func:`~jmp_lab.mixed_precision`: each device
       then holds the whole gradient, and the clip norm is its norm.
+    layout: ``"tree"`` (default; master and moments as trees, multi-tensor
+      kernels) or ``"flat"`` (flat buffers; needed for :func:`flat_params`
+      and ``TrainState.create(..., flat_params=True)``). See the module doc.
+
+  Raises:
+    ValueError: for an unknown backend or layout, ``backend="mosaic"`` with
+      ``layout="tree"``, or an out-of-range hyperparameter.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update(grads, state,

@@ -93,13 +93,12 @@ def _direct_half_updates(params, new_trainable, finite, state, new_state,
   leaves, treedef = jax.tree_util.tree_flatten(
       new_trainable, is_leaf=lambda x: x is None)
   if rounding == "stochastic":
-    key, step_key = jax.random.split(state.rounding_key)
+    key, step_key = jax.random.split(
+        jax.random.wrap_key_data(state.rounding_key))
     targets = [None if x is None else _stochastic_round_bf16(
         x, jax.random.fold_in(step_key, i)) for i, x in enumerate(leaves)]
-    new_state = new_state._replace(
-        rounding_key=jax.random.wrap_key_data(jnp.where(
-            finite, jax.random.key_data(key),
-            jax.random.key_data(state.rounding_key))))
+    new_state = new_state._replace(rounding_key=jnp.where(
+        finite, jax.random.key_data(key), state.rounding_key))
   else:
     targets = leaves
   rounded = _checks.merge_floating(treedef.unflatten(targets), params)
@@ -240,7 +239,8 @@ def mixed_precision(
         last_step_applied=jnp.ones((), bool),
         params_spec=_checks.ParamsSpec.of(params),
         master_remainder=remainders,
-        rounding_key=(jax.random.key(rounding_seed)
+        # Raw key data (uint32), which every checkpointer can save.
+        rounding_key=(jax.random.key_data(jax.random.key(rounding_seed))
                       if rounding == "stochastic" else None))
 
   def update_fn(grads, state, params=None, **extra_args):

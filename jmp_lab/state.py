@@ -51,7 +51,7 @@ class MixedPrecisionState(NamedTuple):
   last_step_applied: jax.Array           # bool scalar
   params_spec: ParamsSpec                # static: the params it was built for
   master_remainder: Optional[Any] = None  # uint16 tree (master="remainder")
-  rounding_key: Optional[jax.Array] = None  # PRNG key (stochastic rounding)
+  rounding_key: Optional[jax.Array] = None  # key data (stochastic rounding)
 
   def master_tree(self, params: Any = None) -> Optional[optax.Params]:
     """The master params as a tree (None when no master is kept).

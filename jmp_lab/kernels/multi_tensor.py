@@ -1,18 +1,16 @@
 """The fused AdamW update over the leaves as they are: multi-tensor kernels.
 
-apex's ``multi_tensor_apply`` design in Pallas: one kernel launch covers every
-leaf of the params, with no packing into a flat buffer. Each kernel program
-handles one ``BLOCK`` of one leaf; a static table of where each leaf's blocks
-start tells a program which leaf it is on. The per-leaf code is only the
-loads and stores (a ``lax.switch`` over the leaves); the arithmetic is
-emitted once, so the kernel stays small for models with hundreds of leaves.
+apex's ``multi_tensor_apply`` design in Pallas: one kernel launch covers many
+leaves of the params (``LEAVES_PER_LAUNCH``), with no packing into a flat
+buffer. Each kernel program handles one ``BLOCK`` of one leaf; the static
+table of where each leaf's blocks start tells a program which leaf it is on,
+and each leaf's code is a conditional block of its own.
 
 Two kernels make one step:
 
 1. :func:`grad_stats` reads every gradient once and writes, per block, the
    sum of squares of the unscaled gradient and whether the block is finite
-   (a partial result, summed by XLA: a fixed order, so runs are
-   reproducible);
+   (partial results, summed by XLA in a fixed order, so runs repeat);
 2. :func:`update` reads g, p, m, v and writes p, m, v (in place, aliased to
    the inputs) and the half copy; on a non-finite step it writes only the
    half copy.
@@ -30,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
