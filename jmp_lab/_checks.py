@@ -219,3 +219,35 @@ def unscale_and_check(grads: Any, params: Any, loss_scale: LossScale,
       if _tree.is_floating_array(g) else g, loss_scale.unscale(grads))
   grads32 = floating_only(unscaled, params)
   return grads32, all_finite(grads32, axis_name=axis_name)
+
+
+MASTER_MODES = ("float32", "remainder", "none")
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
+def check_master_mode(master: str, rounding: str, policy: Policy) -> None:
+  """Refuses a master/rounding combination the policy cannot have."""
+  if master not in MASTER_MODES:
+    raise ValueError(f"unknown master {master!r}; accepted: "
+                     f"{', '.join(map(repr, MASTER_MODES))}")
+  if rounding not in ROUNDING_MODES:
+    raise ValueError(f"unknown rounding {rounding!r}; accepted: "
+                     f"{', '.join(map(repr, ROUNDING_MODES))}")
+  if master != "none" and rounding != "nearest":
+    raise ValueError(
+        f"rounding={rounding!r} needs master='none': with master={master!r} "
+        f"the params are cast(master), rounded to nearest")
+  if master == "float32":
+    return
+  dtype = np.dtype(policy.param_dtype)
+  if dtype.itemsize >= 4:
+    raise ValueError(
+        f"master={master!r} needs half params, but the policy's param dtype "
+        f"is {dtype.name}: fp32 params are their own master")
+  if master == "remainder" and dtype != np.dtype(jnp.bfloat16):
+    raise ValueError(
+        f"master='remainder' needs bfloat16 params (bf16 is the upper half of "
+        f"an fp32 number; {dtype.name} is not): use master='float32'")
+  if rounding == "stochastic" and dtype != np.dtype(jnp.bfloat16):
+    raise ValueError(
+        f"rounding='stochastic' needs bfloat16 params, got {dtype.name}")

@@ -118,38 +118,6 @@ def _direct_half_updates(params, new_trainable, finite, state, new_state,
 # --------------------------------------------------------------------------
 
 
-MASTER_MODES = ("float32", "remainder", "none")
-ROUNDING_MODES = ("nearest", "stochastic")
-
-
-def check_master_mode(master: str, rounding: str, policy: Policy) -> None:
-  """Refuses a master/rounding combination the policy cannot have."""
-  if master not in MASTER_MODES:
-    raise ValueError(f"unknown master {master!r}; accepted: "
-                     f"{', '.join(map(repr, MASTER_MODES))}")
-  if rounding not in ROUNDING_MODES:
-    raise ValueError(f"unknown rounding {rounding!r}; accepted: "
-                     f"{', '.join(map(repr, ROUNDING_MODES))}")
-  if master != "none" and rounding != "nearest":
-    raise ValueError(
-        f"rounding={rounding!r} needs master='none': with master={master!r} "
-        f"the params are cast(master), rounded to nearest")
-  if master == "float32":
-    return
-  dtype = np.dtype(policy.param_dtype)
-  if dtype.itemsize >= 4:
-    raise ValueError(
-        f"master={master!r} needs half params, but the policy's param dtype "
-        f"is {dtype.name}: fp32 params are their own master")
-  if master == "remainder" and dtype != np.dtype(jnp.bfloat16):
-    raise ValueError(
-        f"master='remainder' needs bfloat16 params (bf16 is the upper half of "
-        f"an fp32 number; {dtype.name} is not): use master='float32'")
-  if rounding == "stochastic" and dtype != np.dtype(jnp.bfloat16):
-    raise ValueError(
-        f"rounding='stochastic' needs bfloat16 params, got {dtype.name}")
-
-
 def _stochastic_round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
   """``x`` (fp32) rounded to bf16 up or down with probability by distance.
 
@@ -214,7 +182,7 @@ def mixed_precision(
   policy = get_policy(policy)
   _checks.check_loss_scale(loss_scale)
   inner = optax.with_extra_args_support(inner)
-  check_master_mode(master, rounding, policy)
+  _checks.check_master_mode(master, rounding, policy)
   keep_master = _checks.keeps_master_copy(policy)
   to_f32 = lambda tree: jax.tree_util.tree_map(  # noqa: E731
       lambda x: x.astype(jnp.float32) if _tree.is_floating_array(x) else x,

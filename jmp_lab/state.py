@@ -60,14 +60,24 @@ class MixedPrecisionState(NamedTuple):
     """
     if self.master_remainder is None:
       return self.master_params
-    if params is None:
-      raise ValueError(
-          "this state keeps the master as the params plus a remainder "
-          "(master='remainder'): pass the params, "
-          "jmp_lab.master_params(opt_state, params)")
-    return jax.tree_util.tree_map(
-        lambda p, r: p if r is None else remainder.join(p, r), params,
-        self.master_remainder, is_leaf=lambda x: x is None)
+    return _joined_master(params, self.master_remainder)
+
+
+def _joined_master(params: Any, remainders: Any, other: str = "keep") -> Any:
+  """The fp32 master of ``master="remainder"``: params + remainders.
+
+  Non-trainable leaves (no remainder) are the params' (``other="keep"``, as
+  ``mixed_precision``'s master) or None (``"none"``, as ``fused_adamw``'s).
+  """
+  if params is None:
+    raise ValueError(
+        "this state keeps the master as the params plus a remainder "
+        "(master='remainder'): pass the params, "
+        "jmp_lab.master_params(opt_state, params)")
+  return jax.tree_util.tree_map(
+      lambda p, r: (p if other == "keep" else None) if r is None
+      else remainder.join(p, r), params, remainders,
+      is_leaf=lambda x: x is None)
 
 
 class FusedAdamWState(NamedTuple):
@@ -82,10 +92,13 @@ class FusedAdamWState(NamedTuple):
   last_step_applied: jax.Array           # bool scalar
   layout: Union[flat_layout.TreeLayout, flat_layout.FlatLayout]  # static
   params_spec: ParamsSpec                # static: the params it was built for
+  master_remainder: Optional[Any] = None  # uint16 tree (master="remainder")
 
   def master_tree(self, params: Any = None) -> Optional[Any]:
-    """The fp32 master as a tree (non-trainable leaves are None)."""
-    del params  # the fused state always holds its master
+    """The fp32 master as a tree (non-trainable leaves are None; rebuilt
+    from ``params`` with ``master="remainder"``)."""
+    if self.master_remainder is not None:
+      return _joined_master(params, self.master_remainder, other="none")
     if self.master_params is None or isinstance(self.layout,
                                                  flat_layout.TreeLayout):
       return self.master_params

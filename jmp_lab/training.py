@@ -189,8 +189,10 @@ class TrainState(flax.struct.PyTreeNode):
 
   @property
   def master_params(self) -> Any:
-    """The fp32 master params (the params themselves if they are fp32)."""
-    master = master_params(self.opt_state)
+    """The fp32 master params (rebuilt from the params with
+    ``master="remainder"``; the params themselves where no master is kept:
+    fp32 params, or ``master="none"``)."""
+    master = master_params(self.opt_state, self.params_tree)
     return self.params_tree if master is None else master
 
   @property

@@ -167,38 +167,54 @@ def test_pallas_kernel_compiles_for_sm90a_without_spills(backend, keep_master):
   assert report.custom_call_bytes >= elements * (2 + 12 + 12 + (2 if keep_master else 4))
 
 
-@pytest.mark.parametrize("keep_master", [True, False])
-def test_multi_tensor_kernels_compile_for_sm90a_in_place(keep_master):
-  """20 leaves of uneven size (two launches of each kernel): no spills, and
-  the update reads g, p, m, v and writes p, m, v in place plus the half
-  copy -- 28 B/param with half gradients -- after a 2 B/param statistics
-  pass."""
-  sizes = [3000 + 4099 * i for i in range(20)]
-  half = jnp.bfloat16 if keep_master else jnp.float32
-  config = AdamWConfig(0.9, 0.999, 1e-8, 1e-4,
-                       np.dtype(jnp.bfloat16) if keep_master else None)
+# Per mode: (param dtype, fp32 master?, remainder?, moment dtype) and the
+# update kernel's bytes per param: g + state read, state + params written.
+MULTI_TENSOR_MODES = {
+    "fp32-master": (jnp.bfloat16, True, False, jnp.float32, 2 + 12 + 12 + 2),
+    "fp32-params": (jnp.float32, False, False, jnp.float32, 4 + 12 + 12),
+    # g 2 + params 2 + remainder 2 + m, v 4 read; remainder 2 + m, v 4 +
+    # params 2 written.
+    "remainder-bf16-moments": (jnp.bfloat16, True, True, jnp.bfloat16,
+                               2 + 2 + 2 + 4 + 2 + 4 + 2),
+}
 
-  def step(g, p, mu, nu):
+
+@pytest.mark.parametrize("mode", sorted(MULTI_TENSOR_MODES))
+def test_multi_tensor_kernels_compile_for_sm90a_in_place(mode):
+  """20 leaves of uneven size (two launches of each kernel): no spills, and
+  the update reads and writes only what the mode keeps, in place, after a
+  statistics pass that reads the gradients once (2 B/param in bf16). The
+  budget of each mode is stated next to the kernel (kernels.multi_tensor)."""
+  dtype, keep_master, remainder, moments, update_bytes = MULTI_TENSOR_MODES[mode]
+  sizes = [3000 + 4099 * i for i in range(20)]
+  config = AdamWConfig(0.9, 0.999, 1e-8, 1e-4,
+                       np.dtype(dtype) if keep_master else None,
+                       remainder=remainder)
+
+  def step(g, p, mu, nu, rem):
     hyper = jnp.array([1e-3, 1.0, 1.0, 8.0, 1.0], jnp.float32)
     _, finite = multi_tensor.grad_stats(g, hyper[3], interpret=False)
     flags = jnp.stack([finite.astype(jnp.int32), jnp.int32(0)])
-    return multi_tensor.update(config, [True] * len(g), g, p, mu, nu, hyper,
-                               flags, write_extra=True, interpret=False)
+    out = multi_tensor.update(config, [True] * len(g), g, p, mu, nu, hyper,
+                              flags, write_extra=keep_master, interpret=False,
+                              remainders=rem if remainder else None)
+    # In the inputs' order: jax pairs donated inputs with outputs by shape
+    # and dtype, first come first served (bf16 params and bf16 moments alike).
+    return (out.extra, out.mu, out.nu, out.master) if remainder else out
 
   leaves = lambda dtype: [SDS((n,), dtype) for n in sizes]  # noqa: E731
+  state_dtype = dtype if remainder else jnp.float32
   report = compiled.compiled_report(
-      step, leaves(half), leaves(jnp.float32), leaves(jnp.float32),
-      leaves(jnp.float32), donate_argnums=(1, 2, 3), fail_on_spill=True)
-  names = sorted({k.name for k in report.pallas_kernels})
-  assert len(report.pallas_kernels) == 4, names  # 2 launches x 2 kernels
+      step, leaves(dtype), leaves(state_dtype), leaves(moments),
+      leaves(moments), leaves(jnp.uint16), donate_argnums=(1, 2, 3, 4),
+      fail_on_spill=True)
+  assert len(report.pallas_kernels) == 4  # 2 launches x 2 kernels
   assert all(k.spill_bytes == 0 and k.backend == "triton"
              for k in report.pallas_kernels)
   n = sum(sizes)
-  g_bytes = 2 if keep_master else 4
-  update_bytes = g_bytes + 12 + 12 + (2 if keep_master else 4)
   # Copies would show as bytes beyond the kernels' own (donated in place).
   assert report.custom_call_bytes == pytest.approx(
-      n * (g_bytes + update_bytes), rel=0.01)
+      n * (np.dtype(dtype).itemsize + update_bytes), rel=0.01)
   assert report.memory.get("temp", 0) < 0.01 * n * 4
 
 

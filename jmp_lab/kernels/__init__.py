@@ -124,11 +124,12 @@ def tree_grad_stats(backend: str, grads, scale):
 
 
 def tree_update(backend: str, config: AdamWConfig, decays, g, p, mu, nu,
-                hyper, flags, *, write_extra: bool) -> Outputs:
-  """The fused update over lists of leaves (the tree layout)."""
+                hyper, flags, *, write_extra: bool, remainders=None) -> Outputs:
+  """The fused update over lists of leaves (the tree layout); with
+  ``config.remainder`` see :func:`reference.tree_update`."""
   def run(chosen, *args):
     return _tree_run(chosen, config, decays, *args, write_extra=write_extra)
-  args = (g, p, mu, nu, hyper, flags)
+  args = (g, p, mu, nu, hyper, flags, remainders)
   if backend == "auto":
     chosen = _tree_cuda_backend()
     logger.info("jmp_lab multi-tensor update: %r when compiled for CUDA, "
@@ -169,14 +170,16 @@ def _tree_stats(backend: str, grads, scale):
 
 
 def _tree_run(backend: str, config: AdamWConfig, decays, g, p, mu, nu, hyper,
-              flags, *, write_extra: bool) -> Outputs:
+              flags, remainders, *, write_extra: bool) -> Outputs:
   if backend == "reference":
     return reference.tree_update(config, decays, g, p, mu, nu, hyper, flags,
-                                 write_extra=write_extra)
+                                 write_extra=write_extra,
+                                 remainders=remainders)
   if backend in ("interpret", "triton"):
     return multi_tensor.update(config, decays, g, p, mu, nu, hyper, flags,
                                write_extra=write_extra,
-                               interpret=backend == "interpret")
+                               interpret=backend == "interpret",
+                               remainders=remainders)
   raise ValueError(f"the tree layout has no {backend!r} backend")
 
 

@@ -28,21 +28,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jmp_lab import remainder
 from jmp_lab.kernels.reference import (CLIP, FINITE, INV_BIAS1, INV_BIAS2, LR,
                                        NUM_HYPER, SCALE, AdamWConfig, Outputs,
                                        adamw_elementwise)
 
 # Leaves per kernel launch. Each leaf is a conditional block of its own in
 # the kernel, and Triton's compile time grows faster than linearly with
-# their number (compiled for an H100: about 4 s for 16 leaves, 24 s for 48,
-# 200 s for 150); GPT-2-small's 197 leaves take 13 launches of each kernel.
+# their number (compiled for an H100, both kernels: 6-8 s for 16 leaves, 24 s
+# for 48, about 200 s for 150); GPT-2-small's 197 leaves take 13 launches of
+# each kernel.
 LEAVES_PER_LAUNCH = 16
 
 # Elements per kernel program: large enough that the per-program overhead
@@ -78,10 +80,13 @@ class Segments:
 
 
 def _compiler_params(interpret: bool):
+  # 8 warps: 8 elements a thread. Compiled for sm_90a the update kernel then
+  # needs 60-64 registers in every mode; with 4 warps it needed 114-122 and
+  # spilled with a remainder and bf16 moments.
   if interpret:
     return None
   from jax.experimental.pallas import triton as pltriton  # GPU builds only
-  return pltriton.CompilerParams(num_warps=4, num_stages=1)
+  return pltriton.CompilerParams(num_warps=8, num_stages=1)
 
 
 def _masked_io():
@@ -175,9 +180,14 @@ def grad_stats(grads: Sequence[jax.Array], scale: jax.Array, *,
 def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
                    hyper_ref, flags_ref, *refs):
   n = len(segments.sizes)
-  g, p, mu, nu = (refs[k * n:(k + 1) * n] for k in range(4))
-  p_out, mu_out, nu_out = (refs[(4 + k) * n:(5 + k) * n] for k in range(3))
-  extra_out = refs[7 * n:] if write_extra else None
+  groups = [refs[k * n:(k + 1) * n] for k in range(len(refs) // n)]
+  if config.remainder:
+    # In: g, half, remainder, mu, nu. Out (all aliased): remainder, mu, nu,
+    # half.
+    g, half, rem, mu, nu, rem_out, mu_out, nu_out, half_out = groups
+  else:
+    g, p, mu, nu, p_out, mu_out, nu_out = groups[:7]
+    extra_out = groups[7] if write_extra else None
   load, store = _masked_io()
   # Read outside pl.when: interpret mode only substitutes the program id at
   # the kernel's top level.
@@ -187,7 +197,11 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
 
   def leaf_update(i):
     where, mask = _block(program, segments, i)
-    p_ = load(p[i].at[where], mask=mask, other=0)
+    if config.remainder:
+      p_ = remainder.join(load(half[i].at[where], mask=mask, other=0),
+                          load(rem[i].at[where], mask=mask, other=0))
+    else:
+      p_ = load(p[i].at[where], mask=mask, other=0)
 
     @pl.when(finite)
     def _update():
@@ -195,16 +209,22 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
                       for r in (g, mu, nu))
       out = adamw_elementwise(config, g_, p_, mu_, nu_,
                               jnp.bool_(segments.decays[i]), *hyper)
-      targets = (p_out, mu_out, nu_out) + ((extra_out,) if write_extra else ())
-      for target, value in zip(targets, out):
+      if config.remainder:
+        targets = (rem_out, mu_out, nu_out, half_out)
+        values = (remainder.split(out.master)[1],) + tuple(out[1:])
+      else:
+        targets = (p_out, mu_out, nu_out) + ((extra_out,) if write_extra
+                                             else ())
+        values = out
+      for target, value in zip(targets, values):
         store(target[i].at[where], value.astype(target[i].dtype), mask=mask)
 
-    if write_extra:
+    if write_extra and not config.remainder:
       @pl.when(jnp.logical_not(finite))
       def _skip():
         # p, m and v are aliased to their inputs: not writing them keeps
         # them. The extra output is a fresh buffer and must hold the old
-        # values.
+        # values. (With a remainder every output is aliased.)
         old = (jnp.zeros_like(p_) if config.half_dtype is None
                else p_.astype(config.half_dtype))
         store(extra_out[i].at[where], old, mask=mask)
@@ -212,56 +232,68 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
   _for_each_leaf(program, segments, leaf_update)
 
 
-def _launch_update(config: AdamWConfig, segments: Segments, g, p, mu, nu,
-                   hyper, flags, *, write_extra: bool, interpret: bool):
-  n = len(g)
-  extra_dtype = jnp.float32 if config.half_dtype is None else config.half_dtype
-  out_shape = [jax.ShapeDtypeStruct((size,), jnp.float32)
-               for size in segments.sizes] * 3
-  if write_extra:
+def _launch_update(config: AdamWConfig, segments: Segments, inputs, hyper,
+                   flags, *, write_extra: bool, interpret: bool):
+  """One launch over ``inputs`` (lists of leaves: g, p, mu, nu; or g, half,
+  remainder, mu, nu). The state's leaves are updated in place."""
+  n = len(inputs[0])
+  if config.remainder:
+    updated = inputs[2:] + inputs[1:2]     # remainder, mu, nu, half
+  else:
+    updated = inputs[1:]                   # p, mu, nu
+  out_shape = [jax.ShapeDtypeStruct((x.size,), x.dtype)
+               for group in updated for x in group]
+  if write_extra and not config.remainder:
+    extra_dtype = (jnp.float32 if config.half_dtype is None
+                   else config.half_dtype)
     out_shape += [jax.ShapeDtypeStruct((size,), extra_dtype)
                   for size in segments.sizes]
-  flat = lambda xs: [x.reshape(-1) for x in xs]  # noqa: E731
+  position = {id(group): k for k, group in enumerate(inputs)}
+  aliases = {2 + position[id(group)] * n + i: k * n + i
+             for k, group in enumerate(updated) for i in range(n)}
   return pl.pallas_call(
       functools.partial(_update_kernel, config, segments, write_extra),
       out_shape=out_shape,
       grid=(segments.total_blocks,),
       in_specs=[pl.BlockSpec((8,), lambda i: (0,)),
                 pl.BlockSpec((2,), lambda i: (0,))]
-      + [pl.no_block_spec] * (4 * n),
+      + [pl.no_block_spec] * (len(inputs) * n),
       out_specs=[pl.no_block_spec] * len(out_shape),
-      # Operands: hyper, flags, g..., p..., mu..., nu... -> p..., mu..., nu...
-      input_output_aliases={2 + n + k: k for k in range(3 * n)},
+      input_output_aliases=aliases,
       interpret=interpret,
       compiler_params=_compiler_params(interpret),
       name="jmp_lab_multi_tensor_adamw",
-  )(hyper, flags, *flat(g), *flat(p), *flat(mu), *flat(nu))
+  )(hyper, flags, *[x.reshape(-1) for group in inputs for x in group])
 
 
 def update(config: AdamWConfig, decays: Sequence[bool],
            g: Sequence[jax.Array], p: Sequence[jax.Array],
            mu: Sequence[jax.Array], nu: Sequence[jax.Array], hyper: jax.Array,
-           flags: jax.Array, *, write_extra: bool, interpret: bool
-           ) -> Outputs:
+           flags: jax.Array, *, write_extra: bool, interpret: bool,
+           remainders: Optional[Sequence[jax.Array]] = None) -> Outputs:
   """One fused AdamW step over lists of leaves (see ``reference``).
 
-  ``p``, ``mu`` and ``nu`` are updated in place (donate them to make it
-  real). Without ``write_extra`` the fourth output is None: the caller needs
+  ``p`` (or, with ``config.remainder``, the bf16 params and ``remainders``),
+  ``mu`` and ``nu`` are updated in place (donate them to make it real).
+  Without ``write_extra`` the fourth output is None: the caller needs
   neither the half copy nor the fp32 update (fp32 params, new-params path).
+  Moments are stored in the dtype they come in (fp32 or bf16).
   """
   # Triton blocks must be powers of two: pad the scalars to eight.
   hyper = jnp.pad(hyper, (0, 8 - NUM_HYPER))
-  results: list[list[jax.Array]] = [[], [], [], []]
+  groups = [g, p] + ([remainders] if config.remainder else []) + [mu, nu]
+  kinds = 4 if (write_extra or config.remainder) else 3
+  results: list[list[jax.Array]] = [[] for _ in range(kinds)]
   for chunk in _chunks(len(g)):
     segments = Segments(tuple(p[i].size for i in chunk),
                         tuple(bool(decays[i]) for i in chunk))
-    outs = _launch_update(config, segments, *([x[i] for i in chunk]
-                                              for x in (g, p, mu, nu)),
+    outs = _launch_update(config, segments,
+                          [[group[i] for i in chunk] for group in groups],
                           hyper, flags, write_extra=write_extra,
                           interpret=interpret)
     k = len(chunk)
-    for kind in range(4 if write_extra else 3):
+    for kind in range(kinds):
       results[kind] += [x.reshape(p[i].shape) for x, i in
                         zip(outs[kind * k:(kind + 1) * k], chunk)]
   return Outputs(results[0], results[1], results[2],
-                 results[3] if write_extra else None)
+                 results[3] if kinds == 4 else None)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab import remainder as remainder_lib
 from jmp_lab._exact import reachable_half
 
 LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP = range(5)
@@ -50,6 +51,9 @@ class AdamWConfig:
   eps: float
   weight_decay: float
   half_dtype: Optional[np.dtype]
+  # The master kept as bf16 params + a uint16 remainder (tree layout only):
+  # the kernel joins them, updates, and splits again (jmp_lab.remainder).
+  remainder: bool = False
 
 
 class Outputs(NamedTuple):
@@ -132,18 +136,35 @@ def tree_grad_stats(grads, scale) -> tuple[jax.Array, jax.Array]:
 
 
 def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
-                write_extra: bool) -> Outputs:
-  """:func:`fused_update` over lists of leaves: XLA fuses it leaf by leaf."""
+                write_extra: bool, remainders=None) -> Outputs:
+  """:func:`fused_update` over lists of leaves: XLA fuses it leaf by leaf.
+
+  With ``config.remainder``, ``p`` are the bf16 params and ``remainders``
+  their uint16 remainders; the outputs are then ``(new remainders, mu, nu,
+  new params)``. Moments are stored in the dtype they come in (fp32 or
+  bf16) and computed in fp32.
+  """
   finite = flags[FINITE] == 1
   leaves = []
-  for g_, p_, mu_, nu_, decay in zip(g, p, mu, nu, decays):
-    out = adamw_elementwise(config, g_, p_, mu_, nu_, jnp.bool_(decay),
+  for i, (g_, p_, mu_, nu_, decay) in enumerate(zip(g, p, mu, nu, decays)):
+    master = (remainder_lib.join(p_, remainders[i]) if config.remainder
+              else p_)
+    out = adamw_elementwise(config, g_, master, mu_, nu_, jnp.bool_(decay),
                             hyper[LR], hyper[INV_BIAS1], hyper[INV_BIAS2],
                             hyper[SCALE], hyper[CLIP])
+    if config.remainder:
+      new = (remainder_lib.split(out.master)[1], out.mu.astype(mu_.dtype),
+             out.nu.astype(nu_.dtype), out.extra)
+      leaves.append([jnp.where(finite, a, b) for a, b in
+                     zip(new, (remainders[i], mu_, nu_, p_))])
+      continue
     unchanged_extra = (jnp.zeros_like(p_) if config.half_dtype is None
                        else p_.astype(config.half_dtype))
-    leaves.append([jnp.where(finite, new, old) for new, old in
-                   zip(out, (p_, mu_, nu_, unchanged_extra))])
+    new = (out.master, out.mu.astype(mu_.dtype), out.nu.astype(nu_.dtype),
+           out.extra)
+    leaves.append([jnp.where(finite, a, b) for a, b in
+                   zip(new, (p_, mu_, nu_, unchanged_extra))])
   master, mu, nu, extra = (list(x) for x in zip(*leaves)) if leaves else (
       [], [], [], [])
-  return Outputs(master, mu, nu, extra if write_extra else None)
+  return Outputs(master, mu, nu,
+                 extra if write_extra or config.remainder else None)
