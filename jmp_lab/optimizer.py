@@ -57,7 +57,6 @@ from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jmp_lab import _checks, _exact, _tree, remainder
