@@ -129,15 +129,19 @@ class Wide(nn.Module):
     return nn.Dense(4)(x)
 
 
-def memory_row_for(spec, name=None, **optimizer):
+def memory_row_for(spec, name=None, fused=False, **optimizer):
   policy = jmp_lab.get_policy(spec)
   model = jl.with_policy(Wide(), policy)
   x = jnp.ones((4096, 32))
   params = policy.cast_to_param(model.init(jax.random.key(0), x[:1])["params"])
-  mu_dtype = optimizer.pop("mu_dtype", None)
-  tx = jmp_lab.mixed_precision(optax.adam(1e-3, mu_dtype=mu_dtype),
-                               policy=policy,
-                               loss_scale=jmp_lab.DynamicLossScale(), **optimizer)
+  if fused:
+    tx = jmp_lab.fused_adamw(1e-3, policy=policy,
+                             loss_scale=jmp_lab.DynamicLossScale(), **optimizer)
+  else:
+    mu_dtype = optimizer.pop("mu_dtype", None)
+    tx = jmp_lab.mixed_precision(optax.adam(1e-3, mu_dtype=mu_dtype),
+                                 policy=policy,
+                                 loss_scale=jmp_lab.DynamicLossScale(), **optimizer)
   opt_state = tx.init(params)
 
   def loss(params, x):
@@ -170,6 +174,9 @@ def test_memory_report_master_weights_cost_params_save_activations():
     (dict(master="remainder", mu_dtype=jnp.bfloat16), 10),          # optax: mu only
     (dict(master="none", rounding="stochastic"), 10),
     (dict(master="none", rounding="stochastic", mu_dtype=jnp.bfloat16), 8),
+    (dict(fused=True), 14),
+    (dict(fused=True, master="remainder", mu_dtype=jnp.bfloat16,
+          nu_dtype=jnp.bfloat16), 8),
 ])
 def test_memory_report_bytes_per_param_of_each_master_mode(optimizer, state_bytes):
   row = memory_row_for("p=bf16,c=bf16,o=f32", **dict(optimizer))
