@@ -237,7 +237,12 @@ def kernel_expected(config) -> bool:
   return config.fused and jmp_lab.get_policy(config.policy).param_dtype.itemsize == 2
 
 
-@pytest.mark.parametrize("config", train_step.CONFIGS, ids=lambda c: c.name)
+# fp16+fused compiles the very step fp16 does: with fp32 params
+# fused_adamw(backend="auto") keeps XLA's path (asserted for bf16+fused below).
+GPT2_CONFIGS = [c for c in train_step.CONFIGS if c.name != "fp16+fused"]
+
+
+@pytest.mark.parametrize("config", GPT2_CONFIGS, ids=lambda c: c.name)
 def test_gpt2_small_step_compiles_for_h100(config):
   report = gpt2_report(config.name)
   policy = jmp_lab.get_policy(config.policy)
@@ -346,9 +351,9 @@ def test_triton_gemm_fusions_are_found_with_their_dtypes():
 
 def test_lean_master_modes_shrink_the_step_arguments_on_h100():
   """Argument bytes of the donated step (params + optimizer state + batch),
-  2-layer model: each mode saves what it stores less of, 2 B/param a step
+  1-layer model: each mode saves what it stores less of, 2 B/param a step
   (fp32 master 4 -> remainder 2 -> none 0; fp32 -> bf16 first moment)."""
-  size = train_step.ModelSize(layers=2)
+  size = train_step.ModelSize(layers=1)
   params = train_step.param_count(size)
   base = next(c for c in train_step.CONFIGS if c.name == "bf16-o2")
   args = {c.name: train_step.compiled_step_report(c, size, "h100").memory["argument"]

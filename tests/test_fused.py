@@ -215,6 +215,11 @@ class FusedAdamWTest(chex.TestCase):
     # reciprocals (XLA makes that rewrite itself under jit), which moves a
     # rare element by one ulp of the param dtype.
     eager = self._testMethodName.endswith("without_jit")
+    if eager and backend == "interpret" and layout == "tree" and (
+        spec != "p=bf16,c=bf16,o=f32"):
+      # 12 s each: the eager interpreted kernel runs one program at a time.
+      # The bf16 case covers the un-jitted tree path; jit covers every spec.
+      self.skipTest("eager interpret mode: bf16 only")
     tol = {"float32": 1e-6}.get(
         spec, float(jnp.finfo(policy.param_dtype).eps) if eager else 0.0)
     chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
