@@ -193,17 +193,6 @@ def param_count(size: ModelSize) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
 
-def pallas_summary(kernels) -> str:
-  """The Pallas kernels, alike ones counted once: "triton x13 (32 regs, ...)"."""
-  counts: dict[tuple, int] = {}
-  for k in kernels:
-    key = (k.backend, k.registers, k.spill_bytes)
-    counts[key] = counts.get(key, 0) + 1
-  return ", ".join(
-      f"{backend}{f' x{n}' if n > 1 else ''} ({regs} regs, {spill} B spill)"
-      for (backend, regs, spill), n in counts.items()) or "none"
-
-
 def compiled_table(reports, params: int) -> str:
   """One row per config; the update columns are the ops under the train
   step's ``jmp_lab_update`` scope (kernel-boundary bytes, slices counted as
@@ -218,7 +207,7 @@ def compiled_table(reports, params: int) -> str:
         f"{kind} {r.gemm_flop_share(kind):.0%}"
         for kind in ("fp8", "16-bit", "tf32", "fp32")
         if r.gemm_flop_share(kind))
-    pallas = pallas_summary(r.pallas_kernels)
+    pallas = r.pallas_summary()
     collectives = ", ".join(f"{k} x{v}" for k, v in
                             sorted(r.collective_summary().items())) or "none"
     memory = r.memory.get("argument", 0) + r.memory.get("temp", 0)

@@ -211,6 +211,9 @@ def test_multi_tensor_kernels_compile_for_sm90a_in_place(mode):
   assert len(report.pallas_kernels) == 4  # 2 launches x 2 kernels
   assert all(k.spill_bytes == 0 and k.backend == "triton"
              for k in report.pallas_kernels)
+  summary = report.pallas_summary()
+  assert "jmp_lab_grad_stats x2 (triton" in summary, summary
+  assert "jmp_lab_multi_tensor_adamw x2 (triton" in summary, summary
   n = sum(sizes)
   # Copies would show as bytes beyond the kernels' own (donated in place).
   assert report.custom_call_bytes == pytest.approx(

@@ -344,6 +344,18 @@ class CompiledReport:
     return {"kernels": sum(k.times for k in records),
             "io_bytes": sum(k.io_bytes * k.times for k in records)}
 
+  def pallas_summary(self) -> str:
+    """The Pallas kernels, alike launches counted once, e.g.
+    ``"jmp_lab_grad_stats x13 (triton, 25 registers, 0 B spilled)"``."""
+    counts = collections.Counter(
+        (k.name, k.backend, k.registers, k.spill_bytes)
+        for k in self.pallas_kernels)
+    return ", ".join(
+        f"{name}{f' x{n}' if n > 1 else ''} ({backend}, "
+        f"{'?' if regs is None else regs} registers, "
+        f"{'?' if spill is None else spill} B spilled)"
+        for (name, backend, regs, spill), n in counts.items()) or "none"
+
   def collective_summary(self) -> dict[str, int]:
     """Launches per step by ``"kind dtype"``, e.g. ``{"all-reduce f32": 3}``."""
     counts: dict[str, int] = collections.Counter()
@@ -397,11 +409,7 @@ class CompiledReport:
     collectives = self.collective_summary()
     lines.append("collectives: " + (", ".join(
         f"{k} x{v}" for k, v in sorted(collectives.items())) or "none"))
-    lines.append("Pallas kernels: " + (", ".join(
-        f"{k.name} ({k.backend}, "
-        f"{'?' if k.registers is None else k.registers} registers, "
-        f"{'?' if k.spill_bytes is None else k.spill_bytes} B spilled)"
-        for k in self.pallas_kernels) or "none"))
+    lines.append("Pallas kernels: " + self.pallas_summary())
     return "\n".join(lines)
 
   def __str__(self) -> str:
