@@ -11,7 +11,7 @@ import pytest
 
 from jmp_lab import kernels
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels import pallas_triton, reference
+from jmp_lab.kernels import multi_tensor, pallas_triton, reference
 from jmp_lab.kernels.reference import AdamWConfig
 
 F32 = np.dtype(jnp.float32)
@@ -236,3 +236,60 @@ def test_explicit_gpu_backends_are_accepted_without_a_gpu(backend):
 def test_unknown_backend_raises():
   with pytest.raises(ValueError, match="unknown fused backend 'cuda'.*mosaic"):
     kernels.resolve_backend("cuda")
+
+
+# --- the multi-tensor kernels (layout="tree") ---------------------------------
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton"])
+@pytest.mark.parametrize("mode", ["fp32-master", "fp32-params", "remainder"])
+@pytest.mark.parametrize("finite", [True, False])
+def test_multi_tensor_kernels_match_the_reference(backend, mode, finite,
+                                                  monkeypatch):
+  """Leaves of uneven size (partial last blocks), 4 a launch (two launches):
+  the moments within an fp32 ulp (XLA contracts ``(1 - b1) * g + b1 * m``
+  into an FMA in one program and not the other), the master within a few
+  ulps, the statistics to fp32 rounding, and a non-finite step changes
+  nothing."""
+  skip_unless_runnable(backend)
+  keep_master = mode != "fp32-params"
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01,
+                       np.dtype(jnp.bfloat16) if keep_master else None,
+                       remainder=mode == "remainder")
+  monkeypatch.setattr(multi_tensor, "LEAVES_PER_LAUNCH", 4)
+  sizes = [1, 127, 2049, 300, 397, 4099]
+  leaves = [[x.reshape(-1)[:n] for x in kernel_inputs(n, jnp.bfloat16, key=i)]
+            for i, n in enumerate(sizes)]
+  g, p, mu, nu = (list(x) for x in zip(*leaves))
+  if mode == "remainder":
+    from jmp_lab import remainder
+    p, remainders = (list(x) for x in zip(*[remainder.split(remainder.untie(x))
+                                            for x in p]))
+  else:
+    remainders = None
+  decays = [i % 3 != 0 for i in range(len(sizes))]
+  hyper, flags = hyper_and_flags(finite, boundary=0)
+  run = lambda b: jax.jit(lambda *a: kernels.tree_update(  # noqa: E731
+      b, config, decays, *a, write_extra=True, remainders=remainders))(
+          g, p, mu, nu, hyper, flags)
+  want, got = run("reference"), run(backend)
+  chex.assert_trees_all_close((got.mu, got.nu), (want.mu, want.nu),
+                              rtol=2.5e-7, atol=0)
+  if not finite:
+    chex.assert_trees_all_equal(got, want)
+    return
+  if mode != "remainder":  # (remainders are the master's low bits)
+    # As the flat kernel: XLA fuses and FMA-contracts the step differently
+    # in the two programs; over these leaves a few elements land up to
+    # twice MAX_ULPS apart, and 99% within one ulp.
+    old = np.concatenate([np.asarray(x, np.float32) for x in p])
+    w, x = (np.concatenate([np.asarray(v) for v in out.master])
+            for out in (want, got))
+    scale = np.maximum(np.abs(old), np.abs(w)).astype(np.float32)
+    ulps = np.abs(x - w) / np.spacing(scale)
+    assert ulps.max() <= 2 * BACKEND_MAX_ULPS[backend], ulps.max()
+    assert np.mean(ulps <= 1) > 0.99
+  want_stats = kernels.tree_grad_stats("reference", g, jnp.float32(256.0))
+  got_stats = kernels.tree_grad_stats(backend, g, jnp.float32(256.0))
+  assert bool(got_stats[1]) == bool(want_stats[1])
+  np.testing.assert_allclose(float(got_stats[0]), float(want_stats[0]), rtol=1e-5)
