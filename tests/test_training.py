@@ -249,20 +249,17 @@ class FlatParamsTest(chex.TestCase):
     chex.assert_trees_all_equal(flat_state.params_tree, tree_state.params)
     chex.assert_trees_all_equal(flat_state.master_params, tree_state.master_params)
 
-  def test_flat_params_need_the_flat_layout(self):
+  @parameterized.named_parameters(
+      ("tree_layout", lambda: jmp_lab.fused_adamw(
+          1e-3, policy="float32", loss_scale=jmp_lab.NoOpLossScale()),
+       ValueError, r"fused_adamw\(..., layout='flat'\)"),
+      ("not_fused", lambda: jmp_lab.mixed_precision(
+          optax.sgd(0.1), policy="float32", loss_scale=jmp_lab.NoOpLossScale()),
+       TypeError, "flat_params=True needs tx=jmp_lab.fused_adamw"))
+  def test_flat_params_need_the_fused_optimizer_with_the_flat_layout(
+      self, make_tx, error, match):
     model = jl.with_policy(DeepMLP(), "float32")
     params = model.init(jax.random.key(0), jnp.ones((1, 64)))["params"]
-    with pytest.raises(ValueError, match="fused_adamw\\(..., layout='flat'\\)"):
-      jmp_lab.TrainState.create(
-          apply_fn=model.apply, params=params, policy="float32", flat_params=True,
-          tx=jmp_lab.fused_adamw(1e-3, policy="float32",
-                                 loss_scale=jmp_lab.NoOpLossScale()))
-
-  def test_flat_params_need_the_fused_optimizer(self):
-    model = jl.with_policy(DeepMLP(), "float32")
-    params = model.init(jax.random.key(0), jnp.ones((1, 64)))["params"]
-    with pytest.raises(TypeError, match="flat_params=True needs tx=jmp_lab.fused_adamw"):
-      jmp_lab.TrainState.create(
-          apply_fn=model.apply, params=params, policy="float32", flat_params=True,
-          tx=jmp_lab.mixed_precision(optax.sgd(0.1), policy="float32",
-                                     loss_scale=jmp_lab.NoOpLossScale()))
+    with pytest.raises(error, match=match):
+      jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                policy="float32", flat_params=True, tx=make_tx())
