@@ -319,7 +319,11 @@ def test_data_parallel_step_on_8_h100s_reduces_gradients():
 # --- the fused update with flat params (issue 12's candidate) ----------------
 
 
-@pytest.mark.parametrize("config", train_step.FLAT_CONFIGS, ids=lambda c: c.name)
+# bf16-o2 only: the flat layout is no longer the default, and CI time is
+# short (bf16+fused-flat, 86.2 GB, is in benchmarks/RESULTS.md).
+@pytest.mark.parametrize("config", [c for c in train_step.FLAT_CONFIGS
+                                    if c.name == "bf16-o2+fused-flat"],
+                         ids=lambda c: c.name)
 def test_flat_fused_update_is_one_kernel_pass_on_h100(config):
   """Params kept as the flat buffer: the update is the gradient assembly
   (fused with the finite check), the Pallas kernel and a few scalar kernels."""
