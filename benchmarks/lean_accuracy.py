@@ -1,15 +1,20 @@
 """Accuracy of the memory-lean masters on real data (issue 13).
 
-Trains ``examples/char_transformer.py`` (the standard library's Python
-sources, bf16 params and compute) with every ``mixed_precision`` master mode,
-the same seeds, batches and steps, and prints the final validation loss of
-each against the fp32 master:
+Trains two examples with every master mode of both optimizers, bf16 params
+and compute, the same seeds, batches and steps, and prints the final
+validation loss of each against the fp32 master of ``mixed_precision``:
 
-* at the example's learning rate (3e-3), where every mode should agree;
-* at a small learning rate (1e-4), where Adam's steps fall below half a bf16
-  ulp for most weights, so round-to-nearest without a master stalls.
+* ``examples/char_transformer.py`` (the standard library's Python sources),
+  validation loss on held-out text, recorded every 20 steps for the curves;
+* ``examples/digits_cnn.py`` (the seeds' SimpleCNN on scikit-learn's digits),
+  loss and accuracy on the held-out 20%.
 
-  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/lean_accuracy.py --steps 200
+Each at the example's learning rate, where every mode should agree, and at a
+small one, where Adam's steps fall below half a bf16 ulp for most weights, so
+round-to-nearest without a master stalls. It writes a PNG of the curves.
+
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/lean_accuracy.py \\
+      --plot benchmarks/lean_accuracy.png
 """
 
 from __future__ import annotations
@@ -19,47 +24,139 @@ import os
 import sys
 import tempfile
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import char_transformer  # noqa: E402
+import digits_cnn  # noqa: E402
 
+POLICY = "p=bf16,c=bf16,o=f32"
+
+# (name, fused?, lean options). The first is the baseline.
 MODES = [
-    ("fp32 master", ["--master", "float32"]),
-    ("remainder", ["--master", "remainder"]),
-    ("remainder + bf16 mu", ["--master", "remainder", "--mu-dtype", "bfloat16"]),
-    ("none, nearest", ["--master", "none"]),
-    ("none, stochastic", ["--master", "none", "--rounding", "stochastic"]),
+    ("fp32 master", False, dict(master="float32")),
+    ("remainder", False, dict(master="remainder")),
+    ("remainder + bf16 mu", False, dict(master="remainder", mu_dtype="bfloat16")),
+    ("none, nearest", False, dict(master="none", rounding="nearest")),
+    ("none, stochastic", False, dict(master="none", rounding="stochastic")),
+    ("fused: fp32 master", True, dict(master="float32")),
+    ("fused: remainder + bf16 mu, nu", True,
+     dict(master="remainder", mu_dtype="bfloat16", nu_dtype="bfloat16")),
+    ("fused: none, stochastic + bf16 mu, nu", True,
+     dict(master="none", rounding="stochastic", mu_dtype="bfloat16",
+          nu_dtype="bfloat16")),
 ]
+# At the small learning rate: the baseline and the modes without a master.
+SMALL_LR_MODES = ("fp32 master", "none, nearest", "none, stochastic",
+                  "fused: none, stochastic + bf16 mu, nu")
 
 
-def run(mode_args, steps: int, lr: float) -> float:
+def char_run(fused: bool, lean: dict, steps: int, lr: float) -> dict:
+  flags = []
+  for key, value in lean.items():
+    flags += [f"--{key.replace('_', '-')}", value]
   with tempfile.TemporaryDirectory() as ckpt:
     out = char_transformer.main(
-        ["--policy", "p=bf16,c=bf16,o=f32", "--steps", str(steps), "--lr",
-         str(lr), "--ckpt-dir", ckpt, "--ckpt-every", str(10**9),
-         "--no-progress", "--sample-len", "0"] + mode_args)
-  return out["valid_loss"]
+        ["--policy", POLICY, "--steps", str(steps), "--lr", str(lr),
+         "--ckpt-dir", ckpt, "--ckpt-every", str(10**9), "--no-progress",
+         "--sample-len", "0", "--eval-every", "20"]
+        + (["--fused"] if fused else []) + flags)
+  curve = out["valid_curve"]
+  if not curve or curve[-1][0] != out["step"]:
+    curve = curve + [(out["step"], out["valid_loss"])]
+  steps_, losses = zip(*curve)
+  return {"loss": out["valid_loss"], "curve": (steps_, losses)}
+
+
+def digits_run(fused: bool, lean: dict, epochs: int, lr: float, data) -> dict:
+  out = digits_cnn.train(POLICY, "none", epochs=epochs, batch_size=64,
+                         optimizer="fused" if fused else "optax", data=data,
+                         progress=False, lr=lr, **lean)
+  losses = out["losses"]
+  smooth = np.convolve(losses, np.ones(10) / 10, mode="valid")
+  return {"loss": out["test_loss"], "accuracy": out["test_accuracy"],
+          "curve": (np.arange(len(smooth)) + 10, smooth)}
+
+
+def table(title: str, rows, with_accuracy: bool) -> str:
+  head = "| lr | mode | loss | vs fp32 master |" + (
+      " test accuracy |" if with_accuracy else "")
+  lines = [title, "", head, "|" + "---|" * (head.count("|") - 1)]
+  for lr, name, result, rel in rows:
+    line = f"| {lr:g} | {name} | {result['loss']:.4f} | {rel:+.2%} |"
+    if with_accuracy:
+      line += f" {100 * result['accuracy']:.2f}% |"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def plot(panels, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
+  for ax, (title, ylabel, rows) in zip(np.atleast_1d(axes), panels):
+    for _, name, result, _ in rows:
+      x, y = result["curve"]
+      ax.plot(x, y, lw=1.2, label=name,
+              ls="--" if name.startswith("fused") else "-")
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+  np.atleast_1d(axes)[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  print(f"wrote {path}")
+
+
+def sweep(run, lrs) -> list:
+  rows = []
+  for lr in lrs:
+    modes = MODES if lr == lrs[0] else [m for m in MODES
+                                        if m[0] in SMALL_LR_MODES]
+    base = None
+    for name, fused, lean in modes:
+      result = run(fused, lean, lr)
+      base = result["loss"] if base is None else base
+      rows.append((lr, name, result, result["loss"] / base - 1))
+      print(f"  {lr:g} {name}: {result['loss']:.4f}", flush=True)
+  return rows
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=200)
-  parser.add_argument("--lrs", default="3e-3,1e-4")
+  parser.add_argument("--char-steps", type=int, default=200)
+  parser.add_argument("--char-lrs", default="3e-3,1e-4")
+  parser.add_argument("--digits-epochs", type=int, default=6)
+  parser.add_argument("--digits-lrs", default="1e-3,1e-4")
+  parser.add_argument("--plot", default=None, help="write the curves here")
   args = parser.parse_args(argv)
-  rows = []
-  for lr in map(float, args.lrs.split(",")):
-    modes = MODES if lr >= 1e-3 else [m for m in MODES
-                                      if m[0] in ("fp32 master", "none, nearest",
-                                                  "none, stochastic")]
-    base = None
-    for name, mode_args in modes:
-      loss = run(mode_args, args.steps, lr)
-      base = loss if base is None else base
-      rows.append((lr, name, loss, loss / base - 1))
-  print(f"| lr | master | valid loss after {args.steps} steps (nats/char) "
-        f"| vs fp32 master |")
-  print("|---|---|---|---|")
-  for lr, name, loss, rel in rows:
-    print(f"| {lr:g} | {name} | {loss:.4f} | {rel:+.2%} |")
+  char_lrs = [float(x) for x in args.char_lrs.split(",")]
+  digits_lrs = [float(x) for x in args.digits_lrs.split(",")]
+
+  print("char transformer:")
+  char_rows = sweep(lambda f, lean, lr: char_run(f, lean, args.char_steps, lr),
+                    char_lrs)
+  print("digits CNN:")
+  data = digits_cnn.load_data()
+  digits_rows = sweep(
+      lambda f, lean, lr: digits_run(f, lean, args.digits_epochs, lr, data),
+      digits_lrs)
+
+  print(table(f"char transformer: validation loss (nats/char) after "
+              f"{args.char_steps} steps", char_rows, with_accuracy=False))
+  print()
+  print(table(f"digits CNN: test loss after {args.digits_epochs} epochs",
+              digits_rows, with_accuracy=True))
+  if args.plot:
+    panels = []
+    for lr in char_lrs:
+      panels.append((f"char transformer, lr {lr:g}", "validation loss",
+                     [r for r in char_rows if r[0] == lr]))
+    for lr in digits_lrs:
+      panels.append((f"digits CNN, lr {lr:g}", "training loss (10-step mean)",
+                     [r for r in digits_rows if r[0] == lr]))
+    plot(panels, args.plot)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,8 @@ class Config:
   flat: bool = False       # fused only: TrainState.create(flat_params=True)
   master: str = "float32"  # mixed_precision(master=...): memory-lean modes
   rounding: str = "nearest"
-  mu_dtype: Optional[str] = None  # optax.adamw(mu_dtype=...)
+  mu_dtype: Optional[str] = None  # optax.adamw / fused_adamw(mu_dtype=...)
+  nu_dtype: Optional[str] = None  # fused_adamw only (optax has none)
 
 
 CONFIGS = [
@@ -145,6 +146,12 @@ LEAN_CONFIGS = [
            rounding="stochastic"),
     Config("bf16-o2-none-sr-mu16", "p=bf16,c=bf16,o=f32", "none",
            master="none", rounding="stochastic", mu_dtype="bfloat16"),
+    Config("bf16-o2+fused-remainder-m16v16", "p=bf16,c=bf16,o=f32", "none",
+           fused=True, master="remainder", mu_dtype="bfloat16",
+           nu_dtype="bfloat16"),
+    Config("bf16-o2+fused-none-sr-m16v16", "p=bf16,c=bf16,o=f32", "none",
+           fused=True, master="none", rounding="stochastic",
+           mu_dtype="bfloat16", nu_dtype="bfloat16"),
 ]
 ALL_CONFIGS = CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS
 
@@ -158,7 +165,10 @@ def make_state(config: Config, size: ModelSize):
   if config.fused:
     tx = jmp_lab.fused_adamw(3e-4, weight_decay=0.1, policy=policy,
                              loss_scale=loss_scale,
-                             layout="flat" if config.flat else "tree")
+                             layout="flat" if config.flat else "tree",
+                             master=config.master, rounding=config.rounding,
+                             mu_dtype=config.mu_dtype,
+                             nu_dtype=config.nu_dtype)
   else:
     tx = jmp_lab.mixed_precision(
         optax.adamw(3e-4, weight_decay=0.1, mu_dtype=config.mu_dtype),

@@ -8,7 +8,8 @@ downloaded. The example shows:
 * gradient clipping on *unscaled* gradients (``--clip``);
 * the fused optimizer (``--fused``), or ``mixed_precision(optax.chain(...))``;
 * memory-lean masters (``--master remainder|none``, ``--rounding``,
-  ``--mu-dtype``) with bf16 params (``--policy p=bf16,c=bf16,o=f32``);
+  ``--mu-dtype``, and ``--nu-dtype`` with ``--fused``) with bf16 params
+  (``--policy p=bf16,c=bf16,o=f32``);
 * orbax checkpointing (``--ckpt-dir``) and ``--resume``;
 * tokens/s, and a sample of generated text at the end.
 
@@ -113,13 +114,15 @@ def make_optimizer(args, policy):
                 if args.loss_scale == "dynamic" else jmp_lab.NoOpLossScale())
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, max(args.steps, 100))
   if args.fused:
-    if args.master != "float32" or args.mu_dtype:
-      raise ValueError(
-          f"--master {args.master} / --mu-dtype need mixed_precision: "
-          f"fused_adamw keeps an fp32 master and fp32 moments (drop --fused)")
     # Clipping happens inside the fused kernel, on unscaled gradients.
     return jmp_lab.fused_adamw(schedule, weight_decay=0.01, policy=policy,
-                               loss_scale=loss_scale, max_grad_norm=args.clip)
+                               loss_scale=loss_scale, max_grad_norm=args.clip,
+                               master=args.master, rounding=args.rounding,
+                               mu_dtype=args.mu_dtype, nu_dtype=args.nu_dtype)
+  if args.nu_dtype:
+    raise ValueError(
+        f"--nu-dtype {args.nu_dtype} needs --fused: optax.adamw has a "
+        f"mu_dtype but no nu_dtype (optax issue 1552)")
   # The wrapper unscales first, so clip_by_global_norm sees true gradients.
   return jmp_lab.mixed_precision(
       optax.chain(optax.clip_by_global_norm(args.clip),
@@ -170,6 +173,8 @@ def main(argv=None):
                       help="rounding of the params with --master none")
   parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"],
                       help="dtype of Adam's first moment (optax mu_dtype)")
+  parser.add_argument("--nu-dtype", default=None, choices=["bfloat16"],
+                      help="dtype of Adam's second moment (--fused only)")
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--seq-len", type=int, default=128)
@@ -179,6 +184,9 @@ def main(argv=None):
   parser.add_argument("--resume", action="store_true",
                       help="continue from the latest checkpoint in --ckpt-dir")
   parser.add_argument("--sample-len", type=int, default=300)
+  parser.add_argument("--eval-every", type=int, default=0,
+                      help="also record the validation loss every N steps "
+                           "(returned as valid_curve; 0: at the end only)")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
 
@@ -201,7 +209,8 @@ def main(argv=None):
   start_step = 0
   config = {"policy": str(policy), "fused": args.fused, "seq_len": args.seq_len,
             "loss_scale": args.loss_scale, "master": args.master,
-            "rounding": args.rounding, "mu_dtype": args.mu_dtype}
+            "rounding": args.rounding, "mu_dtype": args.mu_dtype,
+            "nu_dtype": args.nu_dtype}
   config_path = os.path.join(os.path.abspath(args.ckpt_dir), "run_config.json")
   if args.resume and manager.latest_step() is not None:
     saved = config
@@ -222,8 +231,13 @@ def main(argv=None):
   with open(config_path, "w") as f:
     json.dump(config, f)
   step_fn = jmp_lab.make_train_step(loss_fn)
+  window = args.seq_len + 1  # inputs and the next token
+  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
+  valid = np.stack([valid_tokens[s:s + window] for s in starts])
+  valid_loss_of = jax.jit(lambda params: jl.softmax_cross_entropy_with_integer_labels(
+      model.apply({"params": params}, valid[:, :-1]), valid[:, 1:]).mean())
+  train_losses, valid_curve = [], []
   rng = np.random.default_rng(start_step)  # a resumed run draws new batches
-  window = args.seq_len + 1
   bar = tqdm(range(start_step, start_step + args.steps), disable=args.no_progress)
   metrics, timed_from, timed_steps = None, None, 0
   for step in bar:
@@ -231,6 +245,9 @@ def main(argv=None):
     batch = {"tokens": np.stack([train_tokens[s:s + window] for s in starts]),
              "rng": jax.random.fold_in(jax.random.key(1), step)}
     state, metrics = step_fn(state, batch)
+    train_losses.append(metrics["loss"])  # a device array: no sync
+    if args.eval_every and (step + 1) % args.eval_every == 0:
+      valid_curve.append((step + 1, valid_loss_of(state.params)))
     if timed_from is None:  # exclude compilation from tokens/s
       jax.block_until_ready(metrics)
       timed_from = time.perf_counter()
@@ -248,11 +265,7 @@ def main(argv=None):
     manager.save(final_step, args=ocp.args.StandardSave(state), force=True)
   manager.wait_until_finished()
 
-  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
-  valid = np.stack([valid_tokens[s:s + window] for s in starts])
-  logits = model.apply({"params": state.params}, valid[:, :-1])
-  valid_loss = float(jl.softmax_cross_entropy_with_integer_labels(
-      logits, valid[:, 1:]).mean())
+  valid_loss = float(valid_loss_of(state.params))
   tokens_per_s = timed_steps * args.batch_size * args.seq_len / max(seconds, 1e-9)
   print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
         f"{valid_loss:.3f} nats/char, loss scale {float(state.loss_scale.loss_scale):g}, "
@@ -262,7 +275,9 @@ def main(argv=None):
   print("--- sample ---")
   print("def " + text.decode("utf-8", errors="replace"))
   return {"step": final_step, "valid_loss": valid_loss,
-          "tokens_per_s": tokens_per_s, "state": state}
+          "tokens_per_s": tokens_per_s, "state": state,
+          "train_losses": np.asarray(jax.device_get(train_losses), np.float64),
+          "valid_curve": [(s, float(v)) for s, v in valid_curve]}
 
 
 if __name__ == "__main__":

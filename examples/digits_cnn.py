@@ -78,21 +78,39 @@ def loss_fn(params, state, batch):
   return loss
 
 
+def make_optimizer(optimizer: str, policy, loss_scale, *, lr: float = 1e-3,
+                   **lean):
+  """``fused_adamw`` or ``mixed_precision(optax.adam)``; ``lean`` holds the
+  memory-lean options (``master``, ``rounding``, ``mu_dtype``, and
+  ``nu_dtype`` for the fused optimizer only: optax has none)."""
+  lean = {k: v for k, v in lean.items() if v is not None}
+  if optimizer == "fused":
+    return jmp_lab.fused_adamw(lr, weight_decay=0.0, policy=policy,
+                               loss_scale=loss_scale, **lean)
+  if "nu_dtype" in lean:
+    raise ValueError(
+        f"nu_dtype={lean['nu_dtype']!r} needs the fused optimizer: optax.adam "
+        f"has a mu_dtype but no nu_dtype (optax issue 1552)")
+  mu_dtype = lean.pop("mu_dtype", None)
+  return jmp_lab.mixed_precision(optax.adam(lr, mu_dtype=mu_dtype),
+                                 policy=policy, loss_scale=loss_scale, **lean)
+
+
 def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
           batch_size: int, optimizer: str, seed: int = 0,
-          data=None, progress: bool = True) -> dict[str, Any]:
-  """Trains SimpleCNN once; returns the figures and the per-step traces."""
+          data=None, progress: bool = True, lr: float = 1e-3,
+          **lean) -> dict[str, Any]:
+  """Trains SimpleCNN once; returns the figures and the per-step traces.
+
+  ``lean``: ``master``, ``rounding``, ``mu_dtype``, ``nu_dtype`` (see
+  :func:`make_optimizer`).
+  """
   policy = jmp_lab.get_policy(policy_name)
   (x_train, y_train), (x_test, y_test) = data or load_data()
   model = jl.with_policy(SimpleCNN(), policy)
   params = model.init(jax.random.key(seed), x_train[:1])["params"]
-  loss_scale = make_loss_scale(loss_scale_kind)
-  if optimizer == "fused":
-    tx = jmp_lab.fused_adamw(1e-3, weight_decay=0.0, policy=policy,
-                             loss_scale=loss_scale)
-  else:
-    tx = jmp_lab.mixed_precision(optax.adam(1e-3), policy=policy,
-                                 loss_scale=loss_scale)
+  tx = make_optimizer(optimizer, policy, make_loss_scale(loss_scale_kind),
+                      lr=lr, **lean)
   state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
                                     tx=tx, policy=policy)
   step = jmp_lab.make_train_step(loss_fn)
@@ -131,11 +149,14 @@ def train(policy_name: str, loss_scale_kind: str, *, epochs: int,
 
   logits = model.apply({"params": state.params}, x_test)
   accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
+  test_loss = float(jl.softmax_cross_entropy_with_integer_labels(
+      logits, jnp.asarray(y_test)).mean())
   losses = np.asarray(jax.device_get(losses), np.float64)
   return {
       "policy": policy_name,
       "loss_scale": loss_scale_kind,
       "test_accuracy": accuracy,
+      "test_loss": test_loss,
       "final_loss": float(np.mean(losses[-steps_per_epoch:])),
       "skipped_steps": int(skipped[-1]),
       "final_scale": float(scales[-1]),
@@ -214,7 +235,8 @@ def plot(results, path: str) -> None:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--policy", default="mixed_float16",
-                      choices=["float32", "mixed_bfloat16", "mixed_float16"])
+                      help="a preset (float32, mixed_bfloat16, mixed_float16) "
+                           "or a spec such as p=bf16,c=bf16,o=f32")
   parser.add_argument("--loss-scale", default="dynamic",
                       choices=["dynamic", "static", "none"])
   parser.add_argument("--compare", action="store_true",
@@ -223,15 +245,28 @@ def main(argv=None):
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--optimizer", default="fused", choices=["fused", "optax"],
                       help="jmp_lab.fused_adamw or mixed_precision(optax.adam)")
+  parser.add_argument("--lr", type=float, default=1e-3)
+  parser.add_argument("--master", default=None,
+                      choices=["float32", "remainder", "none"],
+                      help="how the fp32 master is kept (bf16 params for "
+                           "remainder/none: --policy p=bf16,c=bf16,o=f32)")
+  parser.add_argument("--rounding", default=None,
+                      choices=["nearest", "stochastic"],
+                      help="rounding of the params with --master none")
+  parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"])
+  parser.add_argument("--nu-dtype", default=None, choices=["bfloat16"],
+                      help="the fused optimizer only")
   parser.add_argument("--out-dir", default=os.path.join("examples", "out"))
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
 
   runs = COMPARE_RUNS if args.compare else [(args.policy, args.loss_scale)]
   data = load_data()
+  lean = dict(master=args.master, rounding=args.rounding,
+              mu_dtype=args.mu_dtype, nu_dtype=args.nu_dtype)
   results = [train(p, s, epochs=args.epochs, batch_size=args.batch_size,
-                   optimizer=args.optimizer, data=data,
-                   progress=not args.no_progress) for p, s in runs]
+                   optimizer=args.optimizer, data=data, lr=args.lr,
+                   progress=not args.no_progress, **lean) for p, s in runs]
   print(f"# SimpleCNN, scikit-learn digits (28x28), {args.epochs} epochs, batch "
         f"{args.batch_size}, optimizer {args.optimizer}, {jax.devices()[0].device_kind}")
   print_table(results)

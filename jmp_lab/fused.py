@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lab import _checks, _tree, kernels
+from jmp_lab import _checks, _tree, kernels, rounding as rounding_lib
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels.reference import AdamWConfig, inverse_bias_corrections
 from jmp_lab.loss_scale import LossScale, fresh_copy
@@ -181,6 +181,8 @@ def fused_adamw(
     axis_name: Optional[str] = None,
     layout: str = "tree",
     master: str = "float32",
+    rounding: str = "nearest",
+    rounding_seed: int = 0,
     mu_dtype: Optional[Any] = None,
     nu_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -207,10 +209,19 @@ def fused_adamw(
     layout: ``"tree"`` (default; master and moments as trees, multi-tensor
       kernels) or ``"flat"`` (flat buffers; needed for :func:`flat_params`
       and ``TrainState.create(..., flat_params=True)``). See the module doc.
-    master: ``"float32"`` (default) or ``"remainder"`` (bf16 params, tree
-      layout): as :func:`~jmp_lab.mixed_precision`'s ``master``; the kernel
-      joins params and remainder, updates, and splits again, reading and
-      writing 2 B/param less. ``"none"`` is not in the fused optimizer yet.
+    master: ``"float32"`` (default), ``"remainder"`` (bf16 params) or
+      ``"none"`` (half params; tree layout for both), as
+      :func:`~jmp_lab.mixed_precision`'s ``master``. With ``"remainder"``
+      the kernel joins params and remainder, updates, and splits again,
+      reading and writing 2 B/param less; with ``"none"`` it updates the
+      half params in place (the byte budget of each mode is in
+      :mod:`jmp_lab.kernels.multi_tensor`).
+    rounding: ``"nearest"`` or ``"stochastic"`` (``master="none"`` with bf16
+      params only). The stochastic bits are a hash of the state's key (from
+      ``rounding_seed``), the count of applied steps, the leaf and the
+      element (:mod:`jmp_lab.rounding`): every backend rounds alike, runs
+      repeat, and a skipped step draws nothing.
+    rounding_seed: the seed of the stochastic-rounding key.
     mu_dtype, nu_dtype: the dtypes Adam's moments are stored in (default
       fp32; ``jnp.bfloat16`` saves 2 B/param each; tree layout). They are
       computed in fp32 either way, as optax's ``mu_dtype``.
@@ -236,23 +247,21 @@ def fused_adamw(
         "backend='mosaic' needs layout='flat': the multi-tensor kernel of "
         "layout='tree' is Triton only (backend 'auto', 'triton', 'interpret' "
         "or 'reference')")
-  _checks.check_master_mode(master, "nearest", policy)
-  if master == "none":
-    raise ValueError(
-        "fused_adamw has no master='none' yet: use "
-        "jmp_lab.mixed_precision(optax.adamw(...), master='none')")
+  _checks.check_master_mode(master, rounding, policy)
   mu_dtype, nu_dtype = (_moment_dtype(d, name) for d, name in
                         ((mu_dtype, "mu_dtype"), (nu_dtype, "nu_dtype")))
   if layout == "flat" and (master != "float32" or mu_dtype != jnp.float32
                            or nu_dtype != jnp.float32):
     raise ValueError(
-        "master='remainder', mu_dtype and nu_dtype need layout='tree'; the "
-        "flat buffers are fp32")
+        f"master={master!r}, mu_dtype and nu_dtype other than float32 need "
+        f"layout='tree'; the flat buffers are an fp32 master and moments")
   keep_master = _checks.keeps_master_copy(policy)
   multi_tensor_backend = kernels.tree_backend(backend, half_params=keep_master)
   config = AdamWConfig(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                        half_dtype=policy.param_dtype if keep_master else None,
-                       remainder=master == "remainder")
+                       remainder=master == "remainder",
+                       direct=keep_master and master == "none",
+                       stochastic=rounding == "stochastic")
 
   def init_fn(params):
     _checks.check_params(params, policy)
@@ -277,6 +286,9 @@ def fused_adamw(
           master_remainder=(zeros(jnp.uint16) if master == "remainder"
                             else None),
           mu=zeros(mu_dtype), nu=zeros(nu_dtype), layout=tree_layout,
+          # Raw key data (uint32), which every checkpointer can save.
+          rounding_key=(jax.random.key_data(jax.random.key(rounding_seed))
+                        if config.stochastic else None),
           **common)
     buffers = flat_layout.make_layout(params, decay_mask, policy.param_dtype)
     # Two separate buffers: one array for both moments would make a donated
@@ -301,10 +313,13 @@ def fused_adamw(
     return jnp.where(norm < max_grad_norm, 1.0, max_grad_norm / norm)
 
   def next_state(state, finite, master, mu, nu, remainders=None):
+    keeps_fp32_master = keep_master and master is not None and not (
+        config.remainder or config.direct)
     return FusedAdamWState(
         count=state.count + finite.astype(jnp.int32),
-        master_params=master if keep_master and remainders is None else None,
+        master_params=master if keeps_fp32_master else None,
         master_remainder=remainders, mu=mu, nu=nu,
+        rounding_key=state.rounding_key,
         loss_scale=state.loss_scale.adjust(finite),
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
         last_step_applied=finite, layout=state.layout,
@@ -333,9 +348,10 @@ def fused_adamw(
     g = tree_layout.leaves(grads)
     remainders = (tree_layout.leaves(state.master_remainder)
                   if config.remainder else None)
-    # With a remainder the kernel reads the params and the remainder.
-    p = tree_layout.leaves(state.master_params if keep_master
-                           and not config.remainder else params)
+    # With a remainder the kernel reads the params and the remainder; with
+    # no master, the params.
+    p = tree_layout.leaves(state.master_params if keep_master and not (
+        config.remainder or config.direct) else params)
     sumsq, finite = kernels.tree_grad_stats(
         multi_tensor_backend, g, jnp.asarray(state.loss_scale.loss_scale, jnp.float32))
     if axis_name is not None:
@@ -344,7 +360,11 @@ def fused_adamw(
       # all of them), so the norm is local: summing it would count it N times.
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
     hyper = hyperparameters(state, clip_factor(sumsq))
-    flags = jnp.stack([finite.astype(jnp.int32), jnp.int32(0)])
+    flags = [finite.astype(jnp.int32), jnp.int32(0)]
+    if config.stochastic:
+      seed = rounding_lib.step_seed(state.rounding_key, state.count)
+      flags.append(jax.lax.bitcast_convert_type(seed, jnp.int32))
+    flags = jnp.stack(flags)
     out = kernels.tree_update(
         multi_tensor_backend, config, tree_layout.trainable_decays, g, p,
         tree_layout.leaves(state.mu), tree_layout.leaves(state.nu), hyper,
@@ -353,6 +373,10 @@ def fused_adamw(
       return out, next_state(state, finite, None, tree_layout.tree(out.mu),
                              tree_layout.tree(out.nu),
                              remainders=tree_layout.tree(out.master))
+    if config.direct:  # outputs: params, mu, nu; the params go in extra
+      return out._replace(extra=out.master), next_state(
+          state, finite, None, tree_layout.tree(out.mu),
+          tree_layout.tree(out.nu))
     new_state = next_state(state, finite, tree_layout.tree(out.master),
                            tree_layout.tree(out.mu), tree_layout.tree(out.nu))
     return out, new_state

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lab import _checks, _exact, _tree, remainder
+from jmp_lab import rounding as rounding_lib
 from jmp_lab.loss_scale import LossScale, fresh_copy, select_tree
 from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import MixedPrecisionState
@@ -94,8 +95,9 @@ def _direct_half_updates(params, new_trainable, finite, state, new_state,
   if rounding == "stochastic":
     key, step_key = jax.random.split(
         jax.random.wrap_key_data(state.rounding_key))
-    targets = [None if x is None else _stochastic_round_bf16(
-        x, jax.random.fold_in(step_key, i)) for i, x in enumerate(leaves)]
+    targets = [None if x is None else rounding_lib.stochastic_round_bf16(
+        x, jax.random.bits(jax.random.fold_in(step_key, i), x.shape,
+                           jnp.uint32)) for i, x in enumerate(leaves)]
     new_state = new_state._replace(rounding_key=jnp.where(
         finite, jax.random.key_data(key), state.rounding_key))
   else:
@@ -115,20 +117,6 @@ def _direct_half_updates(params, new_trainable, finite, state, new_state,
 # --------------------------------------------------------------------------
 # The transformation.
 # --------------------------------------------------------------------------
-
-
-def _stochastic_round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
-  """``x`` (fp32) rounded to bf16 up or down with probability by distance.
-
-  Adds 16 random bits below the bf16 mantissa and truncates: integer
-  arithmetic on the bit pattern, which XLA has no excess-precision rewrite
-  for (jax issue 23007 is about bf16 *float* error terms becoming 0).
-  """
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) & 0xFFFF
-  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
-  return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(
-      jnp.bfloat16)
 
 
 def mixed_precision(

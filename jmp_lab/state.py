@@ -93,6 +93,9 @@ class FusedAdamWState(NamedTuple):
   layout: Union[flat_layout.TreeLayout, flat_layout.FlatLayout]  # static
   params_spec: ParamsSpec                # static: the params it was built for
   master_remainder: Optional[Any] = None  # uint16 tree (master="remainder")
+  # Key data of stochastic rounding (master="none"); each step's bits come
+  # from it and ``count``, so a skipped step draws nothing.
+  rounding_key: Optional[jax.Array] = None
 
   def master_tree(self, params: Any = None) -> Optional[Any]:
     """The fp32 master as a tree (non-trainable leaves are None; rebuilt

@@ -167,15 +167,19 @@ def test_pallas_kernel_compiles_for_sm90a_without_spills(backend, keep_master):
   assert report.custom_call_bytes >= elements * (2 + 12 + 12 + (2 if keep_master else 4))
 
 
-# Per mode: (param dtype, fp32 master?, remainder?, moment dtype) and the
-# update kernel's bytes per param: g + state read, state + params written.
+# Per mode: (param dtype, master, moment dtype) and the update kernel's bytes
+# per param: g + state read, state + params written.
 MULTI_TENSOR_MODES = {
-    "fp32-master": (jnp.bfloat16, True, False, jnp.float32, 2 + 12 + 12 + 2),
-    "fp32-params": (jnp.float32, False, False, jnp.float32, 4 + 12 + 12),
+    "fp32-master": (jnp.bfloat16, "float32", jnp.float32, 2 + 12 + 12 + 2),
+    "fp32-params": (jnp.float32, "float32", jnp.float32, 4 + 12 + 12),
     # g 2 + params 2 + remainder 2 + m, v 4 read; remainder 2 + m, v 4 +
     # params 2 written.
-    "remainder-bf16-moments": (jnp.bfloat16, True, True, jnp.bfloat16,
+    "remainder-bf16-moments": (jnp.bfloat16, "remainder", jnp.bfloat16,
                                2 + 2 + 2 + 4 + 2 + 4 + 2),
+    # g 2 + params 2 + m, v 4 read; params 2 + m, v 4 written (and a hash
+    # per element, which costs registers, not bytes).
+    "none-stochastic-bf16-moments": (jnp.bfloat16, "none", jnp.bfloat16,
+                                     2 + 2 + 4 + 2 + 4),
 }
 
 
@@ -185,25 +189,29 @@ def test_multi_tensor_kernels_compile_for_sm90a_in_place(mode):
   the update reads and writes only what the mode keeps, in place, after a
   statistics pass that reads the gradients once (2 B/param in bf16). The
   budget of each mode is stated next to the kernel (kernels.multi_tensor)."""
-  dtype, keep_master, remainder, moments, update_bytes = MULTI_TENSOR_MODES[mode]
+  dtype, master, moments, update_bytes = MULTI_TENSOR_MODES[mode]
+  keep_master = dtype != jnp.float32
+  remainder, direct = master == "remainder", master == "none"
   sizes = [3000 + 4099 * i for i in range(20)]
   config = AdamWConfig(0.9, 0.999, 1e-8, 1e-4,
                        np.dtype(dtype) if keep_master else None,
-                       remainder=remainder)
+                       remainder=remainder, direct=direct, stochastic=direct)
 
   def step(g, p, mu, nu, rem):
     hyper = jnp.array([1e-3, 1.0, 1.0, 8.0, 1.0], jnp.float32)
     _, finite = multi_tensor.grad_stats(g, hyper[3], interpret=False)
-    flags = jnp.stack([finite.astype(jnp.int32), jnp.int32(0)])
+    flags = jnp.stack([finite.astype(jnp.int32), jnp.int32(0), jnp.int32(7)])
     out = multi_tensor.update(config, [True] * len(g), g, p, mu, nu, hyper,
                               flags, write_extra=keep_master, interpret=False,
                               remainders=rem if remainder else None)
     # In the inputs' order: jax pairs donated inputs with outputs by shape
     # and dtype, first come first served (bf16 params and bf16 moments alike).
-    return (out.extra, out.mu, out.nu, out.master) if remainder else out
+    if remainder:
+      return out.extra, out.mu, out.nu, out.master
+    return out.master, out.mu, out.nu, out.extra
 
   leaves = lambda dtype: [SDS((n,), dtype) for n in sizes]  # noqa: E731
-  state_dtype = dtype if remainder else jnp.float32
+  state_dtype = dtype if remainder or direct else jnp.float32
   report = compiled.compiled_report(
       step, leaves(dtype), leaves(state_dtype), leaves(moments),
       leaves(moments), leaves(jnp.uint16), donate_argnums=(1, 2, 3, 4),
@@ -359,7 +367,8 @@ def test_triton_gemm_fusions_are_found_with_their_dtypes():
 def test_lean_master_modes_shrink_the_step_arguments_on_h100():
   """Argument bytes of the donated step (params + optimizer state + batch),
   1-layer model: each mode saves what it stores less of, 2 B/param a step
-  (fp32 master 4 -> remainder 2 -> none 0; fp32 -> bf16 first moment)."""
+  (fp32 master 4 -> remainder 2 -> none 0; fp32 -> bf16 moments), in both
+  optimizers (the fused ones with bf16 mu and nu: 14 -> 8 -> 6 B/param)."""
   size = train_step.ModelSize(layers=1)
   params = train_step.param_count(size)
   base = next(c for c in train_step.CONFIGS if c.name == "bf16-o2")
@@ -371,3 +380,5 @@ def test_lean_master_modes_shrink_the_step_arguments_on_h100():
   assert saved["bf16-o2-remainder-mu16"] == pytest.approx(4, abs=0.01)
   assert saved["bf16-o2-none-sr"] == pytest.approx(4, abs=0.01)
   assert saved["bf16-o2-none-sr-mu16"] == pytest.approx(6, abs=0.01)
+  assert saved["bf16-o2+fused-remainder-m16v16"] == pytest.approx(6, abs=0.01)
+  assert saved["bf16-o2+fused-none-sr-m16v16"] == pytest.approx(8, abs=0.01)

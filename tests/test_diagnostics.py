@@ -177,6 +177,9 @@ def test_memory_report_master_weights_cost_params_save_activations():
     (dict(fused=True), 14),
     (dict(fused=True, master="remainder", mu_dtype=jnp.bfloat16,
           nu_dtype=jnp.bfloat16), 8),
+    (dict(fused=True, master="none", rounding="stochastic"), 10),
+    (dict(fused=True, master="none", rounding="stochastic",
+          mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16), 6),
 ])
 def test_memory_report_bytes_per_param_of_each_master_mode(optimizer, state_bytes):
   row = memory_row_for("p=bf16,c=bf16,o=f32", compile_step=False, **dict(optimizer))

@@ -242,20 +242,24 @@ def test_unknown_backend_raises():
 
 
 @pytest.mark.parametrize("backend", ["interpret", "triton"])
-@pytest.mark.parametrize("mode", ["fp32-master", "fp32-params", "remainder"])
+@pytest.mark.parametrize("mode", ["fp32-master", "fp32-params", "remainder",
+                                  "none-nearest", "none-stochastic"])
 @pytest.mark.parametrize("finite", [True, False])
 def test_multi_tensor_kernels_match_the_reference(backend, mode, finite,
                                                   monkeypatch):
   """Leaves of uneven size (partial last blocks), 4 a launch (two launches):
   the moments within an fp32 ulp (XLA contracts ``(1 - b1) * g + b1 * m``
   into an FMA in one program and not the other), the master within a few
-  ulps, the statistics to fp32 rounding, and a non-finite step changes
-  nothing."""
+  ulps (with no master, the half params within a half ulp: the same but for
+  that fp32 ulp before rounding), the statistics to fp32 rounding, and a
+  non-finite step changes nothing."""
   skip_unless_runnable(backend)
   keep_master = mode != "fp32-params"
+  direct = mode.startswith("none")
   config = AdamWConfig(0.9, 0.999, 1e-8, 0.01,
                        np.dtype(jnp.bfloat16) if keep_master else None,
-                       remainder=mode == "remainder")
+                       remainder=mode == "remainder", direct=direct,
+                       stochastic=mode == "none-stochastic")
   monkeypatch.setattr(multi_tensor, "LEAVES_PER_LAUNCH", 4)
   sizes = [1, 127, 2049, 300, 397, 4099]
   leaves = [[x.reshape(-1)[:n] for x in kernel_inputs(n, jnp.bfloat16, key=i)]
@@ -267,8 +271,11 @@ def test_multi_tensor_kernels_match_the_reference(backend, mode, finite,
                                             for x in p]))
   else:
     remainders = None
+  if direct:
+    p = [x.astype(jnp.bfloat16) for x in p]
   decays = [i % 3 != 0 for i in range(len(sizes))]
   hyper, flags = hyper_and_flags(finite, boundary=0)
+  flags = jnp.append(flags, jnp.int32(-123456789))  # the rounding seed
   run = lambda b: jax.jit(lambda *a: kernels.tree_update(  # noqa: E731
       b, config, decays, *a, write_extra=True, remainders=remainders))(
           g, p, mu, nu, hyper, flags)
@@ -278,7 +285,13 @@ def test_multi_tensor_kernels_match_the_reference(backend, mode, finite,
   if not finite:
     chex.assert_trees_all_equal(got, want)
     return
-  if mode != "remainder":  # (remainders are the master's low bits)
+  if direct:
+    w, x = (np.concatenate([np.asarray(v, np.float32) for v in out.master])
+            for out in (want, got))
+    assert np.mean(w == x) > 0.99
+    np.testing.assert_array_less(np.abs(x - w), 1.01 * np.spacing(
+        np.abs(w).astype(jnp.bfloat16)).astype(np.float32) + 1e-30)
+  elif mode != "remainder":  # (remainders are the master's low bits)
     # As the flat kernel: XLA fuses and FMA-contracts the step differently
     # in the two programs; over these leaves a few elements land up to
     # twice MAX_ULPS apart, and 99% within one ulp.

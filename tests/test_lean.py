@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 import jmp_lab
-from jmp_lab import remainder
+from jmp_lab import remainder, rounding
 from conftest import FLOAT0
 
 
@@ -129,14 +129,18 @@ def test_master_params_of_a_remainder_state_needs_the_params():
 
 # --- master="none" -------------------------------------------------------------
 
-def test_nearest_rounding_stalls_where_stochastic_rounding_moves():
+@pytest.mark.parametrize("optimizer", ["mixed_precision", "fused_adamw"])
+def test_nearest_rounding_stalls_where_stochastic_rounding_moves(optimizer):
   """At a learning rate whose updates are below half a bf16 ulp, round to
   nearest loses them; stochastic rounding keeps them in expectation."""
   params = params_of()
   steps, lr = 200, 1e-5
-  _, master_state = train(make("float32", lr=lr), params, steps)
-  nearest, _ = train(make("none", lr=lr), params, steps)
-  stochastic, _ = train(make("none", "stochastic", lr=lr), params, steps)
+  build = make if optimizer == "mixed_precision" else (
+      lambda master, rounding="nearest", lr=lr: fused(
+          "reference", master=master, rounding=rounding, lr=lr))
+  _, master_state = train(build("float32", lr=lr), params, steps)
+  nearest, _ = train(build("none", lr=lr), params, steps)
+  stochastic, _ = train(build("none", "stochastic", lr=lr), params, steps)
   master = jmp_lab.master_params(master_state)["w"]
   moved = lambda w: float(jnp.mean(jnp.abs(  # noqa: E731
       w.astype(jnp.float32) - params["w"].astype(jnp.float32))))
@@ -145,16 +149,39 @@ def test_nearest_rounding_stalls_where_stochastic_rounding_moves():
 
 
 @pytest.mark.parametrize("with_jit", [True, False])
-def test_stochastic_rounding_is_unbiased_and_reproducible(with_jit):
+@pytest.mark.parametrize("source", ["jax.random", "counter_bits"])
+def test_stochastic_rounding_is_unbiased_and_reproducible(with_jit, source):
+  """Unbiased under jit too, where a float error term (x - bf16(x)) would be
+  rewritten to 0 by XLA's excess precision (jax issue 23007)."""
   x = jnp.full((20000,), 1.0 + 2.0**-9, jnp.float32)  # a quarter of a bf16 ulp
-  key = jax.random.key(3)
-  fn = jax.jit(jmp_lab.optimizer._stochastic_round_bf16) if with_jit else (
-      jmp_lab.optimizer._stochastic_round_bf16)
-  rounded = fn(x, key)
+
+  def round_(x):
+    if source == "jax.random":
+      bits = jax.random.bits(jax.random.key(3), x.shape, jnp.uint32)
+    else:
+      seed = rounding.step_seed(jnp.array([0, 3], jnp.uint32), jnp.int32(5))
+      bits = rounding.counter_bits(seed, 2, jnp.arange(x.size))
+    return rounding.stochastic_round_bf16(x, bits)
+
+  rounded = (jax.jit(round_) if with_jit else round_)(x)
   assert set(np.unique(np.asarray(rounded, np.float32))) == {1.0, 1.0078125}
   assert float(jnp.mean(rounded.astype(jnp.float32))) == pytest.approx(
       float(x[0]), abs=2e-4)
-  chex.assert_trees_all_equal(rounded, jmp_lab.optimizer._stochastic_round_bf16(x, key))
+  chex.assert_trees_all_equal(rounded, round_(x))
+
+
+def test_counter_bits_differ_by_stream_seed_and_index():
+  seed = rounding.step_seed(jnp.array([0, 3], jnp.uint32), jnp.int32(0))
+  other_step = rounding.step_seed(jnp.array([0, 3], jnp.uint32), jnp.int32(1))
+  index = jnp.arange(1 << 16)
+  streams = [rounding.counter_bits(s, k, index) for s, k in
+             ((seed, 0), (seed, 1), (other_step, 0))]
+  for bits in streams:
+    low = np.asarray(bits & 0xFFFF)
+    assert len(np.unique(np.asarray(bits))) == index.size  # a bijection
+    assert abs(low.mean() / 0xFFFF - 0.5) < 0.01
+  assert np.mean(np.asarray(streams[0]) == np.asarray(streams[1])) < 1e-3
+  assert np.mean(np.asarray(streams[0]) == np.asarray(streams[2])) < 1e-3
 
 
 def test_stochastic_runs_repeat_and_a_skipped_step_draws_nothing():
@@ -191,9 +218,9 @@ def test_bad_master_modes_are_refused(kwargs, match):
 
 # --- fused_adamw: remainder and moment dtypes ---------------------------------
 
-def fused(backend, **kwargs):
+def fused(backend, lr=1e-3, **kwargs):
   return jmp_lab.fused_adamw(
-      1e-3, weight_decay=0.1, policy=BF16, backend=backend,
+      lr, weight_decay=0.1, policy=BF16, backend=backend,
       loss_scale=jmp_lab.DynamicLossScale(2.0**12, growth_interval=50), **kwargs)
 
 
@@ -259,8 +286,9 @@ def test_fused_remainder_trains_in_a_donated_train_state():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(master="none"), r"fused_adamw has no master='none' yet"),
     (dict(master="remainder", layout="flat"), r"need layout='tree'"),
+    (dict(master="none", layout="flat"), r"master='none'.*need layout='tree'"),
+    (dict(rounding="stochastic"), r"rounding='stochastic' needs master='none'"),
     (dict(mu_dtype=jnp.float16), r"mu_dtype must be float32 or bfloat16.*float16"),
     (dict(nu_dtype="int8"), r"nu_dtype must be float32 or bfloat16.*'int8'"),
 ])
@@ -269,7 +297,102 @@ def test_fused_bad_master_modes_are_refused(kwargs, match):
     fused("reference", **kwargs)
 
 
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_fused_none_nearest_is_bit_identical_to_mixed_precision(backend):
+  params = params_of()
+  want, _ = train(make("none"), params, 40, poison_at=(7,))
+  got, state = train(fused(backend, master="none"), params, 40, poison_at=(7,))
+  assert tree_bits_equal(got, want)
+  assert state.master_params is None and state.master_remainder is None
+  assert jmp_lab.master_params(state) is None
+  assert int(state.skipped_steps) == 1
+
+
+def test_fused_stochastic_backends_agree_runs_repeat_and_skips_draw_nothing():
+  params = params_of()
+  tx = lambda backend: fused(backend, master="none", rounding="stochastic",  # noqa: E731
+                             rounding_seed=11, mu_dtype="bfloat16",
+                             nu_dtype="bfloat16")
+  first, _ = train(tx("reference"), params, 20, poison_at=(4,))
+  again, _ = train(tx("reference"), params, 20, poison_at=(4,))
+  interpreted, _ = train(tx("interpret"), params, 20, poison_at=(4,))
+  assert tree_bits_equal(first, again)
+  assert tree_bits_equal(first, interpreted)
+  # A skipped step leaves count and key alone: the next step rounds as the
+  # skipped one would have (its gradients scaled by the backed-off scale).
+  opt = tx("reference")
+  state0 = opt.init(params)
+  _, skipped = opt.update(grads_at(params, 0, 4096.0, poison=True), state0, params)
+  assert tree_bits_equal((skipped.rounding_key, skipped.count),
+                         (state0.rounding_key, state0.count))
+  after_skip, _ = opt.update.new_params(grads_at(params, 0, 2048.0), skipped,
+                                        params)
+  direct, _ = opt.update.new_params(grads_at(params, 0, 4096.0), state0, params)
+  assert tree_bits_equal(after_skip, direct)
+  other_seed, _ = train(fused("reference", master="none", rounding="stochastic",
+                              rounding_seed=12), params, 20)
+  assert not tree_bits_equal(other_seed["w"], first["w"])
+
+
+def test_fused_none_stochastic_trains_in_a_donated_train_state():
+  import flax.linen as nn
+  from jmp_lab import linen as jl
+  model = jl.with_policy(nn.Dense(3), BF16)
+  params = model.init(jax.random.key(0), jnp.ones((2, 4)))["params"]
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=params, policy=BF16,
+      tx=fused("reference", master="none", rounding="stochastic",
+               mu_dtype="bfloat16", nu_dtype="bfloat16"))
+
+  def loss_fn(params, state, batch):
+    return jnp.mean(state.apply_fn({"params": params}, batch).astype(jnp.float32) ** 2)
+
+  step = jmp_lab.make_train_step(loss_fn)
+  losses = []
+  for _ in range(20):
+    state, metrics = step(state, jnp.ones((2, 4)))  # donates the old state
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < 0.9 * losses[0]
+  assert jmp_lab.master_params(state.opt_state) is None  # nothing kept
+  chex.assert_type(jax.tree_util.tree_leaves(state.params), jnp.bfloat16)
+  chex.assert_type(jax.tree_util.tree_leaves(state.opt_state.mu), jnp.bfloat16)
+
+
 def test_fused_remainder_needs_bf16_params():
   with pytest.raises(ValueError, match="master='remainder' needs bfloat16 params"):
     jmp_lab.fused_adamw(1e-3, policy="p=f16,c=f16", master="remainder",
                         loss_scale=jmp_lab.NoOpLossScale())
+
+
+# --- checkpoints ----------------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", ["mixed_precision", "fused_adamw"])
+@pytest.mark.parametrize("master,rounding", [
+    ("remainder", "nearest"), ("none", "stochastic")])
+def test_lean_states_survive_an_orbax_round_trip(optimizer, master, rounding,
+                                                 tmp_path):
+  """Saved after 5 steps and restored into a fresh state: the restored run
+  continues bit for bit (remainders, rounding key and all)."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = params_of()
+  tx = (make(master, rounding) if optimizer == "mixed_precision" else
+        fused("reference", master=master, rounding=rounding,
+              mu_dtype="bfloat16", nu_dtype="bfloat16"))
+  params, state = train(tx, params, 5, poison_at=(2,))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", {"params": params, "opt": state})
+    checkpointer.wait_until_finished()
+    target = {"params": jax.tree_util.tree_map(jnp.zeros_like, params),
+              "opt": tx.init(params_of(seed=1))}
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+  assert tree_bits_equal(restored, {"params": params, "opt": state})
+
+  def go_on(params, state):
+    for i in range(5, 10):
+      updates, state = tx.update(grads_at(params, i, jmp_lab.current_loss_scale(
+          state).loss_scale), state, params)
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  assert tree_bits_equal(go_on(restored["params"], restored["opt"]),
+                         go_on(params, state))

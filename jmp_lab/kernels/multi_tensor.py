@@ -13,12 +13,30 @@ Two kernels make one step:
    (partial results, summed by XLA in a fixed order, so runs repeat);
 2. :func:`update` reads g, p, m, v and writes p, m, v (in place, aliased to
    the inputs) and the half copy; on a non-finite step it writes only the
-   half copy.
+   half copy. With a remainder it also reads and writes the remainder; with
+   no master, p is the half params.
 
-Per parameter, with an fp32 master and half params (bf16-o2), that is 2 B for
-the statistics, 14 B read and 14 B written by the update: 30 B, against 32
-for XLA's own fusion of ``mixed_precision(optax.adamw)`` compiled for an H100
-(benchmarks/RESULTS.md).
+Bytes per parameter, bf16 gradients, compiled for an H100 and checked in
+``tests/test_compiled.py`` (statistics pass + update reads + update writes;
+moments fp32 unless stated):
+
+=============================================  =====  =====  ======  =====
+mode                                           stats  read   write   total
+=============================================  =====  =====  ======  =====
+fp32 master, half params (bf16-o2)             2      14     14      30
+fp32 params (they are the master)              4*     16     12      32*
+``master="remainder"``                         2      14     12      28
+``master="remainder"``, bf16 moments           2      10     8       20
+``master="none"`` (nearest or stochastic)      2      12     10      24
+``master="none"``, bf16 moments                2      8      6       16
+=============================================  =====  =====  ======  =====
+
+(*) fp32 gradients: the statistics read 4 B. ``backend="auto"`` keeps XLA's
+own per-leaf fusion there, which reads the bf16 GEMM outputs directly
+(:func:`jmp_lab.kernels.tree_backend`). XLA's fusion of
+``mixed_precision(optax.adamw)`` with an fp32 master moves 32 B/param
+(benchmarks/RESULTS.md). Stochastic rounding costs arithmetic (an integer
+hash per element, :func:`jmp_lab.rounding.counter_bits`), no bytes.
 
 Backends: ``"triton"`` (Pallas' Triton lowering) and ``"interpret"`` (the
 same kernels in Pallas interpret mode, on any device; for tests).
@@ -35,10 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jmp_lab import remainder
+from jmp_lab import remainder, rounding
 from jmp_lab.kernels.reference import (CLIP, FINITE, INV_BIAS1, INV_BIAS2, LR,
-                                       NUM_HYPER, SCALE, AdamWConfig, Outputs,
-                                       adamw_elementwise)
+                                       NUM_HYPER, SCALE, SEED, AdamWConfig,
+                                       Outputs, adamw_elementwise)
 
 # Leaves per kernel launch. Each leaf is a conditional block of its own in
 # the kernel, and Triton's compile time grows faster than linearly with
@@ -60,10 +78,13 @@ class Segments:
   Attributes:
     sizes: elements of each leaf (the kernels see them flattened).
     decays: whether each leaf is weight-decayed.
+    first_leaf: the number of this launch's first leaf among all of them
+      (the stochastic-rounding stream of leaf ``i`` is ``first_leaf + i``).
   """
 
   sizes: tuple[int, ...]
   decays: tuple[bool, ...]
+  first_leaf: int = 0
 
   @property
   def block_starts(self) -> tuple[int, ...]:
@@ -117,10 +138,10 @@ def _for_each_leaf(program, segments: Segments, body: Callable[[int], None]):
 
 
 def _block(program, segments: Segments, i: int):
-  """Leaf ``i``'s slice and mask for this program."""
+  """Leaf ``i``'s slice, mask and element indices for this program."""
   offset = (program - segments.block_starts[i]) * BLOCK
   index = offset + jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-  return pl.ds(offset, BLOCK), index < segments.sizes[i]
+  return pl.ds(offset, BLOCK), index < segments.sizes[i], index
 
 
 def _stats_kernel(segments: Segments, scale_ref, *refs):
@@ -132,7 +153,7 @@ def _stats_kernel(segments: Segments, scale_ref, *refs):
   scale = scale_ref[0]
 
   def leaf_stats(i):
-    where, mask = _block(program, segments, i)
+    where, mask, _ = _block(program, segments, i)
     # Unscaled as the optimizers unscale: the flag and the norm are theirs.
     g = load(grads[i].at[where], mask=mask, other=0).astype(jnp.float32) / scale
     sumsq_out[...] = jnp.full((1,), jnp.sum(g * g), jnp.float32)
@@ -185,6 +206,11 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
     # In: g, half, remainder, mu, nu. Out (all aliased): remainder, mu, nu,
     # half.
     g, half, rem, mu, nu, rem_out, mu_out, nu_out, half_out = groups
+    extra_out = None
+  elif config.direct:
+    # In: g, half params, mu, nu. Out (all aliased): params, mu, nu.
+    g, p, mu, nu, p_out, mu_out, nu_out = groups
+    extra_out = None
   else:
     g, p, mu, nu, p_out, mu_out, nu_out = groups[:7]
     extra_out = groups[7] if write_extra else None
@@ -193,10 +219,11 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
   # the kernel's top level.
   program = pl.program_id(0)
   finite = flags_ref[FINITE] == 1
+  seed = jax.lax.bitcast_convert_type(flags_ref[SEED], jnp.uint32)
   hyper = tuple(hyper_ref[k] for k in (LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP))
 
   def leaf_update(i):
-    where, mask = _block(program, segments, i)
+    where, mask, index = _block(program, segments, i)
     if config.remainder:
       p_ = remainder.join(load(half[i].at[where], mask=mask, other=0),
                           load(rem[i].at[where], mask=mask, other=0))
@@ -207,11 +234,16 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
     def _update():
       g_, mu_, nu_ = (load(r[i].at[where], mask=mask, other=0)
                       for r in (g, mu, nu))
+      bits = (rounding.counter_bits(seed, segments.first_leaf + i, index)
+              if config.stochastic else None)
       out = adamw_elementwise(config, g_, p_, mu_, nu_,
-                              jnp.bool_(segments.decays[i]), *hyper)
+                              jnp.bool_(segments.decays[i]), *hyper,
+                              bits=bits)
       if config.remainder:
         targets = (rem_out, mu_out, nu_out, half_out)
         values = (remainder.split(out.master)[1],) + tuple(out[1:])
+      elif config.direct:
+        targets, values = (p_out, mu_out, nu_out), out[:3]
       else:
         targets = (p_out, mu_out, nu_out) + ((extra_out,) if write_extra
                                              else ())
@@ -219,7 +251,7 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
       for target, value in zip(targets, values):
         store(target[i].at[where], value.astype(target[i].dtype), mask=mask)
 
-    if write_extra and not config.remainder:
+    if extra_out is not None:
       @pl.when(jnp.logical_not(finite))
       def _skip():
         # p, m and v are aliased to their inputs: not writing them keeps
@@ -243,7 +275,7 @@ def _launch_update(config: AdamWConfig, segments: Segments, inputs, hyper,
     updated = inputs[1:]                   # p, mu, nu
   out_shape = [jax.ShapeDtypeStruct((x.size,), x.dtype)
                for group in updated for x in group]
-  if write_extra and not config.remainder:
+  if write_extra and not (config.remainder or config.direct):
     extra_dtype = (jnp.float32 if config.half_dtype is None
                    else config.half_dtype)
     out_shape += [jax.ShapeDtypeStruct((size,), extra_dtype)
@@ -256,7 +288,7 @@ def _launch_update(config: AdamWConfig, segments: Segments, inputs, hyper,
       out_shape=out_shape,
       grid=(segments.total_blocks,),
       in_specs=[pl.BlockSpec((8,), lambda i: (0,)),
-                pl.BlockSpec((2,), lambda i: (0,))]
+                pl.BlockSpec((4,), lambda i: (0,))]
       + [pl.no_block_spec] * (len(inputs) * n),
       out_specs=[pl.no_block_spec] * len(out_shape),
       input_output_aliases=aliases,
@@ -277,16 +309,22 @@ def update(config: AdamWConfig, decays: Sequence[bool],
   ``mu`` and ``nu`` are updated in place (donate them to make it real).
   Without ``write_extra`` the fourth output is None: the caller needs
   neither the half copy nor the fp32 update (fp32 params, new-params path).
+  With ``config.direct`` (no master) ``p`` are the half params, updated in
+  place, and the fourth output is None; stochastic rounding needs the seed
+  in ``flags[SEED]``.
   Moments are stored in the dtype they come in (fp32 or bf16).
   """
-  # Triton blocks must be powers of two: pad the scalars to eight.
+  # Triton blocks must be powers of two: pad the scalars to eight and the
+  # flags (finite, decay boundary, and the seed if any) to four.
   hyper = jnp.pad(hyper, (0, 8 - NUM_HYPER))
+  flags = jnp.pad(flags, (0, 4 - flags.shape[0]))
   groups = [g, p] + ([remainders] if config.remainder else []) + [mu, nu]
-  kinds = 4 if (write_extra or config.remainder) else 3
+  kinds = 3 if config.direct else (
+      4 if (write_extra or config.remainder) else 3)
   results: list[list[jax.Array]] = [[] for _ in range(kinds)]
   for chunk in _chunks(len(g)):
     segments = Segments(tuple(p[i].size for i in chunk),
-                        tuple(bool(decays[i]) for i in chunk))
+                        tuple(bool(decays[i]) for i in chunk), chunk.start)
     outs = _launch_update(config, segments,
                           [[group[i] for i in chunk] for group in groups],
                           hyper, flags, write_extra=write_extra,

@@ -15,8 +15,10 @@ Scalars travel as two small arrays, because a kernel takes arrays:
 
 * ``hyper`` (f32[5]): learning rate, the reciprocals of Adam's two bias
   corrections, loss scale, and the gradient-clipping factor (1 if none);
-* ``flags`` (i32[2]): 1 if every gradient is finite (else 0), and the index of
-  the first element that is *not* weight-decayed.
+* ``flags`` (i32[2], or i32[3] for stochastic rounding): 1 if every gradient
+  is finite (else 0), the index of the first element that is *not*
+  weight-decayed (flat layout; 0 in the tree layout), and the step's
+  rounding seed (a uint32 bit pattern, :func:`jmp_lab.rounding.step_seed`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import remainder as remainder_lib
+from jmp_lab import rounding
 from jmp_lab._exact import reachable_half
 
 LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP = range(5)
 NUM_HYPER = 5
-FINITE, DECAY_BOUNDARY = range(2)
+FINITE, DECAY_BOUNDARY, SEED = range(3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +57,16 @@ class AdamWConfig:
   # The master kept as bf16 params + a uint16 remainder (tree layout only):
   # the kernel joins them, updates, and splits again (jmp_lab.remainder).
   remainder: bool = False
+  # No master (master="none", tree layout only): the half params are updated
+  # in place, the new fp32 values rounded to half_dtype: to nearest, or
+  # stochastically (bf16) with jmp_lab.rounding.counter_bits.
+  direct: bool = False
+  stochastic: bool = False
 
 
 class Outputs(NamedTuple):
-  master: jax.Array   # new fp32 master (new params when half_dtype is None)
+  master: jax.Array   # new fp32 master (new params when half_dtype is None,
+                      # new half params when config.direct)
   mu: jax.Array
   nu: jax.Array
   extra: jax.Array    # the half copy, or the fp32 update when no master
@@ -65,19 +74,23 @@ class Outputs(NamedTuple):
 
 def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
                       lr, inv_bias1, inv_bias2, scale, clip, *,
-                      sqrt=jnp.sqrt) -> Outputs:
+                      sqrt=jnp.sqrt, bits=None) -> Outputs:
   """One AdamW step on loaded values (any backend's arrays).
 
   Args:
     config: static hyperparameters.
-    g: scaled gradients (param dtype); p, mu, nu: fp32 master and moments.
+    g: scaled gradients (param dtype); p, mu, nu: fp32 master (the half
+      params when ``config.direct``) and moments (fp32 or bf16).
     decays: bool array, whether each element is weight-decayed.
     lr, inv_bias1, inv_bias2, scale: f32 scalars
       (``inv_bias = 1 / (1 - b ** count)``); clip: the factor that clips the
       unscaled gradients to the global norm (1 when not clipping).
     sqrt: the square root the backend can lower (Mosaic GPU has only rsqrt).
+    bits: uint32 random bits like ``p`` (``config.stochastic`` only).
   """
   g = (g.astype(jnp.float32) / scale) * clip
+  # (Moments stay as they come: optax multiplies a bf16 mu by b1 in bf16.)
+  p = p.astype(jnp.float32)
   # optax.scale_by_adam: moments, then bias correction, then the ratio.
   mu = (1 - config.b1) * g + config.b1 * mu
   nu = (1 - config.b2) * (g * g) + config.b2 * nu
@@ -89,6 +102,13 @@ def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
   new_p = p + update
   if config.half_dtype is None:
     return Outputs(new_p, mu, nu, update)
+  if config.direct:
+    target = (rounding.stochastic_round_bf16(new_p, bits) if config.stochastic
+              else new_p.astype(config.half_dtype))
+    # Where apply_updates lands the params (as mixed_precision's "none").
+    half = reachable_half(p.astype(config.half_dtype),
+                          target.astype(jnp.float32), config.half_dtype).half
+    return Outputs(half, mu, nu, half)
   # The params outside are cast(old master); optax.apply_updates will add
   # u = cast(new) - cast(old) in fp32. Where that sum cannot land on
   # cast(new), snap the master to where it does land (see jmp_lab._exact).
@@ -141,22 +161,33 @@ def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
 
   With ``config.remainder``, ``p`` are the bf16 params and ``remainders``
   their uint16 remainders; the outputs are then ``(new remainders, mu, nu,
-  new params)``. Moments are stored in the dtype they come in (fp32 or
-  bf16) and computed in fp32.
+  new params)``. With ``config.direct``, ``p`` are the half params and the
+  outputs ``(new params, mu, nu, None)``; stochastic rounding draws
+  ``counter_bits(flags[SEED], leaf number, element index)``. Moments are
+  stored in the dtype they come in (fp32 or bf16) and computed in fp32.
   """
   finite = flags[FINITE] == 1
   leaves = []
   for i, (g_, p_, mu_, nu_, decay) in enumerate(zip(g, p, mu, nu, decays)):
     master = (remainder_lib.join(p_, remainders[i]) if config.remainder
               else p_)
+    bits = (rounding.counter_bits(
+        jax.lax.bitcast_convert_type(flags[SEED], jnp.uint32), i,
+        jnp.arange(p_.size, dtype=jnp.int32).reshape(p_.shape))
+            if config.stochastic else None)
     out = adamw_elementwise(config, g_, master, mu_, nu_, jnp.bool_(decay),
                             hyper[LR], hyper[INV_BIAS1], hyper[INV_BIAS2],
-                            hyper[SCALE], hyper[CLIP])
+                            hyper[SCALE], hyper[CLIP], bits=bits)
     if config.remainder:
       new = (remainder_lib.split(out.master)[1], out.mu.astype(mu_.dtype),
              out.nu.astype(nu_.dtype), out.extra)
       leaves.append([jnp.where(finite, a, b) for a, b in
                      zip(new, (remainders[i], mu_, nu_, p_))])
+      continue
+    if config.direct:
+      new = (out.master, out.mu.astype(mu_.dtype), out.nu.astype(nu_.dtype))
+      leaves.append([jnp.where(finite, a, b) for a, b in
+                     zip(new, (p_, mu_, nu_))] + [None])
       continue
     unchanged_extra = (jnp.zeros_like(p_) if config.half_dtype is None
                        else p_.astype(config.half_dtype))
@@ -166,5 +197,5 @@ def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
                    zip(new, (p_, mu_, nu_, unchanged_extra))])
   master, mu, nu, extra = (list(x) for x in zip(*leaves)) if leaves else (
       [], [], [], [])
-  return Outputs(master, mu, nu,
-                 extra if write_extra or config.remainder else None)
+  keep_extra = (write_extra or config.remainder) and not config.direct
+  return Outputs(master, mu, nu, extra if keep_extra else None)
