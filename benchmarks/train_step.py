@@ -153,7 +153,12 @@ LEAN_CONFIGS = [
            fused=True, master="none", rounding="stochastic",
            mu_dtype="bfloat16", nu_dtype="bfloat16"),
 ]
-ALL_CONFIGS = CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS
+# Gradients summed across devices in fp32 (issue 14): compile with --devices.
+REDUCE_CONFIGS = [
+    Config("bf16-r32", "mixed_bfloat16,reduce=float32", "none"),
+    Config("bf16-o2-r32", "p=bf16,c=bf16,o=f32,reduce=float32", "none"),
+]
+ALL_CONFIGS = CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS + REDUCE_CONFIGS
 
 
 def make_state(config: Config, size: ModelSize):

@@ -21,7 +21,13 @@ the unfused path. Two state layouts:
   ``TrainState.create(..., flat_params=True)``) hands in flat gradients.
   Fewest launches (8 on GPT-2-small), more bytes (78.5 GB a step).
 
-:func:`jmp_lab.master_params` returns the master as a tree in both.
+The memory-lean modes (``master="remainder"`` or ``"none"``, with nearest or
+stochastic rounding; bf16 ``mu_dtype``/``nu_dtype``) run in the tree layout's
+kernel, which then reads and writes only what the mode keeps: down to 6
+B/param of params and state, and 16 B/param of update traffic
+(:mod:`jmp_lab.kernels.multi_tensor`).
+
+:func:`jmp_lab.master_params` returns the master as a tree in both layouts.
 ``update.new_params(grads, state, params)`` returns the params the kernel
 wrote instead of an ``updates`` tree; ``TrainState`` uses it.
 

@@ -16,6 +16,16 @@ normalisation layers (LayerNorm, RMSNorm, BatchNorm, GroupNorm) compute in
 fp32 and hand back the compute dtype; BatchNorm's ``batch_stats`` stay fp32.
 Only the ``params`` collection is ever cast.
 
+A policy with a ``reduce`` dtype (``"mixed_bfloat16,reduce=float32"``) has
+the weight gradients summed across devices in it: ``nn.Dense`` and
+``nn.DenseGeneral`` (and so flax's attention projections) get
+:func:`jmp_lab.reduce.dot_general` as their ``dot_general`` (unless they set
+their own), and ``nn.Embed`` looks its rows up in the reduce dtype, so the
+table's gradient is accumulated in it. Norms are fp32 islands already. Not
+covered: ``nn.Conv`` and ``nn.Einsum`` (their weight gradients stay in the
+compute dtype; a warning says so), and biases (a bias gradient is a sum of
+the output gradient, in the compute dtype).
+
 Softmax and cross-entropy stay fp32 through the helpers here:
 :func:`softmax`, :func:`softmax_cross_entropy_with_integer_labels`, and
 :data:`dot_product_attention` (pass it as ``attention_fn`` to
@@ -39,16 +49,20 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
+import warnings
 from typing import Any, Mapping, Optional, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jmp_lab import reduce as reduce_lib
 from jmp_lab.policy import Policy, cast_floating, get_policy
 
 DEFAULT_FP32_MODULES: tuple[type, ...] = (
@@ -64,7 +78,23 @@ def fp32_island(policy: Policy) -> Policy:
   output back in ``policy.compute_dtype``, so the half-precision activations
   around it stay half precision.
   """
-  return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype)
+  return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype,
+                policy.reduce_dtype)
+
+
+def reduce_island(policy: Policy) -> Policy:
+  """The policy of an embedding under a policy with a reduce dtype: the table
+  is read in the reduce dtype (its gradient, a scatter-add of rows, is
+  accumulated and summed across devices in it) and the rows are handed on
+  in the compute dtype."""
+  return Policy(policy.param_dtype, policy.reduce_dtype, policy.compute_dtype,
+                policy.reduce_dtype)
+
+
+# Modules whose matmul takes a ``dot_general`` attribute (see jmp_lab.reduce).
+_DOT_GENERAL_MODULES = (nn.Dense, nn.DenseGeneral)
+# Modules whose weight gradient a reduce dtype does not reach yet.
+_NOT_REDUCED_MODULES = (nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +229,11 @@ class PolicyModule:
       else:
         output = self.policy.compute_dtype
       args, kwargs = cast_floating((args, kwargs), compute)
+      reduce_dtype = (override or self.policy).reduce_dtype
       depth[0] += 1
       try:
-        out = next_fun(*args, **kwargs)
+        with _reduced_gradients(context.module, reduce_dtype):
+          out = next_fun(*args, **kwargs)
       finally:
         depth[0] -= 1
       return cast_floating(out, output)
@@ -210,6 +242,31 @@ class PolicyModule:
 
 
 _MAX_TRACED = 32
+
+
+@contextlib.contextmanager
+def _reduced_gradients(module: nn.Module, reduce_dtype):
+  """Gives a Dense/DenseGeneral the reduce dtype's ``dot_general`` for one
+  call. Flax modules are frozen dataclasses built inside the user's code, so
+  the attribute is set on the instance and restored afterwards."""
+  if reduce_dtype is None:
+    yield
+    return
+  if isinstance(module, _NOT_REDUCED_MODULES):
+    warnings.warn(
+        f"policy reduce dtype {np.dtype(reduce_dtype).name} does not reach "
+        f"{type(module).__name__} {'/'.join(module.path)!r}: its weight "
+        f"gradient is summed across devices in the compute dtype (jmp_lab "
+        f"covers Dense, DenseGeneral and Embed)", stacklevel=4)
+  if not isinstance(module, _DOT_GENERAL_MODULES) or (
+      module.dot_general is not None or module.dot_general_cls is not None):
+    yield
+    return
+  object.__setattr__(module, "dot_general", reduce_lib.dot_general(reduce_dtype))
+  try:
+    yield
+  finally:
+    object.__setattr__(module, "dot_general", None)
 
 
 def _abstract_key(tree: Any) -> Optional[tuple]:
@@ -247,6 +304,10 @@ def with_policy(
     fp32_norms: compute LayerNorm, RMSNorm, BatchNorm and GroupNorm in fp32
       (see :func:`fp32_island`).
 
+  With a ``reduce`` dtype in ``policy``, Dense and DenseGeneral compute their
+  weight gradients in it and Embed reads its table in it (see the module
+  doc and :func:`reduce_island`).
+
   Returns:
     A :class:`PolicyModule` with ``init`` and ``apply``.
 
@@ -267,6 +328,8 @@ def with_policy(
   if fp32_norms:
     for cls in DEFAULT_FP32_MODULES:
       classes.setdefault(cls, fp32_island(policy))
+  if policy.reduce_dtype is not None:
+    classes.setdefault(nn.Embed, reduce_island(policy))
   patterns = []
   for pattern, spec in (path_overrides or {}).items():
     try:

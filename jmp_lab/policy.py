@@ -1,8 +1,10 @@
 """Precision policies: which dtype params, computation and outputs use.
 
 A :class:`Policy` is three dtypes and three cast methods, in the spirit of
-jmp. :func:`get_policy` parses the jmp string grammar (and agrees with
-``jmp.get_policy`` on every string jmp accepts), plus a few named presets.
+jmp, plus an optional fourth dtype, ``reduce_dtype``: the dtype gradients are
+in when they are summed across devices. :func:`get_policy` parses the jmp
+string grammar (and agrees with ``jmp.get_policy`` on every string jmp
+accepts), the ``reduce``/``r`` key, and a few named presets.
 
 Example::
 
@@ -12,12 +14,14 @@ Example::
   True
   >>> str(policy)
   'params=float32,compute=bfloat16,output=float32'
+  >>> str(jmp_lab.get_policy("mixed_bfloat16,r=f32"))
+  'params=float32,compute=bfloat16,output=float32,reduce=float32'
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar, Union
+from typing import Any, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +60,8 @@ _KEY_TO_FIELD = {
     "c": "compute_dtype",
     "output": "output_dtype",
     "o": "output_dtype",
+    "reduce": "reduce_dtype",
+    "r": "reduce_dtype",
 }
 
 DTypeLike = Union[str, np.dtype, type, Any]
@@ -155,14 +161,24 @@ class Policy:
     param_dtype: dtype the parameters are stored in.
     compute_dtype: dtype matmuls and most activations are computed in.
     output_dtype: dtype a module's outputs are returned in.
+    reduce_dtype: dtype the weight gradients of matmuls are accumulated and
+      returned in, so that their sum across devices (the all-reduce or
+      reduce-scatter XLA's partitioner inserts for data parallelism) runs in
+      it, as torch FSDP's ``reduce_dtype``. None (the default) keeps jax's
+      behaviour: a weight gradient comes out of its GEMM in the compute
+      dtype and is summed across devices in it. Applied by
+      :func:`jmp_lab.linen.with_policy` (see there for which modules).
   """
 
   param_dtype: np.dtype
   compute_dtype: np.dtype
   output_dtype: np.dtype
+  reduce_dtype: Optional[np.dtype] = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
+      if field.name == "reduce_dtype" and self.reduce_dtype is None:
+        continue
       value = _canonicalize_dtype(getattr(self, field.name), what=field.name)
       # Frozen dataclass: bypass __setattr__ once, at construction.
       object.__setattr__(self, field.name, value)
@@ -188,12 +204,18 @@ class Policy:
   def with_output_dtype(self, dtype: DTypeLike) -> "Policy":
     return dataclasses.replace(self, output_dtype=dtype)
 
+  def with_reduce_dtype(self, dtype: Optional[DTypeLike]) -> "Policy":
+    return dataclasses.replace(self, reduce_dtype=dtype)
+
   def __str__(self) -> str:
-    return "params={},compute={},output={}".format(
+    text = "params={},compute={},output={}".format(
         _DTYPE_NAMES[self.param_dtype][0],
         _DTYPE_NAMES[self.compute_dtype][0],
         _DTYPE_NAMES[self.output_dtype][0],
     )
+    if self.reduce_dtype is not None:
+      text += f",reduce={_DTYPE_NAMES[self.reduce_dtype][0]}"
+    return text
 
 
 PRESETS = {
@@ -210,9 +232,11 @@ def get_policy(spec: Union[Policy, str]) -> Policy:
     spec: a :class:`Policy` (returned unchanged); a preset name
       (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``); a bare dtype
       name, which sets all three dtypes (``"bf16"``); or comma-separated
-      ``key=dtype`` pairs with keys ``params``/``p``, ``compute``/``c`` and
-      ``output``/``o``. Unset keys follow jmp: params defaults to float32,
-      compute follows params and output follows compute. Dtype names are
+      ``key=dtype`` pairs with keys ``params``/``p``, ``compute``/``c``,
+      ``output``/``o`` and ``reduce``/``r``, optionally after a preset
+      (``"mixed_bfloat16,reduce=float32"``). Unset keys follow jmp: params
+      defaults to float32, compute follows params, output follows compute,
+      and reduce is unset (None: see :class:`Policy`). Dtype names are
       ``float32``/``f32``/``full``/``single``, ``bfloat16``/``bf16``,
       ``float16``/``f16``, ``float64``/``f64`` and ``half`` (see
       :func:`half_dtype`).
@@ -229,7 +253,7 @@ def get_policy(spec: Union[Policy, str]) -> Policy:
 
     >>> get_policy("c=bf16")  # params f32, compute and output bf16
     Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), \
-output_dtype=dtype(bfloat16))
+output_dtype=dtype(bfloat16), reduce_dtype=None)
   """
   if isinstance(spec, Policy):
     return spec
@@ -247,15 +271,22 @@ output_dtype=dtype(bfloat16))
     )
   if stripped in PRESETS:
     return PRESETS[stripped]
+  preset, comma, rest = stripped.partition(",")
+  if comma and preset.strip() in PRESETS:
+    # A preset followed by keys that change it: "mixed_bfloat16,reduce=f32".
+    return _parse_key_values(rest, base=PRESETS[preset.strip()], spec=spec)
   if "=" not in stripped:
     dtype = _parse_dtype(stripped, what=f"dtype in policy {spec!r}")
     return Policy(dtype, dtype, dtype)
   return _parse_key_values(spec)
 
 
-def _parse_key_values(spec: str) -> Policy:
+def _parse_key_values(text: str, base: Optional[Policy] = None,
+                      spec: Optional[str] = None) -> Policy:
+  """``key=dtype`` pairs; with ``base`` (a preset) they change its fields."""
+  spec = text if spec is None else spec
   chosen: dict[str, np.dtype] = {}
-  for part in spec.split(","):
+  for part in text.split(","):
     key, sep, value = part.partition("=")
     key = key.strip().lower()
     if not sep:
@@ -274,7 +305,9 @@ def _parse_key_values(spec: str) -> Policy:
           f"duplicate key {key!r} in policy {spec!r}: {field} is already set"
       )
     chosen[field] = _parse_dtype(value, what=f"dtype for {key!r} in {spec!r}")
+  if base is not None:
+    return dataclasses.replace(base, **chosen)
   param = chosen.get("param_dtype", np.dtype(jnp.float32))
   compute = chosen.get("compute_dtype", param)
   output = chosen.get("output_dtype", compute)
-  return Policy(param, compute, output)
+  return Policy(param, compute, output, chosen.get("reduce_dtype"))

@@ -147,10 +147,27 @@ class PolicyParsingTest(chex.TestCase):
     assert ours.compute_dtype == np.dtype(theirs.compute_dtype)
     assert ours.output_dtype == np.dtype(theirs.output_dtype)
 
-  @given(st.tuples(*[st.sampled_from([F16, BF16, F32, F64])] * 3))
-  def test_str_round_trips(self, dtypes):
-    policy = jmp_lab.Policy(*dtypes)
+  @given(st.tuples(*[st.sampled_from([F16, BF16, F32, F64])] * 3),
+         st.sampled_from([None, F16, BF16, F32]))
+  def test_str_round_trips(self, dtypes, reduce_dtype):
+    policy = jmp_lab.Policy(*dtypes, reduce_dtype=reduce_dtype)
     assert jmp_lab.get_policy(str(policy)) == policy
+
+  @parameterized.parameters(*[
+      ("params=float32,compute=bfloat16,output=float32,reduce=float32",
+       (F32, BF16, F32, F32)),
+      ("c=bf16,r=f32", (F32, BF16, BF16, F32)),
+      ("mixed_bfloat16,reduce=f32", (F32, BF16, F32, F32)),
+      ("mixed_float16, r=bf16", (F32, F16, F32, BF16)),
+      ("mixed_bfloat16,c=f16", (F32, F16, F32, None)),
+      ("p=bf16,c=bf16,o=f32", (BF16, BF16, F32, None)),
+  ])
+  def test_reduce_key(self, spec, expected):
+    policy = jmp_lab.get_policy(spec)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype,
+            policy.reduce_dtype) == expected
+    assert jmp_lab.get_policy(str(policy)) == policy
+    assert ("reduce=" in str(policy)) == (expected[3] is not None)
 
   @parameterized.product(name=list(jmp_lab.PRESETS))
   def test_preset_str_round_trips(self, name):
@@ -168,6 +185,9 @@ class PolicyParsingTest(chex.TestCase):
       ("c=int32", ["'int32'", "float16"]),
       ("p=f32,c", ["'c'", "key=dtype"]),
       ("f128", ["'f128'"]),
+      ("mixed_bfloat16,r=f32,reduce=f16", ["duplicate", "'reduce'"]),
+      ("c=bf16,r=int8", ["'int8'", "'r'"]),
+      ("mixed_bfloat16,q=f32", ["'q'", "reduce"]),
   ])
   def test_bad_spec_raises_value_error(self, spec, must_mention):
     with pytest.raises(ValueError) as info:
