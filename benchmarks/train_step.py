@@ -223,7 +223,8 @@ def compiled_table(reports, params: int) -> str:
         for kind in ("fp8", "16-bit", "tf32", "fp32")
         if r.gemm_flop_share(kind))
     pallas = r.pallas_summary()
-    collectives = ", ".join(f"{k} x{v}" for k, v in
+    moved = r.collective_bytes()
+    collectives = ", ".join(f"{k} x{v} ({moved[k] / 1e6:.1f} MB)" for k, v in
                             sorted(r.collective_summary().items())) or "none"
     memory = r.memory.get("argument", 0) + r.memory.get("temp", 0)
     lines.append(

@@ -19,7 +19,7 @@ The public API lives here; each concept has its own module:
   ``from jmp_lab import jmp``.
 """
 
-from jmp_lab import diagnostics, kernels, linen
+from jmp_lab import diagnostics, kernels, linen, sharding
 from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
 from jmp_lab.loss_scale import (
     DynamicLossScale,

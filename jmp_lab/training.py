@@ -319,13 +319,21 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
   return new_state, metrics
 
 
-def make_train_step(loss_fn: LossFn, *, donate: bool = True
+def make_train_step(loss_fn: LossFn, *, donate: bool = True,
+                    state_sharding: Any = None, batch_sharding: Any = None,
                     ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
   """``jax.jit(train_step)`` for ``loss_fn``, donating the old state.
 
   With ``donate=True`` the old state's buffers (params, master, optimizer
   moments) are reused for the new one, so a step needs no second copy of
   them; do not use the old state after the call.
+
+  For data parallelism give the layout: ``state_sharding`` (a tree of
+  ``NamedSharding`` like the state, e.g.
+  :func:`jmp_lab.sharding.state_shardings`, which splits the optimizer state
+  over the data axis: ZeRO-1) and ``batch_sharding`` (e.g.
+  ``NamedSharding(mesh, P("data"))``). The new state comes back in the same
+  layout, step after step; metrics are replicated.
 
   Example::
 
@@ -350,4 +358,18 @@ def make_train_step(loss_fn: LossFn, *, donate: bool = True
     raise TypeError(f"loss_fn must be callable, got "
                     f"{type(loss_fn).__name__} {loss_fn!r}")
   step = functools.partial(train_step, loss_fn=loss_fn)
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  donate_argnums = (0,) if donate else ()
+  if state_sharding is None and batch_sharding is None:
+    return jax.jit(step, donate_argnums=donate_argnums)
+  if state_sharding is None or batch_sharding is None:
+    raise ValueError(
+        "give both state_sharding and batch_sharding (a data-parallel step "
+        "needs the layout of each), or neither")
+  mesh = getattr(batch_sharding, "mesh", None)
+  if mesh is None:
+    raise TypeError(f"batch_sharding must be a NamedSharding, got "
+                    f"{type(batch_sharding).__name__}")
+  metrics = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(step, donate_argnums=donate_argnums,
+                 in_shardings=(state_sharding, batch_sharding),
+                 out_shardings=(state_sharding, metrics))

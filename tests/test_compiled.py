@@ -76,6 +76,26 @@ def test_walker_counts_kernels_gemms_collectives_and_custom_call_bytes():
   assert (reduce.kind, reduce.dtypes, reduce.bytes) == ("all-reduce", ("f32",), 64 * 32 * 4)
 
 
+def test_a_combined_collective_counts_every_operand():
+  """XLA combines many gradients into one variadic reduce-scatter (or
+  all-reduce): every operand is moved, not only the first."""
+  text = """
+ENTRY %main (a: f32[256], b: bf16[64,8], c: f32[512]) -> (f32[32], bf16[8,8], f32[64]) {
+  %a = f32[256]{0} parameter(0)
+  %b = bf16[64,8]{1,0} parameter(1)
+  %c = f32[512]{0} parameter(2)
+  %rs = ((f32[256]{0}, bf16[64,8]{1,0}, f32[512]{0}), (f32[32]{0}, bf16[8,8]{1,0}, f32[64]{0})) reduce-scatter-start(%a, %b, %c), replica_groups={}, dimensions={0}, to_apply=%add
+  ROOT %done = (f32[32]{0}, bf16[8,8]{1,0}, f32[64]{0}) reduce-scatter-done(%rs)
+}
+"""
+  walker = compiled._Walker(hlo.parse_module(text))
+  walker.walk(walker.module.entry, 1)
+  (scatter,) = walker.collectives
+  assert scatter.kind == "reduce-scatter"
+  assert scatter.dtypes == ("bf16", "f32")
+  assert scatter.bytes == 256 * 4 + 64 * 8 * 2 + 512 * 4
+
+
 # --- targets and errors ----------------------------------------------------
 
 

@@ -139,10 +139,12 @@ def test_without_a_reduce_dtype_nothing_changes():
 
 
 def collective_bytes(report):
+  """Bytes of gradient sums (all-reduce, reduce-scatter) by dtype."""
   by_dtype = collections.Counter()
-  for c in report.collectives:
-    if c.kind in ("all-reduce", "reduce-scatter"):
-      by_dtype["/".join(c.dtypes)] += c.bytes * c.times
+  for key, moved in report.collective_bytes().items():
+    kind, dtype = key.split(" ", 1)
+    if kind in ("all-reduce", "reduce-scatter"):
+      by_dtype[dtype] += moved
   return by_dtype
 
 

@@ -363,6 +363,13 @@ class CompiledReport:
       counts[f"{c.kind} {'/'.join(c.dtypes)}"] += c.times
     return dict(counts)
 
+  def collective_bytes(self) -> dict[str, int]:
+    """Bytes moved per step by ``"kind dtype"`` (each launch's operands)."""
+    moved: dict[str, int] = collections.Counter()
+    for c in self.collectives:
+      moved[f"{c.kind} {'/'.join(c.dtypes)}"] += c.bytes * c.times
+    return dict(moved)
+
   def roofline_seconds(self) -> dict[str, float]:
     """A lower bound on the step time: a model, not a measurement.
 
@@ -477,7 +484,9 @@ class _Walker:
     self.records.append(KernelRecord(inst.name, op, inst.op_name, io, times))
     kind = op[:-len("-start")] if op.endswith("-start") else op
     if kind in _COLLECTIVES:
-      arrays = inst.operand_types[0] if inst.operand_types else inst.result
+      # Every operand: XLA combines many arrays into one variadic collective.
+      arrays = ([a for types in inst.operand_types for a in types]
+                if inst.operand_types else inst.result)
       self.collectives.append(CollectiveRecord(
           kind, tuple(sorted({a.dtype for a in arrays})),
           sum(a.bytes for a in arrays), times))

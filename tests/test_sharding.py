@@ -1,0 +1,142 @@
+"""Data parallel and ZeRO-1 on the two CPU devices of the test set-up."""
+
+import pathlib
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jmp_lab
+from jmp_lab import linen as jl
+from jmp_lab import sharding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+POLICY = "p=bf16,c=bf16,o=f32"
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.LayerNorm()(nn.relu(nn.Dense(64)(x)))
+    return nn.Dense(10)(x)
+
+
+def loss_fn(params, state, batch):
+  logits = state.apply_fn({"params": params}, batch["x"])
+  return jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def make_state(optimizer):
+  model = jl.with_policy(MLP(), POLICY)
+  params = model.init(jax.random.key(0), jnp.ones((1, 32)))["params"]
+  loss_scale = jmp_lab.DynamicLossScale(2.0**10)
+  tx = (jmp_lab.mixed_precision(optax.adamw(1e-2), policy=POLICY,
+                                loss_scale=loss_scale)
+        if optimizer == "mixed_precision" else
+        jmp_lab.fused_adamw(1e-2, policy=POLICY, loss_scale=loss_scale,
+                            backend="reference"))
+  return jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                   tx=tx, policy=POLICY)
+
+
+def batches(n, poison_at=()):
+  rng = np.random.default_rng(0)
+  for i in range(n):
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    if i in poison_at:
+      x[11, 3] = np.inf  # in the second device's half of the batch
+    yield {"x": x, "y": rng.integers(0, 10, 16).astype(np.int32)}
+
+
+@pytest.mark.parametrize("optimizer", ["mixed_precision", "fused_adamw"])
+@pytest.mark.parametrize("zero1", [False, True])
+def test_data_parallel_and_zero1_equal_the_single_device_run(optimizer, zero1):
+  """6 steps, one with an inf on one device only: both devices skip it, the
+  state stays in its layout, and the result equals one device's run to the
+  rounding of the gradient sum's order."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  single = make_state(optimizer)
+  single_step = jmp_lab.make_train_step(loss_fn, donate=False)
+  state = make_state(optimizer)
+  layout = sharding.state_shardings(state, mesh, shard_optimizer_state=zero1)
+  state = jax.device_put(state, layout)
+  step = jmp_lab.make_train_step(
+      loss_fn, state_sharding=layout,
+      batch_sharding=NamedSharding(mesh, P("data")))
+  for batch in batches(6, poison_at=(3,)):
+    single, _ = single_step(single, batch)
+    state, metrics = step(state, batch)
+  assert int(state.skipped_steps) == 1 == int(single.skipped_steps)
+  chex.assert_trees_all_close(
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), state.params),
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), single.params),
+      rtol=1e-2, atol=1e-3)
+  # Adam's steps (lr 1e-2) divide by the gradients' own scale, so bf16
+  # gradients summed in another order move the master by a few % of a step.
+  chex.assert_trees_all_close(state.master_params, single.master_params,
+                              rtol=1e-2, atol=5e-4)
+  master = jmp_lab.master_params(state.opt_state)["Dense_0"]["kernel"]
+  assert master.sharding.spec == (P("data") if zero1 else P())
+  assert state.params["Dense_0"]["kernel"].sharding.spec == P()
+  full = sharding.bytes_per_device(single.opt_state)
+  per_device = sharding.bytes_per_device(state.opt_state)
+  # 1/2 of the optimizer state per device, give or take the scalars and the
+  # odd-sized leaves (the 10-wide bias is split; nothing here is odd).
+  assert per_device == pytest.approx(full / 2 if zero1 else full, rel=0.01)
+
+
+def test_bad_layouts_are_refused():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  state = make_state("mixed_precision")
+  with pytest.raises(ValueError, match="axis_name 'batch' is not an axis.*'data'"):
+    sharding.state_shardings(state, mesh, "batch")
+  with pytest.raises(TypeError, match="must be a jmp_lab.TrainState"):
+    sharding.state_shardings(state.opt_state, mesh)
+  with pytest.raises(ValueError, match="give both state_sharding and batch_sharding"):
+    jmp_lab.make_train_step(loss_fn, state_sharding=sharding.state_shardings(
+        state, mesh))
+
+
+def test_zero1_step_reduce_scatters_and_all_gathers_on_8_h100s():
+  """Compiled for 8 H100s: with the optimizer state split, the gradients are
+  reduce-scattered into each device's rows and the new params all-gathered;
+  replicated, they are all-reduced."""
+  from benchmarks import train_step
+  from jmp_lab.diagnostics import compiled
+  size = train_step.ModelSize(layers=1, width=256, heads=4, seq_len=128,
+                              vocab=4096, batch=8)
+  config = next(c for c in train_step.CONFIGS if c.name == "bf16-o2")
+  mesh = compiled.gpu_mesh("h100", 8)
+  state = jax.eval_shape(lambda: train_step.make_state(config, size))
+  batch = jax.ShapeDtypeStruct((8 * size.batch, size.seq_len + 1), jnp.int32)
+  kinds = {}
+  for zero1 in (False, True):
+    layout = sharding.state_shardings(state, mesh, shard_optimizer_state=zero1)
+    step = jmp_lab.make_train_step(
+        train_step.loss_fn, state_sharding=layout,
+        batch_sharding=NamedSharding(mesh, P("data")))
+    report = compiled.compiled_report(
+        step, state, batch, devices=8,
+        in_specs=(jax.tree_util.tree_map(lambda s: s.spec, layout), P("data")))
+    kinds[zero1] = report.collective_bytes()
+    print(zero1, kinds[zero1])
+  total = lambda moved, kind: sum(v for k, v in moved.items()  # noqa: E731
+                                  if k.startswith(kind))
+  replicated, zero1 = kinds[False], kinds[True]
+  assert total(replicated, "reduce-scatter") == total(replicated, "all-gather") == 0
+  # Every gradient byte that was all-reduced is now reduce-scattered...
+  assert total(zero1, "reduce-scatter") == pytest.approx(
+      total(replicated, "all-reduce"), rel=0.01)
+  assert total(zero1, "all-reduce") < 100  # the finite flag and the loss
+  # ... and each device all-gathers the others' new bf16 params from its
+  # own 1/8 (the operand counted is the shard).
+  params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  assert total(zero1, "all-gather") == pytest.approx(2 * params / 8, rel=0.01)
