@@ -1,0 +1,51 @@
+"""Real jax.distributed processes on loopback (examples/distributed.py)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(tmp_path, processes, devices_per_process, *extra):
+  out = tmp_path / f"{processes}x{devices_per_process}.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  subprocess.run(
+      [sys.executable, str(ROOT / "examples" / "distributed.py"),
+       "--processes", str(processes),
+       "--devices-per-process", str(devices_per_process), "--steps", "4",
+       "--global-batch", "8", "--seq-len", "32", "--poison-step", "2",
+       "--out", str(out), "--timeout", "400", *extra],
+      check=True, env=env, timeout=500)
+  return json.loads(out.read_text())
+
+
+def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
+  """ZeRO-1, reduce=float32, bf16 params: an inf in process 1's rows of one
+  batch makes both processes skip that step, and the run is bit for bit the
+  single-process 8-device run (same global batches, same mesh)."""
+  two = run(tmp_path, 2, 4, "--poison-process", "1")
+  one = run(tmp_path, 1, 8, "--poison-process", "0")
+  assert two["devices"] == one["devices"] == 8
+  assert two["skipped_steps"] == one["skipped_steps"] == 1
+  assert two["losses"][2] == float("inf")
+  assert two["losses"] == one["losses"]
+  assert two["params_sha256"] == one["params_sha256"]
+  # ZeRO-1 over 8 devices, whatever the processes.
+  assert two["opt_state_bytes_per_device"] == one["opt_state_bytes_per_device"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--global-batch", "6"], "must split evenly over 8 devices"),
+    (["--processes", "0"], "--processes must be >= 1"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+  sys.path.insert(0, str(ROOT / "examples"))
+  import distributed
+  with pytest.raises(SystemExit):
+    distributed.parse_args(argv)
+  assert message in capsys.readouterr().err
