@@ -12,6 +12,9 @@ one process per host with ``--coordinator``, ``--process-id`` and
   python examples/distributed.py --processes 2 --devices-per-process 4
   python examples/distributed.py --processes 1 --devices-per-process 8  # the same run
   python examples/distributed.py --poison-step 3 --poison-process 1    # inf on one process
+  python examples/distributed.py --ckpt-dir /tmp/ckpt                  # 8 devices save...
+  python examples/distributed.py --processes 1 --devices-per-process 4 \
+      --restore /tmp/ckpt --steps 0                                    # ... 4 restore
 
 Every process draws the same global batches and feeds the shards its devices
 own, so the run does not depend on how devices are split into processes.
@@ -49,9 +52,17 @@ def parse_args(argv=None):
   parser.add_argument("--poison-step", type=int, default=-1)
   parser.add_argument("--poison-process", type=int, default=1)
   parser.add_argument("--out", default=None, help="process 0 writes JSON here")
+  parser.add_argument("--ckpt-dir", default=None,
+                      help="save the final state here (orbax, every process "
+                           "writes its own shards)")
+  parser.add_argument("--restore", default=None,
+                      help="start from the state saved in this directory, "
+                           "laid out on this run's mesh (any device count)")
   parser.add_argument("--timeout", type=float, default=600)
   args = parser.parse_args(argv)
-  for name in ("processes", "devices_per_process", "steps", "global_batch"):
+  if args.steps < 0:
+    parser.error(f"--steps must be >= 0, got {args.steps}")
+  for name in ("processes", "devices_per_process", "global_batch"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got "
                    f"{getattr(args, name)}")
@@ -101,8 +112,21 @@ def train(args) -> dict:
   import optax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+  import orbax.checkpoint as ocp
+
   import jmp_lab
   from jmp_lab import linen as jl
+  from jax.experimental import multihost_utils
+
+  def state_digest(state) -> str:
+    """sha256 of every array of the state, gathered whole (equal in every
+    process, whatever the mesh)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(state):
+      whole = multihost_utils.process_allgather(leaf, tiled=True)
+      digest.update(np.ascontiguousarray(whole).tobytes())
+    return digest.hexdigest()
+
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import char_transformer as ct
 
@@ -121,6 +145,16 @@ def train(args) -> dict:
   layout = jmp_lab.sharding.state_shardings(state, mesh)
   state = jax.device_put(state, layout)
   batch_sharding = NamedSharding(mesh, P("data"))
+  restored_digest = None
+  if args.restore:
+    # The saved arrays, laid out on *this* mesh: orbax reads each device's
+    # part of every array, whatever mesh wrote it.
+    target = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        state, layout)
+    with ocp.StandardCheckpointer() as checkpointer:
+      state = checkpointer.restore(os.path.abspath(args.restore), target)
+    restored_digest = state_digest(state)
 
   def loss_fn(params, state, batch):
     logits = state.apply_fn({"params": params}, batch["tokens"][:, :-1])
@@ -148,6 +182,10 @@ def train(args) -> dict:
         for k, v in batch.items()}
     state, metrics = step(state, global_batch)
     losses.append(float(metrics["loss"]))
+  if args.ckpt_dir:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(os.path.abspath(args.ckpt_dir), state, force=True)
+      checkpointer.wait_until_finished()
   params = jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_data(0)),
                                   state.params)
   leaves = jax.tree_util.tree_leaves(params)
@@ -160,7 +198,9 @@ def train(args) -> dict:
             "params_abs_sum": float(sum(np.abs(x.astype(np.float64)).sum()
                                         for x in leaves)),
             "opt_state_bytes_per_device": jmp_lab.sharding.bytes_per_device(
-                state.opt_state)}
+                state.opt_state),
+            "state_sha256": state_digest(state),
+            "restored_state_sha256": restored_digest}
   jax.distributed.shutdown()
   return result
 

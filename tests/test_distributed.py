@@ -27,8 +27,11 @@ def run(tmp_path, processes, devices_per_process, *extra):
 def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
   """ZeRO-1, reduce=float32, bf16 params: an inf in process 1's rows of one
   batch makes both processes skip that step, and the run is bit for bit the
-  single-process 8-device run (same global batches, same mesh)."""
-  two = run(tmp_path, 2, 4, "--poison-process", "1")
+  single-process 8-device run (same global batches, same mesh). The state
+  the two processes save (orbax, each its own shards) restores onto a
+  4-device mesh bit for bit."""
+  two = run(tmp_path, 2, 4, "--poison-process", "1",
+            "--ckpt-dir", str(tmp_path / "ckpt"))
   one = run(tmp_path, 1, 8, "--poison-process", "0")
   assert two["devices"] == one["devices"] == 8
   assert two["skipped_steps"] == one["skipped_steps"] == 1
@@ -37,11 +40,17 @@ def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
   assert two["params_sha256"] == one["params_sha256"]
   # ZeRO-1 over 8 devices, whatever the processes.
   assert two["opt_state_bytes_per_device"] == one["opt_state_bytes_per_device"]
+  assert two["state_sha256"] == one["state_sha256"]
+  four = run(tmp_path, 1, 4, "--restore", str(tmp_path / "ckpt"), "--steps", "0")
+  assert four["restored_state_sha256"] == two["state_sha256"]
+  assert four["opt_state_bytes_per_device"] == pytest.approx(
+      2 * two["opt_state_bytes_per_device"], rel=0.01)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--global-batch", "6"], "must split evenly over 8 devices"),
     (["--processes", "0"], "--processes must be >= 1"),
+    (["--steps", "-1"], "--steps must be >= 0"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
   sys.path.insert(0, str(ROOT / "examples"))
