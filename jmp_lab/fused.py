@@ -191,6 +191,7 @@ def fused_adamw(
     rounding_seed: int = 0,
     mu_dtype: Optional[Any] = None,
     nu_dtype: Optional[Any] = None,
+    shards: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
   """Mixed-precision AdamW as one fused kernel pass.
 
@@ -231,6 +232,18 @@ def fused_adamw(
     mu_dtype, nu_dtype: the dtypes Adam's moments are stored in (default
       fp32; ``jnp.bfloat16`` saves 2 B/param each; tree layout). They are
       computed in fp32 either way, as optax's ``mu_dtype``.
+    shards: ZeRO-1 inside ``shard_map`` (``layout="flat"``, with
+      ``axis_name`` an axis of that many devices). The flat buffers are
+      padded to split into ``shards`` equal row ranges; shard the state's
+      buffers by rows (``jmp_lab.sharding.optimizer_state_shardings`` does)
+      and each device updates its own rows: ``update`` takes each device's
+      *own, unreduced* gradients (of its part of the batch), reduce-scatters
+      them into its rows (in the policy's reduce dtype, else the param
+      dtype) as the mean over devices, updates, and all-gathers the new
+      params. The finite flag and the clip norm are global. With jax 0.10
+      give ``jax.shard_map`` ``check_vma=False``: its ``all_gather`` result
+      cannot be marked replicated (``all_gather_invariant`` is used where
+      jax has it).
 
   Raises:
     ValueError: for an unknown backend or layout, ``backend="mosaic"`` with
@@ -254,6 +267,14 @@ def fused_adamw(
         "layout='tree' is Triton only (backend 'auto', 'triton', 'interpret' "
         "or 'reference')")
   _checks.check_master_mode(master, rounding, policy)
+  if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+    raise ValueError(f"shards must be an int >= 1, got {shards!r}")
+  if shards > 1 and (layout != "flat" or axis_name is None
+                     or backend == "mosaic"):
+    raise ValueError(
+        f"shards={shards} (ZeRO-1 inside shard_map) needs layout='flat', an "
+        f"axis_name, and a backend other than 'mosaic'; got layout="
+        f"{layout!r}, axis_name={axis_name!r}, backend={backend!r}")
   mu_dtype, nu_dtype = (_moment_dtype(d, name) for d, name in
                         ((mu_dtype, "mu_dtype"), (nu_dtype, "nu_dtype")))
   if layout == "flat" and (master != "float32" or mu_dtype != jnp.float32
@@ -296,7 +317,8 @@ def fused_adamw(
           rounding_key=(jax.random.key_data(jax.random.key(rounding_seed))
                         if config.stochastic else None),
           **common)
-    buffers = flat_layout.make_layout(params, decay_mask, policy.param_dtype)
+    buffers = flat_layout.make_layout(params, decay_mask, policy.param_dtype,
+                                      shards)
     # Two separate buffers: one array for both moments would make a donated
     # state donate the same buffer twice.
     zeros = lambda: jnp.zeros((buffers.rows, flat_layout.LANES), jnp.float32)  # noqa: E731
@@ -305,12 +327,12 @@ def fused_adamw(
                        if keep_master else None),
         mu=zeros(), nu=zeros(), layout=buffers, **common)
 
-  def hyperparameters(state, clip):
+  def hyperparameters(state, clip, scale=None):
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, state.count + 1)
+    scale = state.loss_scale.loss_scale if scale is None else scale
     return jnp.stack([jnp.asarray(x, jnp.float32) for x in
-                      (lr, inv_bias1, inv_bias2, state.loss_scale.loss_scale,
-                       clip)])
+                      (lr, inv_bias1, inv_bias2, scale, clip)])
 
   def clip_factor(sumsq):
     if max_grad_norm is None:
@@ -419,6 +441,59 @@ def fused_adamw(
                                state.mu, state.nu, hyper, flags)
     return out, next_state(state, finite, out.master, out.mu, out.nu), flat
 
+  def sharded_flat_step(grads, state, params):
+    """ZeRO-1 inside shard_map: ``(outputs with the new values gathered,
+    new local state, whether params are flat)``; see ``shards``."""
+    buffers = state.layout
+    flat = _is_flat(buffers, params)
+    if not flat:
+      _checks.check_state_matches(state.params_spec, params)
+      _checks.check_params(params, policy)
+    _checks.check_grads(grads, params)
+    want = (buffers.local_rows, flat_layout.LANES)
+    if state.mu.shape != want:
+      raise ValueError(
+          f"with shards={buffers.shards} the state's flat buffers must be "
+          f"split by rows over {axis_name!r} (each device holding {want}), "
+          f"got {state.mu.shape}: give shard_map in_specs "
+          f"P({axis_name!r}) for them (jmp_lab.sharding."
+          f"optimizer_state_shardings)")
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    flat_grads = grads if flat else flat_layout.pack(buffers, grads,
+                                                     reduce_dtype)
+    # The sum over devices of this device's rows; the mean is taken by
+    # unscaling with loss scale x devices (inside the kernel's fp32 math).
+    local = jax.lax.psum_scatter(flat_grads.astype(reduce_dtype), axis_name,
+                                 scatter_dimension=0, tiled=True)
+    scale = jnp.asarray(state.loss_scale.loss_scale, jnp.float32) * \
+        jax.lax.psum(1, axis_name)
+    grads32 = local.astype(jnp.float32) / scale
+    finite = jax.lax.pmin(jnp.all(jnp.isfinite(grads32)).astype(jnp.int32),
+                          axis_name).astype(bool)
+    sumsq = jax.lax.psum(jnp.sum(jnp.square(grads32)), axis_name)
+    hyper = hyperparameters(state, clip_factor(sumsq), scale)
+    local_size = buffers.local_rows * flat_layout.LANES
+    offset = jax.lax.axis_index(axis_name) * local_size
+    boundary = jnp.clip(buffers.decay_boundary - offset, 0, local_size)
+    flags = jnp.stack([finite.astype(jnp.int32), boundary.astype(jnp.int32)])
+    if keep_master:
+      local_params = state.master_params
+    else:
+      full = params if flat else flat_layout.pack(buffers, params, jnp.float32)
+      local_params = jax.lax.dynamic_slice_in_dim(
+          full, jax.lax.axis_index(axis_name) * buffers.local_rows,
+          buffers.local_rows)
+    out = kernels.fused_update(backend, config, local, local_params, state.mu,
+                               state.nu, hyper, flags)
+    new_state = next_state(state, finite, out.master, out.mu, out.nu)
+    # all_gather_invariant (newer jax) marks the gathered params replicated,
+    # as they are; with jax 0.10's all_gather, shard_map needs
+    # check_vma=False to return them with out_specs P().
+    all_gather = getattr(jax.lax, "all_gather_invariant", jax.lax.all_gather)
+    gather = lambda x: all_gather(x, axis_name, axis=0, tiled=True)  # noqa: E731
+    return out._replace(master=gather(out.master), extra=gather(out.extra)), \
+        new_state, flat
+
   def exact_updates(new_values, params):
     """Updates from the half copy (``cast(new) - params``, exact: see the
     kernel) or the fp32 update itself when the params are the master."""
@@ -435,7 +510,8 @@ def fused_adamw(
       out, new_state = tree_step(grads, state, params, write_extra=True)
       return exact_updates(state.layout.tree(out.extra, rest=params),
                            params), new_state
-    out, new_state, flat = flat_step(grads, state, params)
+    out, new_state, flat = (sharded_flat_step if state.layout.shards > 1
+                            else flat_step)(grads, state, params)
     new_values = out.extra if flat else flat_layout.unpack(
         new_state.layout, out.extra, rest=params,
         leaves_per_fusion=_LEAVES_PER_FUSION)
@@ -451,7 +527,8 @@ def fused_adamw(
       out, new_state = tree_step(grads, state, params, write_extra=keep_master)
       new = out.extra if keep_master else out.master
       return state.layout.tree(new, rest=params), new_state
-    out, new_state, flat = flat_step(grads, state, params)
+    out, new_state, flat = (sharded_flat_step if state.layout.shards > 1
+                            else flat_step)(grads, state, params)
     new_flat = out.extra if keep_master else out.master
     if flat:
       return new_flat, new_state

@@ -140,3 +140,68 @@ def test_zero1_step_reduce_scatters_and_all_gathers_on_8_h100s():
   # own 1/8 (the operand counted is the shard).
   params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
   assert total(zero1, "all-gather") == pytest.approx(2 * params / 8, rel=0.01)
+
+
+# --- the fused update, sharded by rows (ZeRO-1 inside shard_map) ---------------
+
+
+@pytest.mark.parametrize("spec", [POLICY, "mixed_bfloat16"])
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_sharded_fused_update_equals_the_single_device_update(spec, backend):
+  """Each device reduce-scatters its own gradients into its rows, updates
+  them and all-gathers the params: the same as one device updating
+  everything from the gradient of the whole batch, with the finite flag
+  (an inf on device 1 only) and the clip norm (clipping active) global."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  model = jl.with_policy(MLP(), spec)
+  params = model.init(jax.random.key(0), jnp.ones((1, 32)))["params"]
+  params = jmp_lab.get_policy(spec).cast_to_param(params)
+  options = dict(policy=spec, backend=backend, layout="flat", max_grad_norm=0.5,
+                 loss_scale=jmp_lab.DynamicLossScale(2.0**10))
+  single = jmp_lab.fused_adamw(1e-2, **options)
+  sharded = jmp_lab.fused_adamw(1e-2, axis_name="data", shards=2, **options)
+
+  def scaled_grads(params, state, batch):
+    scale = jmp_lab.current_loss_scale(state).loss_scale
+    return jax.grad(lambda p: loss_fn(p, model_state, batch).astype(
+        jnp.float32) * scale)(params)
+
+  model_state = type("S", (), {"apply_fn": staticmethod(model.apply)})()
+  state_specs = jax.tree_util.tree_map(
+      lambda s: s.spec, sharding.optimizer_state_shardings(
+          jax.eval_shape(sharded.init, params), mesh))
+
+  def local_step(params, state, batch):
+    return sharded.update.new_params(scaled_grads(params, state, batch), state,
+                                     params)
+
+  sharded_step = jax.jit(jax.shard_map(
+      local_step, mesh=mesh, in_specs=(P(), state_specs, P("data")),
+      out_specs=(P(), state_specs),
+      # jax 0.10 cannot mark the all-gathered params replicated.
+      check_vma=hasattr(jax.lax, "all_gather_invariant")))
+  single_step = jax.jit(lambda params, state, batch: single.update.new_params(
+      scaled_grads(params, state, batch), state, params))
+  a, a_state = params, single.init(params)
+  b, b_state = params, sharded.init(params)
+  assert b_state.mu.shape[0] % 2 == 0
+  for batch in batches(5, poison_at=(2,)):
+    a, a_state = single_step(a, a_state, batch)
+    b, b_state = sharded_step(b, b_state, batch)
+  assert int(b_state.skipped_steps) == int(a_state.skipped_steps) == 1
+  assert b_state.mu.sharding.spec == P("data")
+  f32 = lambda t: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
+  chex.assert_trees_all_close(f32(b), f32(a), rtol=1e-2, atol=1e-3)
+  if jmp_lab.master_params(a_state) is not None:
+    chex.assert_trees_all_close(jmp_lab.master_params(b_state),
+                                jmp_lab.master_params(a_state),
+                                rtol=1e-2, atol=5e-4)
+
+
+def test_sharded_fused_update_needs_flat_layout_and_an_axis():
+  with pytest.raises(ValueError, match="shards=2.*needs layout='flat', an axis_name"):
+    jmp_lab.fused_adamw(1e-3, policy=POLICY, shards=2,
+                        loss_scale=jmp_lab.NoOpLossScale())
+  with pytest.raises(ValueError, match="shards must be an int >= 1, got 0"):
+    jmp_lab.fused_adamw(1e-3, policy=POLICY, shards=0, layout="flat",
+                        axis_name="data", loss_scale=jmp_lab.NoOpLossScale())

@@ -39,8 +39,10 @@ def num_programs(size: int) -> int:
   return max(1, min(MAX_PROGRAMS, math.ceil(size / BLOCK_ELEMENTS)))
 
 
-def padded_size(size: int) -> int:
-  quantum = BLOCK_ELEMENTS * num_programs(size)
+def padded_size(size: int, shards: int = 1) -> int:
+  """``size`` padded to whole kernel blocks for every program, in each of
+  ``shards`` equal row ranges."""
+  quantum = BLOCK_ELEMENTS * num_programs(size) * shards
   return max(quantum, math.ceil(size / quantum) * quantum)
 
 
@@ -54,8 +56,11 @@ class FlatLayout:
     shapes: per leaf, its shape.
     offsets: per leaf, its start in the flat buffer (None if not trainable).
     size: trainable elements; ``decay_boundary``: elements that decay.
-    padded: the flat length, a multiple of ``BLOCK_ELEMENTS * programs``.
+    padded: the flat length, a multiple of ``BLOCK_ELEMENTS * programs *
+      shards``.
     param_dtype: the dtype of the params' floating leaves.
+    shards: how many equal row ranges the buffers split into (ZeRO-1 inside
+      ``shard_map``: each device updates ``rows // shards`` rows).
   """
 
   treedef: Any
@@ -66,10 +71,16 @@ class FlatLayout:
   decay_boundary: int
   padded: int
   param_dtype: np.dtype
+  shards: int = 1
 
   @property
   def rows(self) -> int:
     return self.padded // LANES
+
+  @property
+  def local_rows(self) -> int:
+    """The rows of one shard."""
+    return self.rows // self.shards
 
   @property
   def programs(self) -> int:
@@ -126,13 +137,16 @@ def make_tree_layout(params: Any, decay_mask: Any, param_dtype) -> TreeLayout:
   return TreeLayout(treedef, trainable, decays, np.dtype(param_dtype))
 
 
-def make_layout(params: Any, decay_mask: Any, param_dtype) -> FlatLayout:
+def make_layout(params: Any, decay_mask: Any, param_dtype,
+                shards: int = 1) -> FlatLayout:
   """Lays out ``params``' floating leaves, weight-decayed leaves first.
 
   Args:
     params: the params tree.
     decay_mask: a tree of bools with the params' structure (True: decay).
     param_dtype: the dtype of the params' floating leaves.
+    shards: split the rows into this many equal ranges of whole kernel
+      blocks (see ``FlatLayout.shards``).
   """
   leaves, treedef = jax.tree_util.tree_flatten(params)
   masks = treedef.flatten_up_to(_broadcast_mask(decay_mask, params))
@@ -148,7 +162,8 @@ def make_layout(params: Any, decay_mask: Any, param_dtype) -> FlatLayout:
     if want_decay:
       boundary = cursor
   return FlatLayout(treedef, trainable, shapes, tuple(offsets), cursor,
-                    boundary, padded_size(cursor), np.dtype(param_dtype))
+                    boundary, padded_size(cursor, shards), np.dtype(param_dtype),
+                    shards)
 
 
 def _broadcast_mask(mask: Any, params: Any) -> Any:
