@@ -184,21 +184,32 @@ def make_state(config: Config, size: ModelSize):
 
 
 def compiled_step_report(config: Config, size: ModelSize, target: str,
-                         devices: int = 1):
+                         devices: int = 1, zero1: bool = False):
   """The config's donated train step compiled for ``devices`` x ``target``.
 
   Shapes only: no parameter memory is allocated. With several devices the
-  step is data parallel (params replicated, the batch split over "data").
+  step is data parallel (params replicated, the batch split over "data");
+  with ``zero1`` the optimizer state is split over "data" too
+  (:func:`jmp_lab.sharding.state_shardings`).
   """
-  from jax.sharding import PartitionSpec as P
-  from jmp_lab.diagnostics import compiled_report
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jmp_lab.diagnostics import compiled, compiled_report
   with jax.default_matmul_precision(config.precision or "default"):
     state = jax.eval_shape(lambda: make_state(config, size))
     batch = jax.ShapeDtypeStruct((size.batch * devices, size.seq_len + 1),
                                  jnp.int32)
-    return compiled_report(jmp_lab.make_train_step(loss_fn), state, batch,
-                           target=target, devices=devices,
-                           in_specs=(P(), P("data")))
+    if not zero1:
+      return compiled_report(jmp_lab.make_train_step(loss_fn), state, batch,
+                             target=target, devices=devices,
+                             in_specs=(P(), P("data")))
+    mesh = compiled.gpu_mesh(target, devices)
+    layout = jmp_lab.sharding.state_shardings(state, mesh)
+    step = jmp_lab.make_train_step(
+        loss_fn, state_sharding=layout,
+        batch_sharding=NamedSharding(mesh, P("data")))
+    specs = jax.tree_util.tree_map(lambda s: s.spec, layout)
+    return compiled_report(step, state, batch, target=target, devices=devices,
+                           in_specs=(specs, P("data")))
 
 
 def param_count(size: ModelSize) -> int:
@@ -434,6 +445,9 @@ def main(argv=None):
                            "the compiled table instead of timing")
   parser.add_argument("--devices", type=int, default=1,
                       help="with --target: GPUs, data parallel")
+  parser.add_argument("--zero1", action="store_true",
+                      help="with --target and --devices: the optimizer state "
+                           "split over the devices (ZeRO-1)")
   args = parser.parse_args(argv)
 
   small = args.small and not args.target  # --target means GPT-2 small
@@ -447,8 +461,9 @@ def main(argv=None):
           f"{jax.__version__}; model {size}")
     reports = []
     for c in chosen:
-      reports.append((c.name, compiled_step_report(c, size, args.target,
-                                                   args.devices)))
+      reports.append((c.name + ("+zero1" if args.zero1 else ""),
+                      compiled_step_report(c, size, args.target,
+                                           args.devices, args.zero1)))
     print(compiled_table(reports, param_count(size)))
     return reports
   device = jax.local_devices()[0]

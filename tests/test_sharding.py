@@ -110,24 +110,14 @@ def test_zero1_step_reduce_scatters_and_all_gathers_on_8_h100s():
   reduce-scattered into each device's rows and the new params all-gathered;
   replicated, they are all-reduced."""
   from benchmarks import train_step
-  from jmp_lab.diagnostics import compiled
   size = train_step.ModelSize(layers=1, width=256, heads=4, seq_len=128,
                               vocab=4096, batch=8)
   config = next(c for c in train_step.CONFIGS if c.name == "bf16-o2")
-  mesh = compiled.gpu_mesh("h100", 8)
   state = jax.eval_shape(lambda: train_step.make_state(config, size))
-  batch = jax.ShapeDtypeStruct((8 * size.batch, size.seq_len + 1), jnp.int32)
-  kinds = {}
-  for zero1 in (False, True):
-    layout = sharding.state_shardings(state, mesh, shard_optimizer_state=zero1)
-    step = jmp_lab.make_train_step(
-        train_step.loss_fn, state_sharding=layout,
-        batch_sharding=NamedSharding(mesh, P("data")))
-    report = compiled.compiled_report(
-        step, state, batch, devices=8,
-        in_specs=(jax.tree_util.tree_map(lambda s: s.spec, layout), P("data")))
-    kinds[zero1] = report.collective_bytes()
-    print(zero1, kinds[zero1])
+  kinds = {zero1: train_step.compiled_step_report(
+      config, size, "h100", devices=8, zero1=zero1).collective_bytes()
+           for zero1 in (False, True)}
+  print(kinds)
   total = lambda moved, kind: sum(v for k, v in moved.items()  # noqa: E731
                                   if k.startswith(kind))
   replicated, zero1 = kinds[False], kinds[True]
