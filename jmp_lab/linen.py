@@ -19,12 +19,13 @@ Only the ``params`` collection is ever cast.
 A policy with a ``reduce`` dtype (``"mixed_bfloat16,reduce=float32"``) has
 the weight gradients summed across devices in it: ``nn.Dense`` and
 ``nn.DenseGeneral`` (and so flax's attention projections) get
-:func:`jmp_lab.reduce.dot_general` as their ``dot_general`` (unless they set
-their own), and ``nn.Embed`` looks its rows up in the reduce dtype, so the
-table's gradient is accumulated in it. Norms are fp32 islands already. Not
-covered: ``nn.Conv`` and ``nn.Einsum`` (their weight gradients stay in the
-compute dtype; a warning says so), and biases (a bias gradient is a sum of
-the output gradient, in the compute dtype).
+:func:`jmp_lab.reduce.dot_general` as their ``dot_general``, ``nn.Conv``
+:func:`jmp_lab.reduce.conv_general_dilated` (unless they set their own), and
+``nn.Embed`` looks its rows up in the reduce dtype, so the table's gradient
+is accumulated in it. Norms are fp32 islands already. Not covered:
+``nn.ConvTranspose``, ``nn.ConvLocal`` and ``nn.Einsum`` (their weight
+gradients stay in the compute dtype; a warning says so), and biases (a bias
+gradient is a sum of the output gradient, in the compute dtype).
 
 Softmax and cross-entropy stay fp32 through the helpers here:
 :func:`softmax`, :func:`softmax_cross_entropy_with_integer_labels`, and
@@ -91,10 +92,16 @@ def reduce_island(policy: Policy) -> Policy:
                 policy.reduce_dtype)
 
 
-# Modules whose matmul takes a ``dot_general`` attribute (see jmp_lab.reduce).
-_DOT_GENERAL_MODULES = (nn.Dense, nn.DenseGeneral)
+# Modules whose matmul or convolution is an attribute (see jmp_lab.reduce):
+# (class, attribute, its _cls twin, the reduce-dtype version's factory).
+_REDUCIBLE_MODULES = (
+    (nn.Dense, "dot_general", "dot_general_cls", reduce_lib.dot_general),
+    (nn.DenseGeneral, "dot_general", "dot_general_cls", reduce_lib.dot_general),
+    (nn.Conv, "conv_general_dilated", "conv_general_dilated_cls",
+     reduce_lib.conv_general_dilated),
+)
 # Modules whose weight gradient a reduce dtype does not reach yet.
-_NOT_REDUCED_MODULES = (nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum)
+_NOT_REDUCED_MODULES = (nn.ConvTranspose, nn.ConvLocal, nn.Einsum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,9 +253,10 @@ _MAX_TRACED = 32
 
 @contextlib.contextmanager
 def _reduced_gradients(module: nn.Module, reduce_dtype):
-  """Gives a Dense/DenseGeneral the reduce dtype's ``dot_general`` for one
-  call. Flax modules are frozen dataclasses built inside the user's code, so
-  the attribute is set on the instance and restored afterwards."""
+  """Gives a Dense/DenseGeneral/Conv the reduce dtype's ``dot_general`` or
+  ``conv_general_dilated`` for one call. Flax modules are frozen dataclasses
+  built inside the user's code, so the attribute is set on the instance and
+  restored afterwards; a module that sets its own keeps it."""
   if reduce_dtype is None:
     yield
     return
@@ -257,16 +265,22 @@ def _reduced_gradients(module: nn.Module, reduce_dtype):
         f"policy reduce dtype {np.dtype(reduce_dtype).name} does not reach "
         f"{type(module).__name__} {'/'.join(module.path)!r}: its weight "
         f"gradient is summed across devices in the compute dtype (jmp_lab "
-        f"covers Dense, DenseGeneral and Embed)", stacklevel=4)
-  if not isinstance(module, _DOT_GENERAL_MODULES) or (
-      module.dot_general is not None or module.dot_general_cls is not None):
+        f"covers Dense, DenseGeneral, Conv and Embed)", stacklevel=4)
+  for cls, attribute, cls_attribute, factory in _REDUCIBLE_MODULES:
+    if type(module) is cls or (isinstance(module, cls) and not isinstance(
+        module, _NOT_REDUCED_MODULES)):
+      break
+  else:
     yield
     return
-  object.__setattr__(module, "dot_general", reduce_lib.dot_general(reduce_dtype))
+  if getattr(module, attribute) is not None or getattr(module, cls_attribute) is not None:
+    yield
+    return
+  object.__setattr__(module, attribute, factory(reduce_dtype))
   try:
     yield
   finally:
-    object.__setattr__(module, "dot_general", None)
+    object.__setattr__(module, attribute, None)
 
 
 def _abstract_key(tree: Any) -> Optional[tuple]:

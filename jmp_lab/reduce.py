@@ -13,9 +13,10 @@ the weight (right-hand) gradient's GEMM keeps its bf16 or fp16 operands but
 accumulates and returns in ``reduce_dtype`` (``preferred_element_type``), so
 the partitioner's reduction runs in it; only then is the gradient cast to the
 weight's dtype. The forward pass and the input gradient are unchanged.
-:func:`jmp_lab.linen.with_policy` injects it into ``nn.Dense`` and
-``nn.DenseGeneral`` (their ``dot_general`` attribute) when a policy has a
-``reduce`` dtype.
+:func:`conv_general_dilated` does the same for ``lax.conv_general_dilated``.
+:func:`jmp_lab.linen.with_policy` injects them into ``nn.Dense``,
+``nn.DenseGeneral`` (their ``dot_general`` attribute) and ``nn.Conv`` (its
+``conv_general_dilated``) when a policy has a ``reduce`` dtype.
 
 Example::
 
@@ -117,3 +118,110 @@ def dot_general(reduce_dtype: Any) -> Callable[..., jax.Array]:
     return dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
 
   return dot_general_fn
+
+
+# --------------------------------------------------------------------------
+# Convolutions.
+# --------------------------------------------------------------------------
+
+
+def _dilate_shape(shape, dilation):
+  return tuple(0 if d == 0 else 1 + r * (d - 1) for d, r in zip(shape, dilation))
+
+
+def _conv_rhs_vjp_padding(in_shape, window_shape, window_strides, out_shape,
+                          padding, lhs_dilation, rhs_dilation):
+  """The padding of the convolution that gives the kernel's gradient (jax's
+  ``_conv_general_vjp_rhs_padding``)."""
+  lhs_dilated = _dilate_shape(in_shape, lhs_dilation)
+  rhs_dilated = _dilate_shape(window_shape, rhs_dilation)
+  out_dilated = _dilate_shape(out_shape, window_strides)
+  pads_lo = [lo for lo, _ in padding]
+  pads_hi = [o - i + (r - lo - 1) for o, i, r, lo in
+             zip(out_dilated, lhs_dilated, rhs_dilated, pads_lo)]
+  return list(zip(pads_lo, pads_hi))
+
+
+def _conv_transpose_rhs(g, lhs, rhs_shape, *, window_strides, padding,
+                        lhs_dilation, rhs_dilation, dimension_numbers,
+                        precision, preferred_element_type):
+  """The kernel's cotangent of a convolution (jax's own transpose rule, for
+  feature and batch groups of 1, with ``preferred_element_type`` chosen by
+  the caller)."""
+  lhs_spec, rhs_spec, out_spec = dimension_numbers
+  transpose = lambda spec: (spec[1], spec[0]) + tuple(spec[2:])  # noqa: E731
+  trans_dims = lax.ConvDimensionNumbers(transpose(lhs_spec), transpose(out_spec),
+                                        transpose(rhs_spec))
+  vjp_padding = _conv_rhs_vjp_padding(
+      np.take(lhs.shape, lhs_spec[2:]), np.take(rhs_shape, rhs_spec[2:]),
+      window_strides, np.take(g.shape, out_spec[2:]), padding, lhs_dilation,
+      rhs_dilation)
+  return lax.conv_general_dilated(
+      lhs, g, window_strides=rhs_dilation, padding=vjp_padding,
+      lhs_dilation=lhs_dilation, rhs_dilation=window_strides,
+      dimension_numbers=trans_dims, precision=precision,
+      preferred_element_type=preferred_element_type)
+
+
+@functools.lru_cache(maxsize=None)
+def conv_general_dilated(reduce_dtype: Any) -> Callable[..., jax.Array]:
+  """``lax.conv_general_dilated`` whose kernel gradient is summed in
+  ``reduce_dtype`` (see the module doc). Takes the arguments flax's ``Conv``
+  passes; feature and batch groups other than 1 are refused.
+  """
+  reduce_dtype = np.dtype(reduce_dtype)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+  def conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+           dimension_numbers, precision, preferred_element_type):
+    return lax.conv_general_dilated(
+        lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+        dimension_numbers, precision=precision,
+        preferred_element_type=preferred_element_type)
+
+  def forward(lhs, rhs, *static):
+    return conv(lhs, rhs, *static), (lhs, rhs)
+
+  def backward(window_strides, padding, lhs_dilation, rhs_dilation,
+               dimension_numbers, precision, preferred_element_type,
+               residuals, g):
+    lhs, rhs = residuals
+    _, lhs_vjp = jax.vjp(
+        lambda x: lax.conv_general_dilated(
+            x, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+            dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type), lhs)
+    d_rhs = _conv_transpose_rhs(
+        g, lhs, rhs.shape, window_strides=window_strides, padding=padding,
+        lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers, precision=precision,
+        preferred_element_type=reduce_dtype)
+    return lhs_vjp(g)[0].astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+  conv.defvjp(forward, backward)
+
+  def conv_fn(lhs, rhs, window_strides, padding, lhs_dilation=None,
+              rhs_dilation=None, dimension_numbers=None,
+              feature_group_count=1, batch_group_count=1, precision=None,
+              preferred_element_type=None):
+    if feature_group_count != 1 or batch_group_count != 1:
+      raise ValueError(
+          f"jmp_lab.reduce.conv_general_dilated supports feature_group_count "
+          f"and batch_group_count of 1, got {feature_group_count} and "
+          f"{batch_group_count}")
+    spatial = lhs.ndim - 2
+    window_strides = tuple(window_strides)
+    lhs_dilation = tuple(lhs_dilation or (1,) * spatial)
+    rhs_dilation = tuple(rhs_dilation or (1,) * spatial)
+    dims = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    if isinstance(padding, str):
+      in_spatial = np.take(lhs.shape, dims.lhs_spec[2:])
+      window = _dilate_shape(np.take(rhs.shape, dims.rhs_spec[2:]),
+                             rhs_dilation)
+      padding = lax.padtype_to_pads(_dilate_shape(in_spatial, lhs_dilation),
+                                    window, window_strides, padding)
+    padding = tuple((int(lo), int(hi)) for lo, hi in padding)
+    return conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                dims, precision, preferred_element_type)
+
+  return conv_fn

@@ -122,8 +122,8 @@ def test_a_module_that_sets_its_own_dot_general_keeps_it():
 
 
 def test_modules_the_reduce_dtype_does_not_reach_warn():
-  model = jl.with_policy(nn.Conv(4, (3, 3)), "mixed_bfloat16,reduce=float32")
-  with pytest.warns(UserWarning, match="does not reach Conv"):
+  model = jl.with_policy(nn.ConvTranspose(4, (3, 3)), "mixed_bfloat16,reduce=float32")
+  with pytest.warns(UserWarning, match="does not reach ConvTranspose"):
     model.init(jax.random.key(0), jnp.ones((1, 8, 8, 3)))
 
 
@@ -169,3 +169,43 @@ def test_reduce_float32_sums_gradients_in_fp32_on_8_h100s(policy):
   # The same gradients, twice the bytes: every weight gradient now in fp32.
   assert reduced["f32"] == pytest.approx(
       2 * plain["bf16"] + plain["f32"] - 2 * reduced["bf16"], rel=0.01)
+
+
+CONVS = [  # (lhs NHWC, kernel HWIO, strides, padding, lhs dilation, rhs dilation)
+    ((2, 9, 9, 3), (3, 3, 3, 4), (1, 1), "SAME", (1, 1), (1, 1)),
+    ((2, 9, 8, 3), (3, 2, 3, 5), (2, 1), "VALID", (1, 1), (1, 1)),
+    ((1, 10, 10, 2), (3, 3, 2, 4), (2, 2), ((1, 2), (0, 1)), (1, 1), (2, 1)),
+    ((1, 7, 7, 2), (2, 2, 2, 3), (1, 1), ((1, 1), (0, 1)), (2, 2), (1, 1)),
+]
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, strides, padding, lhs_dil, rhs_dil", CONVS)
+def test_conv_gradients_equal_lax_in_fp32(lhs_shape, rhs_shape, strides,
+                                          padding, lhs_dil, rhs_dil):
+  conv = reduce_lib.conv_general_dilated(jnp.float32)
+  lhs = jax.random.normal(jax.random.key(0), lhs_shape)
+  rhs = jax.random.normal(jax.random.key(1), rhs_shape)
+
+  def loss(op, lhs, rhs):
+    out = op(lhs, rhs, strides, padding, lhs_dilation=lhs_dil,
+             rhs_dilation=rhs_dil, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.sum(out * jnp.cos(out))
+
+  want = jax.grad(lambda l, r: loss(jax.lax.conv_general_dilated, l, r),
+                  argnums=(0, 1))(lhs, rhs)
+  got = jax.jit(jax.grad(lambda l, r: loss(conv, l, r), argnums=(0, 1)))(lhs, rhs)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_weight_gradient_is_a_bf16_conv_with_an_fp32_product():
+  model = jl.with_policy(nn.Conv(4, (3, 3)), "mixed_bfloat16,reduce=float32")
+  x = jnp.ones((2, 8, 8, 3))
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p: model.apply({"params": p}, x).astype(jnp.float32).sum()  # noqa: E731
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+  assert jaxpr.count("preferred_element_type=float32") == 1, jaxpr
+  plain = jl.with_policy(nn.Conv(4, (3, 3)), "mixed_bfloat16")
+  chex.assert_trees_all_close(
+      jax.grad(loss)(params),
+      jax.grad(lambda p: plain.apply({"params": p}, x).astype(jnp.float32).sum())(params),
+      rtol=0.02, atol=0.05)
