@@ -20,6 +20,7 @@ round-to-nearest without a master stalls. It writes a PNG of the curves.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -94,19 +95,33 @@ def plot(panels, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
+  # One colour per mode in every panel (the small-lr panels have fewer).
+  colours = {name: plt.get_cmap("tab10")(i) for i, (name, _, _) in enumerate(MODES)}
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6))
   for ax, (title, ylabel, rows) in zip(np.atleast_1d(axes), panels):
     for _, name, result, _ in rows:
       x, y = result["curve"]
-      ax.plot(x, y, lw=1.2, label=name,
+      ax.plot(x, y, lw=1.2, label=name, color=colours[name],
               ls="--" if name.startswith("fused") else "-")
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)
-  np.atleast_1d(axes)[0].legend(fontsize=7)
+    ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
   print(f"wrote {path}")
+
+
+def write_json(path: str, **tables) -> None:
+  """Every row with its curve, so the figures can be re-plotted."""
+  def plain(rows):
+    return [{"lr": lr, "mode": name, "rel": rel, "loss": result["loss"],
+             "accuracy": result.get("accuracy"),
+             "curve": [np.asarray(c, np.float64).tolist()
+                       for c in result["curve"]]}
+            for lr, name, result, rel in rows]
+  with open(path, "w") as f:
+    json.dump({name: plain(rows) for name, rows in tables.items()}, f)
 
 
 def sweep(run, lrs) -> list:
@@ -130,6 +145,8 @@ def main(argv=None):
   parser.add_argument("--digits-epochs", type=int, default=6)
   parser.add_argument("--digits-lrs", default="1e-3,1e-4")
   parser.add_argument("--plot", default=None, help="write the curves here")
+  parser.add_argument("--json", default=None,
+                      help="write every result and curve here")
   args = parser.parse_args(argv)
   char_lrs = [float(x) for x in args.char_lrs.split(",")]
   digits_lrs = [float(x) for x in args.digits_lrs.split(",")]
@@ -148,6 +165,8 @@ def main(argv=None):
   print()
   print(table(f"digits CNN: test loss after {args.digits_epochs} epochs",
               digits_rows, with_accuracy=True))
+  if args.json:
+    write_json(args.json, char=char_rows, digits=digits_rows)
   if args.plot:
     panels = []
     for lr in char_lrs:
