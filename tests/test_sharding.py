@@ -195,3 +195,45 @@ def test_sharded_fused_update_needs_flat_layout_and_an_axis():
   with pytest.raises(ValueError, match="shards must be an int >= 1, got 0"):
     jmp_lab.fused_adamw(1e-3, policy=POLICY, shards=0, layout="flat",
                         axis_name="data", loss_scale=jmp_lab.NoOpLossScale())
+
+
+def test_sharded_fused_update_compiles_for_8_h100s_as_one_kernel_per_device():
+  """shard_map over 8 H100s, reduce=float32: the flat gradient is
+  reduce-scattered in f32 into each device's rows, one Triton kernel updates
+  them (no spills), and the new bf16 params are all-gathered; no gradient is
+  all-reduced."""
+  from benchmarks import train_step
+  from jmp_lab.diagnostics import compiled
+  size = train_step.ModelSize(layers=1, width=256, heads=4, seq_len=128,
+                              vocab=4096, batch=8)
+  policy = jmp_lab.get_policy("p=bf16,c=bf16,o=f32,reduce=float32")
+  model = jl.with_policy(train_step.GPT(size), policy)
+  params = jax.eval_shape(lambda: policy.cast_to_param(model.init(
+      jax.random.key(0), jnp.zeros((1, size.seq_len), jnp.int32))["params"]))
+  mesh = compiled.gpu_mesh("h100", 8)
+  tx = jmp_lab.fused_adamw(3e-4, policy=policy, loss_scale=jmp_lab.NoOpLossScale(),
+                           layout="flat", axis_name="data", shards=8,
+                           backend="triton")
+  state = jax.eval_shape(tx.init, params)
+  specs = jax.tree_util.tree_map(
+      lambda s: s.spec, sharding.optimizer_state_shardings(state, mesh))
+
+  def local(params, state, batch):
+    grads = jax.grad(lambda p: train_step.loss_fn(
+        p, type("S", (), {"apply_fn": staticmethod(model.apply)})(), batch))(params)
+    return tx.update.new_params(grads, state, params)
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs), check_vma=False),
+                 donate_argnums=(0, 1))
+  batch = jax.ShapeDtypeStruct((8 * size.batch, size.seq_len + 1), jnp.int32)
+  report = compiled.compiled_report(step, params, state, batch, devices=8,
+                                    in_specs=(P(), specs, P("data")))
+  moved = report.collective_bytes()
+  print(moved, report.pallas_summary())
+  rows = state.mu.shape[0]
+  assert moved["reduce-scatter f32"] == rows * 256 * 4
+  assert moved["all-gather bf16"] == rows * 256 * 2 // 8
+  assert not any(k.startswith("all-reduce") and v > 16 for k, v in moved.items())
+  (kernel,) = report.pallas_kernels
+  assert kernel.backend == "triton" and kernel.spill_bytes == 0

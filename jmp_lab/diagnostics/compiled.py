@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import glob
 import importlib.metadata
 import importlib.resources
@@ -134,18 +135,28 @@ def _check_plugin() -> None:
 
 def gpu_mesh(target: Union[str, GpuTarget] = "h100", devices: int = 1,
              axis_name: str = "data") -> jax.sharding.Mesh:
-  """A mesh of ``devices`` GPUs of ``target`` to compile for (no GPU needed)."""
-  from jax.experimental import topologies
+  """A mesh of ``devices`` GPUs of ``target`` to compile for (no GPU needed).
+
+  The same arguments give the same mesh, so a step built on it (a
+  ``shard_map``, explicit shardings) compiles with :func:`compile_for_gpu`.
+  """
   if not (isinstance(devices, int) and devices >= 1):
     raise ValueError(f"devices must be an int >= 1, got {devices!r}")
   _check_plugin()
   target = gpu_target(target)
+  return _gpu_mesh(target.name, target.config, devices, axis_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_mesh(name: str, config: str, devices: int,
+              axis_name: str) -> jax.sharding.Mesh:
+  from jax.experimental import topologies
   try:
     topology = topologies.get_topology_desc(
-        platform="cuda", topology=f"1x1x{devices}", target_config=target.config)
+        platform="cuda", topology=f"1x1x{devices}", target_config=config)
   except (NotImplementedError, RuntimeError) as e:
     raise RuntimeError(
-        f"could not describe {devices} x {target.name} to XLA ({e}); on a "
+        f"could not describe {devices} x {name} to XLA ({e}); on a "
         f"machine without a GPU set JAX_PLATFORMS=cpu before jax starts") from e
   return topologies.make_mesh(topology, (devices,), (axis_name,))
 
