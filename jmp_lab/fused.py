@@ -246,8 +246,11 @@ def fused_adamw(
       jax has it).
 
   Raises:
-    ValueError: for an unknown backend or layout, ``backend="mosaic"`` with
-      ``layout="tree"``, or an out-of-range hyperparameter.
+    ValueError: for an unknown backend, layout, master or rounding mode,
+      ``backend="mosaic"`` with ``layout="tree"``, a lean mode or bf16
+      moments with ``layout="flat"``, ``shards`` that is not an int >= 1 or
+      lacks ``layout="flat"`` and an ``axis_name``, or an out-of-range
+      hyperparameter.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update(grads, state,
