@@ -1,5 +1,10 @@
 """Memory-lean masters of mixed_precision: remainder, none + rounding."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import chex
 import hypothesis.extra.numpy as hnp
 import jax
@@ -12,6 +17,8 @@ from hypothesis import given, settings
 import jmp_lab
 from jmp_lab import remainder, rounding
 from conftest import FLOAT0
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def tree_bits_equal(a, b) -> bool:
@@ -396,3 +403,41 @@ def test_lean_states_survive_an_orbax_round_trip(optimizer, master, rounding,
 
   assert tree_bits_equal(go_on(restored["params"], restored["opt"]),
                          go_on(params, state))
+
+
+def test_remainder_is_bit_identical_on_the_digits_cnn_without_fma(tmp_path):
+  """On real data (the digits CNN, bf16 params, one epoch of Adam), the
+  remainder master equals the fp32 master bit for bit at every step. XLA:CPU
+  contracts optax's update into FMAs differently in the two compiled
+  programs (1 fp32 ulp in some elements, seen from the second step), so the
+  check runs with a CPU target without FMA, in a subprocess."""
+  script = tmp_path / "digits_bits.py"
+  script.write_text(f'''
+import sys
+sys.path.insert(0, {str(ROOT / "examples")!r})
+import digits_cnn, numpy as np, jax, optax, jmp_lab
+from jmp_lab import linen as jl
+(x, y), _ = digits_cnn.load_data()
+policy = jmp_lab.get_policy("p=bf16,c=bf16,o=f32")
+model = jl.with_policy(digits_cnn.SimpleCNN(), policy)
+params = model.init(jax.random.key(0), x[:1])["params"]
+states = {{m: jmp_lab.TrainState.create(
+    apply_fn=model.apply, params=params, policy=policy,
+    tx=jmp_lab.mixed_precision(optax.adam(1e-3), policy=policy, master=m,
+                               loss_scale=jmp_lab.NoOpLossScale()))
+          for m in ("float32", "remainder")}}
+step = jmp_lab.make_train_step(digits_cnn.loss_fn)
+order = np.random.default_rng(0).permutation(len(x))
+for i in range(len(x) // 64):
+  batch = {{"x": x[order[i * 64:(i + 1) * 64]], "y": y[order[i * 64:(i + 1) * 64]]}}
+  states = {{m: step(s, batch)[0] for m, s in states.items()}}
+  a, b = (jax.tree_util.tree_leaves(s.master_params) for s in states.values())
+  assert all(np.array_equal(np.asarray(u).view(np.uint32), np.asarray(v).view(np.uint32))
+             for u, v in zip(a, b)), i
+print("bit-identical steps:", len(x) // 64)
+''')
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_max_isa=SSE4_2")
+  out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "bit-identical steps: 22" in out.stdout
