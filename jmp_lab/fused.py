@@ -412,14 +412,19 @@ def fused_adamw(
                            tree_layout.tree(out.mu), tree_layout.tree(out.nu))
     return out, new_state
 
-  def flat_step(grads, state, params):
-    """The flat-buffer pass: ``(outputs, new state, whether params are flat)``."""
-    buffers = state.layout
-    flat = _is_flat(buffers, params)
+  def check_flat_call(grads, state, params) -> bool:
+    """Checks a flat-layout call; returns whether ``params`` are flat."""
+    flat = _is_flat(state.layout, params)
     if not flat:
       _checks.check_state_matches(state.params_spec, params)
       _checks.check_params(params, policy)
     _checks.check_grads(grads, params)
+    return flat
+
+  def flat_step(grads, state, params):
+    """The flat-buffer pass: ``(outputs, new state, whether params are flat)``."""
+    buffers = state.layout
+    flat = check_flat_call(grads, state, params)
 
     # Tree gradients are packed into one buffer first (a pass); flat ones,
     # from a model reading flat params, are used as they are. The finite
@@ -448,11 +453,7 @@ def fused_adamw(
     """ZeRO-1 inside shard_map: ``(outputs with the new values gathered,
     new local state, whether params are flat)``; see ``shards``."""
     buffers = state.layout
-    flat = _is_flat(buffers, params)
-    if not flat:
-      _checks.check_state_matches(state.params_spec, params)
-      _checks.check_params(params, policy)
-    _checks.check_grads(grads, params)
+    flat = check_flat_call(grads, state, params)
     want = (buffers.local_rows, flat_layout.LANES)
     if state.mu.shape != want:
       raise ValueError(
