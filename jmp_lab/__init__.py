@@ -12,6 +12,8 @@ The public API lives here; each concept has its own module:
 * :mod:`jmp_lab.fused` -- ``fused_adamw``: the same, as one Pallas kernel
   pass (:mod:`jmp_lab.kernels` holds the backends);
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
+* :mod:`jmp_lab.nnx` -- policies applied to Flax NNX module graphs, and the
+  NNX optimizer and train step;
 * :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step;
 * :mod:`jmp_lab.diagnostics` -- gradient histograms, step audits, memory
   reports and a host-side training recorder;
@@ -19,7 +21,7 @@ The public API lives here; each concept has its own module:
   ``from jmp_lab import jmp``.
 """
 
-from jmp_lab import diagnostics, kernels, linen, sharding
+from jmp_lab import diagnostics, kernels, linen, nnx, sharding
 from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
 from jmp_lab.loss_scale import (
     DynamicLossScale,
@@ -78,6 +80,7 @@ __all__ = [
     "make_train_step",
     "master_params",
     "mixed_precision",
+    "nnx",
     "scaled_value_and_grad",
     "select_tree",
     "skipped_steps",

@@ -64,7 +64,8 @@ import numpy as np
 import optax
 
 from jmp_lab import reduce as reduce_lib
-from jmp_lab.policy import Policy, cast_floating, get_policy
+from jmp_lab.policy import (Policy, cast_floating, get_policy,
+                            resolve_overrides)
 
 DEFAULT_FP32_MODULES: tuple[type, ...] = (
     nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
@@ -334,24 +335,14 @@ def with_policy(
     raise TypeError(
         f"with_policy needs a flax.linen.Module, got {type(module).__name__}")
   policy = get_policy(policy)
-  classes: dict[type, Policy] = {}
-  for cls, spec in (class_overrides or {}).items():
-    if not isinstance(cls, type):
-      raise TypeError(f"class_overrides keys must be classes, got {cls!r}")
-    classes[cls] = get_policy(spec)
+  defaults: dict[type, Policy] = {}
   if fp32_norms:
-    for cls in DEFAULT_FP32_MODULES:
-      classes.setdefault(cls, fp32_island(policy))
+    defaults.update((cls, fp32_island(policy)) for cls in DEFAULT_FP32_MODULES)
   if policy.reduce_dtype is not None:
-    classes.setdefault(nn.Embed, reduce_island(policy))
-  patterns = []
-  for pattern, spec in (path_overrides or {}).items():
-    try:
-      patterns.append((re.compile(pattern), get_policy(spec)))
-    except re.error as e:
-      raise ValueError(f"invalid path_overrides pattern {pattern!r}: {e}"
-                       ) from None
-  return PolicyModule(module, policy, tuple(classes.items()), tuple(patterns))
+    defaults[nn.Embed] = reduce_island(policy)
+  classes, patterns = resolve_overrides(class_overrides, path_overrides,
+                                        defaults)
+  return PolicyModule(module, policy, classes, patterns)
 
 
 # --------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def scaled_value_and_grad(
     *,
     has_aux: bool = False,
     argnums: Union[int, Sequence[int]] = 0,
+    value_and_grad: Callable[..., Callable] = jax.value_and_grad,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like ``jax.value_and_grad``, but differentiates ``loss * scale``.
 
@@ -58,6 +59,10 @@ def scaled_value_and_grad(
     loss_scale: the :class:`~jmp_lab.LossScale` to scale the loss by.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     argnums: which positional arguments to differentiate.
+    value_and_grad: the transformation that differentiates (called with
+      ``argnums`` and ``has_aux``): ``jax.value_and_grad``, or
+      ``flax.nnx.value_and_grad`` for NNX modules (``argnums`` may then be an
+      ``nnx.DiffState``).
 
   Returns:
     A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
@@ -93,7 +98,7 @@ def scaled_value_and_grad(
     return loss_scale.scale(loss), (loss, aux)
 
   def value_and_scaled_grad(*args, **kwargs):
-    (_, (loss, aux)), grads = jax.value_and_grad(
+    (_, (loss, aux)), grads = value_and_grad(
         scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 

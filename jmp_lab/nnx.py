@@ -1,0 +1,558 @@
+"""Precision policies and a mixed-precision optimizer for Flax NNX.
+
+:func:`with_policy` applies a :class:`~jmp_lab.Policy` to a constructed NNX
+module graph, with the meaning of :func:`jmp_lab.linen.with_policy`:
+
+* params are stored in ``param_dtype`` and read in the compute dtype of the
+  module that owns them;
+* every module casts its floating inputs to its compute dtype and its
+  outputs to the compute dtype (the model's own outputs to ``output_dtype``);
+* overrides by class or by a regular expression over the graph path
+  (``"blocks/0/attn"``, or a param's ``"head/kernel"``); norms compute in
+  fp32 by default and hand back the compute dtype; batch statistics stay
+  fp32 (only ``nnx.Param`` variables are ever cast);
+* ``nnx.MultiHeadAttention`` with Flax's default ``attention_fn`` gets
+  :func:`dot_product_attention`, whose softmax is fp32;
+* with a ``reduce`` dtype, ``Linear``, ``LinearGeneral`` and ``Conv`` compute
+  their weight gradients in it (:mod:`jmp_lab.reduce`) and ``Embed`` reads its
+  table in it.
+
+Module code does not change. How: NNX has no method interceptor (linen's
+``intercept_methods``), so a module's call is its class's ``__call__``:
+
+* each module's class becomes a subclass of its own class whose ``__call__``
+  casts inputs and outputs (one subclass per class and dtypes, cached;
+  ``isinstance``, attribute names, graph paths and checkpoints are
+  unchanged);
+* each ``nnx.Param`` becomes a :class:`PolicyParam`, the custom ``Variable``
+  type Flax recommends for cast-on-read: its stored value stays in
+  ``param_dtype`` (what ``nnx.state``, the optimizer and checkpoints see) and
+  ``param[...]`` returns it in the compute dtype, in Flax's layers and in your
+  own modules alike. Gradients flow back through the cast to the stored dtype.
+
+Setting Flax's own ``dtype``/``promote_dtype`` attributes instead would reach
+only Flax's layers (not a custom module's ``x @ self.w[...]``, whose fp32
+param would silently promote the matmul to fp32), and cannot hand an fp32
+island's output back in the compute dtype for every layer.
+
+:class:`Optimizer` is ``nnx.Optimizer`` for a jmp_lab optimizer
+(:func:`jmp_lab.mixed_precision` or :func:`jmp_lab.fused_adamw`): fp32 master
+(or remainder), loss scale, skipped non-finite steps, params written as
+``cast(master)``. :func:`train_step` / :func:`make_train_step` are the step,
+with the linen step's metrics; :func:`split_train_step` is the same step as a
+pure function of the split state (for ``jax.jit``, the audit and compiled
+reports).
+
+Example::
+
+  >>> import jax.numpy as jnp, optax, jmp_lab
+  >>> from flax import nnx
+  >>> class MLP(nnx.Module):
+  ...   def __init__(self, rngs):
+  ...     self.up, self.norm = nnx.Linear(3, 8, rngs=rngs), nnx.LayerNorm(8, rngs=rngs)
+  ...     self.down = nnx.Linear(8, 2, rngs=rngs)
+  ...   def __call__(self, x):
+  ...     return self.down(self.norm(self.up(x)))
+  >>> model = jmp_lab.nnx.with_policy(MLP(nnx.Rngs(0)), "mixed_bfloat16")
+  >>> optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(
+  ...     optax.adam(1e-3), policy="mixed_bfloat16",
+  ...     loss_scale=jmp_lab.DynamicLossScale()), wrt=nnx.Param)
+  >>> x = jnp.ones((4, 3))
+  >>> model(x).dtype, model.up.kernel.get_raw_value().dtype  # f32 out, f32 stored
+  (dtype('float32'), dtype('float32'))
+  >>> loss_fn = lambda model, batch: jnp.mean(model(batch) ** 2)
+  >>> step = jmp_lab.nnx.make_train_step(loss_fn)
+  >>> metrics = step(model, optimizer, x)
+  >>> sorted(metrics)
+  ['grads_finite', 'loss', 'loss_scale', 'skipped_steps']
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jmp_lab import _checks, _tree
+from jmp_lab import reduce as reduce_lib
+from jmp_lab.kernels import layout as flat_layout
+from jmp_lab.linen import (fp32_island, log_softmax, reduce_island, softmax,
+                           softmax_cross_entropy_with_integer_labels)
+from jmp_lab.loss_scale import LossScale, select_tree
+from jmp_lab.policy import (Policy, cast_floating, get_policy,
+                            resolve_overrides)
+from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,
+                           last_step_applied, master_params, skipped_steps)
+from jmp_lab.training import UPDATE_SCOPE, scaled_value_and_grad
+
+DEFAULT_FP32_MODULES: tuple[type, ...] = (
+    nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm)
+
+PolicySpec = Union[Policy, str]
+
+# ---------------------------------------------------------------------------
+# Cast-on-read params.
+# ---------------------------------------------------------------------------
+
+
+def _read_in_compute_dtype(variable_class: type) -> Callable:
+  def get_value(self, **kwargs):
+    value = variable_class.get_value(self, **kwargs)
+    dtype = self.get_metadata("compute_dtype", None)
+    return value if dtype is None else cast_floating(value, dtype)
+  return get_value
+
+
+class PolicyParam(nnx.Param):
+  """An ``nnx.Param`` read in its module's compute dtype.
+
+  ``param[...]`` (and every other read) returns the value cast to the
+  ``compute_dtype`` metadata; ``param.get_raw_value()`` is the stored value,
+  in the policy's ``param_dtype``. :func:`with_policy` makes them.
+  """
+
+  get_value = _read_in_compute_dtype(nnx.Param)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_on_read_class(cls: type) -> type:
+  if issubclass(cls, PolicyParam) or getattr(cls, "_jmp_lab_cast_on_read",
+                                             False):
+    return cls
+  if cls is nnx.Param:
+    return PolicyParam
+  # A Param subclass (e.g. nnx.LoRAParam) keeps its type for filters.
+  return type(cls.__name__, (cls,), {
+      "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+      "get_value": _read_in_compute_dtype(cls), "_jmp_lab_cast_on_read": True})
+
+
+# ---------------------------------------------------------------------------
+# Modules that cast their inputs and outputs.
+# ---------------------------------------------------------------------------
+
+
+def _is_nnx_object(x: Any) -> bool:
+  return isinstance(x, (nnx.Variable, nnx.Pytree))
+
+
+def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
+  """Floating arrays of ``tree`` in ``dtype``; NNX objects (a ``Rngs``, a
+  submodule passed as an argument) are passed on as they are."""
+  return jax.tree_util.tree_map(
+      lambda x: x if _is_nnx_object(x) else cast_floating(x, dtype), tree,
+      is_leaf=_is_nnx_object)
+
+
+@functools.lru_cache(maxsize=None)
+def _policy_class(base: type, compute: np.dtype, output: np.dtype) -> type:
+  """``base`` whose ``__call__`` runs in ``compute`` and returns ``output``."""
+
+  def __call__(self, *args, **kwargs):
+    args, kwargs = _cast_arrays((args, kwargs), compute)
+    return _cast_arrays(base.__call__(self, *args, **kwargs), output)
+
+  # A plain subclass, no slots or mixins: instances keep their layout, so
+  # their class can be swapped in place.
+  return type(base.__name__, (base,), {
+      "__module__": base.__module__, "__qualname__": base.__qualname__,
+      "__call__": __call__, "_jmp_lab_base": base,
+      "_jmp_lab_dtypes": (compute, output)})
+
+
+def _base_class(module: nnx.Module) -> type:
+  return getattr(type(module), "_jmp_lab_base", type(module))
+
+
+# Modules whose matmul or convolution is an attribute (see jmp_lab.reduce).
+_REDUCIBLE_MODULES = (
+    (nnx.Linear, "dot_general", jax.lax.dot_general, reduce_lib.dot_general),
+    (nnx.LinearGeneral, "dot_general", jax.lax.dot_general,
+     reduce_lib.dot_general),
+    (nnx.Conv, "conv_general_dilated", jax.lax.conv_general_dilated,
+     reduce_lib.conv_general_dilated),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduced(factory: Callable[[Any], Callable], dtype: np.dtype) -> Callable:
+  # One function object per dtype: it is a static attribute of the module,
+  # part of the graph definition that nnx.jit caches compilations on.
+  return factory(dtype)
+
+
+def _give_reduce_dtype(module: nnx.Module, reduce_dtype) -> None:
+  for cls, attribute, default, factory in _REDUCIBLE_MODULES:
+    if type(module) is cls or _base_class(module) is cls:
+      current = getattr(module, attribute, None)
+      if current is default or getattr(current, "_jmp_lab_reduce", False):
+        setattr(module, attribute, _reduced(factory, np.dtype(reduce_dtype)))
+      return
+
+
+def with_policy(
+    model: nnx.Module,
+    policy: PolicySpec,
+    *,
+    class_overrides: Optional[Mapping[type, PolicySpec]] = None,
+    path_overrides: Optional[Mapping[str, PolicySpec]] = None,
+    fp32_norms: bool = True,
+) -> nnx.Module:
+  """Applies ``policy`` to an NNX module graph, in place; returns ``model``.
+
+  Args:
+    model: a constructed ``flax.nnx.Module``; its code is not changed.
+    policy: the default policy (or its spec).
+    class_overrides: ``{ModuleClass: policy}``; a module of that class and
+      all modules inside it use that policy. Added to (and taking precedence
+      over) the fp32 norm defaults.
+    path_overrides: ``{regex: policy}`` matched with ``re.search`` against
+      module paths (``"blocks/0/mlp"``) and param paths
+      (``"blocks/0/mlp/kernel"``); these take precedence over classes.
+    fp32_norms: compute LayerNorm, RMSNorm, BatchNorm and GroupNorm in fp32
+      (:func:`jmp_lab.linen.fp32_island`).
+
+  Calling it again on the same model replaces the policy.
+
+  Raises:
+    TypeError: if ``model`` is not an NNX Module or an override key is not a
+      class.
+    ValueError: for a bad policy spec or an invalid regular expression.
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(
+        f"jmp_lab.nnx.with_policy needs a flax.nnx.Module, got "
+        f"{type(model).__name__}; for linen modules use "
+        f"jmp_lab.linen.with_policy")
+  policy = get_policy(policy)
+  defaults: dict[type, Policy] = {}
+  if fp32_norms:
+    defaults.update((cls, fp32_island(policy)) for cls in DEFAULT_FP32_MODULES)
+  if policy.reduce_dtype is not None:
+    defaults[nnx.Embed] = reduce_island(policy)
+  classes, patterns = resolve_overrides(class_overrides, path_overrides,
+                                        defaults)
+  modules = dict(nnx.iter_modules(model))
+
+  def override_of(path: tuple) -> Optional[Policy]:
+    """The override of the module at ``path`` or its nearest overridden
+    parent (path patterns before classes, as in jmp_lab.linen)."""
+    for end in range(len(path), -1, -1):
+      prefix = path[:end]
+      joined = "/".join(map(str, prefix))
+      for pattern, override in patterns:
+        if joined and pattern.search(joined):
+          return override
+      if prefix in modules:
+        base = _base_class(modules[prefix])
+        for cls, override in classes:
+          if issubclass(base, cls):
+            return override
+    return None
+
+  effective: dict[tuple, Policy] = {}
+  for path, module in modules.items():
+    override = override_of(path)
+    effective[path] = override or policy
+    compute = (override or policy).compute_dtype
+    if override is not None:
+      output = override.output_dtype
+    elif path == ():
+      output = policy.output_dtype
+    else:
+      output = policy.compute_dtype
+    module.__class__ = _policy_class(_base_class(module), compute, output)
+    if (isinstance(module, nnx.MultiHeadAttention)
+        and module.attention_fn is nnx.dot_product_attention):
+      module.attention_fn = dot_product_attention
+    if effective[path].reduce_dtype is not None:
+      _give_reduce_dtype(module, effective[path].reduce_dtype)
+
+  for path, variable in nnx.iter_graph(model):
+    if not isinstance(variable, nnx.Param):
+      continue
+    joined = "/".join(map(str, path))
+    read_policy = next((p for pattern, p in patterns if pattern.search(joined)),
+                       None)
+    if read_policy is None:  # the longest module path that owns it decides
+      owner = next(path[:end] for end in range(len(path) - 1, -1, -1)
+                   if path[:end] in modules)
+      read_policy = effective[owner]
+    value = variable.get_raw_value()
+    if _tree.is_floating_array(value):
+      variable.set_raw_value(value.astype(policy.param_dtype),
+                             _unsafe_bypass_check=True)
+    variable.__class__ = _cast_on_read_class(type(variable))
+    variable.set_metadata(compute_dtype=read_policy.compute_dtype)
+  return model
+
+
+def policy_dtypes(module: nnx.Module) -> Optional[tuple[np.dtype, np.dtype]]:
+  """``(compute_dtype, output_dtype)`` that :func:`with_policy` gave
+  ``module``'s calls, or None when it has no policy."""
+  return getattr(type(module), "_jmp_lab_dtypes", None)
+
+
+# ---------------------------------------------------------------------------
+# fp32 softmax attention (the helpers for logits are jmp_lab.linen's).
+# ---------------------------------------------------------------------------
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None,
+                          broadcast_dropout: bool = True, dropout_rng=None,
+                          dropout_rate: float = 0.0,
+                          deterministic: bool = False, dtype=None,
+                          precision=None, module=None,
+                          promote_dtype=None, is_causal: bool = False):
+  """``nnx.dot_product_attention`` with the softmax in fp32.
+
+  The two matmuls (and their gradients) run in the inputs' dtype; the mask,
+  softmax and dropout are fp32, like linen's ``force_fp32_for_softmax``; the
+  weights are cast back for the second matmul. Flax's own computes the softmax in the input
+  dtype. :func:`with_policy` gives it to every ``nnx.MultiHeadAttention``
+  that uses Flax's default. ``promote_dtype`` is accepted and unused (the
+  policy has cast the inputs).
+  """
+  del promote_dtype
+  if query.shape[-2] != key.shape[-2]:
+    raise ValueError(
+        f"jmp_lab.nnx.dot_product_attention: query has {query.shape[-2]} "
+        f"heads and key {key.shape[-2]}; grouped-query attention is not "
+        f"supported")
+  dtype = np.dtype(dtype or query.dtype)
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  query = query / jnp.asarray(math.sqrt(query.shape[-1]), dtype)
+  # The logits leave the matmul in its dtype (tensor cores accumulate in
+  # fp32 anyway) and are cast after: an fp32 result would make both of its
+  # gradient matmuls fp32-by-half, off the half tensor-core path.
+  logits = jnp.einsum("...qhd,...khd->...hqk", query, key,
+                      precision=precision).astype(jnp.float32)
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  if is_causal:
+    causal = jnp.tril(jnp.ones(logits.shape[-2:], bool))
+    mask = causal if mask is None else jnp.logical_and(mask, causal)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(logits, axis=-1)
+  if module is not None:
+    module.sow(nnx.Intermediate, "attention_weights", weights)
+  if not deterministic and dropout_rate > 0.0:
+    keep_prob = 1.0 - dropout_rate
+    shape = ((1,) * (weights.ndim - 2) + weights.shape[-2:]
+             if broadcast_dropout else weights.shape)
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    weights = weights * keep.astype(jnp.float32) / keep_prob
+  return jnp.einsum("...hqk,...khd->...qhd", weights.astype(dtype), value,
+                    precision=precision)
+
+
+# ---------------------------------------------------------------------------
+# The optimizer.
+# ---------------------------------------------------------------------------
+
+
+class Optimizer(nnx.Optimizer):
+  """``nnx.Optimizer`` for a jmp_lab optimizer: master, loss scale, skips.
+
+  ``tx`` is :func:`jmp_lab.mixed_precision` (any optax transformation
+  inside, every ``master`` mode) or :func:`jmp_lab.fused_adamw` (tree
+  layout). ``update(model, grads)`` takes the gradients of the *scaled*
+  loss (:attr:`loss_scale`; :func:`train_step` does the scaling) and writes
+  params equal to ``cast(master)``. A non-finite step changes nothing but
+  the loss scale and :attr:`skipped_steps`: params, moments and ``step``
+  (applied steps) keep their values.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, jmp_lab
+    >>> from flax import nnx
+    >>> model = jmp_lab.nnx.with_policy(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+    ...                                 "p=bf16,c=bf16,o=f32")
+    >>> optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.fused_adamw(
+    ...     1e-3, policy="p=bf16,c=bf16,o=f32",
+    ...     loss_scale=jmp_lab.StaticLossScale(2.0**10)), wrt=nnx.Param)
+    >>> grads = nnx.grad(lambda m: optimizer.loss_scale.scale(m(jnp.ones((1, 2))).sum()))(model)
+    >>> optimizer.update(model, grads)
+    >>> master = optimizer.master_params(model)
+    >>> bool(jnp.all(model.kernel.get_raw_value() == master["kernel"].astype(jnp.bfloat16)))
+    True
+  """
+
+  def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *,
+               wrt: Any = nnx.Param):
+    _checks.check_transformation(tx, "jmp_lab.nnx.Optimizer's tx")
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"jmp_lab.nnx.Optimizer needs a flax.nnx.Module, got "
+                      f"{type(model).__name__}")
+    params = _pure_params(model, wrt)
+    opt_state = tx.init(params)
+    try:
+      state = find_state(opt_state)
+    except ValueError:
+      raise TypeError(
+          "jmp_lab.nnx.Optimizer's tx must be a jmp_lab optimizer "
+          "(jmp_lab.mixed_precision(...) or jmp_lab.fused_adamw(...)), which "
+          "keeps the master, the loss scale and skips non-finite steps; got "
+          f"one whose state is a {type(opt_state).__name__}") from None
+    if isinstance(state, FusedAdamWState) and isinstance(
+        state.layout, flat_layout.FlatLayout):
+      raise ValueError(
+          "jmp_lab.nnx.Optimizer needs fused_adamw's tree layout (the NNX "
+          "model owns its params as a tree); got layout='flat'")
+    self.graph = None
+    self.step = nnx.training.optimizer.OptState(jnp.zeros((), jnp.uint32))
+    self.tx = tx
+    self.wrt = wrt
+    self.opt_state = nnx.data(nnx.training.optimizer.to_opt_state(opt_state))
+
+  def _pure_opt_state(self) -> Any:
+    return nnx.as_pure(self.opt_state)
+
+  @property
+  def loss_scale(self) -> LossScale:
+    """The loss scale for the next forward pass."""
+    return current_loss_scale(self._pure_opt_state())
+
+  @property
+  def skipped_steps(self) -> jax.Array:
+    return skipped_steps(self._pure_opt_state())
+
+  @property
+  def last_step_applied(self) -> jax.Array:
+    return last_step_applied(self._pure_opt_state())
+
+  def master_params(self, model: nnx.Module) -> Any:
+    """The fp32 master as a pure ``nnx.State`` dict tree (None where no
+    master is kept: fp32 params, ``master="none"``)."""
+    return master_params(self._pure_opt_state(), _pure_params(model, self.wrt))
+
+  def update(self, model: nnx.Module, grads: Any, /, **kwargs) -> None:
+    """Applies the gradients of the *scaled* loss to ``model``'s params."""
+    params = _pure_params(model, self.wrt)
+    grads = nnx.as_pure(nnx.state(grads, self.wrt)) if isinstance(
+        grads, nnx.State) else grads
+    _checks.check_grads(grads, params)
+    opt_state = self._pure_opt_state()
+    with jax.named_scope(UPDATE_SCOPE):
+      new_params_fn = getattr(self.tx.update, "new_params", None)
+      if new_params_fn is not None and not kwargs:
+        new_params, new_opt_state = new_params_fn(grads, opt_state, params)
+      else:
+        updates, new_opt_state = self.tx.update(grads, opt_state, params,
+                                                **kwargs)
+        new_params = optax.apply_updates(params, updates)
+    nnx.update(model, new_params)
+    nnx.update(self.opt_state, nnx.state(
+        nnx.training.optimizer.to_opt_state(new_opt_state)))
+    self.step[...] += last_step_applied(new_opt_state).astype(jnp.uint32)
+
+
+def _pure_params(model: nnx.Module, wrt: Any) -> Any:
+  """The stored (not cast-on-read) values of ``model``'s ``wrt`` variables."""
+  return nnx.as_pure(nnx.state(model, wrt))
+
+
+# ---------------------------------------------------------------------------
+# The train step.
+# ---------------------------------------------------------------------------
+
+LossFn = Callable[[nnx.Module, Any], Any]
+
+_LOSS_FN_CONTRACT = (
+    "loss_fn(model, batch) must return a floating scalar loss, or "
+    "(loss, metrics) with metrics a dict")
+
+
+def _split_loss_output(out: Any) -> tuple[Any, dict[str, Any]]:
+  loss, metrics = out if isinstance(out, tuple) else (out, {})
+  if isinstance(out, tuple) and len(out) != 2:
+    raise TypeError(f"{_LOSS_FN_CONTRACT}; got a tuple of {len(out)} items")
+  if not (_tree.is_floating_value(loss) and jnp.ndim(loss) == 0):
+    raise TypeError(f"{_LOSS_FN_CONTRACT}; got a loss of "
+                    f"{_tree.leaf_description(loss)}")
+  if metrics is None:
+    metrics = {}
+  if not isinstance(metrics, Mapping):
+    raise TypeError(f"{_LOSS_FN_CONTRACT}; got metrics of type "
+                    f"{type(metrics).__name__}")
+  return loss, dict(metrics)
+
+
+def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
+               loss_fn: LossFn) -> dict[str, Any]:
+  """One mixed-precision step on ``model``, in place; returns the metrics.
+
+  ``loss_fn(model, batch)`` runs the forward pass and returns the loss, or
+  ``(loss, metrics)``. The loss times the optimizer's loss scale is
+  differentiated with respect to the optimizer's ``wrt`` variables; the
+  optimizer unscales, checks, updates or skips. On a skipped step the
+  model's other state (batch statistics, RNG counts) is put back as it was,
+  so a skipped step changes nothing but the loss scale.
+
+  Returns:
+    ``loss``, the ``loss_scale`` used, ``grads_finite``, ``skipped_steps``
+    and the loss_fn's own metrics (the linen step's metrics).
+  """
+  if not isinstance(optimizer, Optimizer):
+    raise TypeError(f"optimizer must be a jmp_lab.nnx.Optimizer, got "
+                    f"{type(optimizer).__name__}")
+  others = nnx.Not(optimizer.wrt)
+  before = nnx.as_pure(nnx.state(model, others))  # arrays: a snapshot
+  loss_scale = optimizer.loss_scale
+
+  def forward(model):
+    return _split_loss_output(loss_fn(model, batch))
+
+  (loss, metrics), scaled_grads = scaled_value_and_grad(
+      forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
+      argnums=nnx.DiffState(0, optimizer.wrt))(model)
+  optimizer.update(model, scaled_grads)
+  applied = optimizer.last_step_applied
+  after = nnx.as_pure(nnx.state(model, others))
+  nnx.update(model, select_tree(applied, after, before))
+  metrics.update(loss=loss, loss_scale=loss_scale.loss_scale,
+                 grads_finite=applied, skipped_steps=optimizer.skipped_steps)
+  return metrics
+
+
+def make_train_step(loss_fn: LossFn, *, donate: bool = True
+                    ) -> Callable[[nnx.Module, Optimizer, Any], dict]:
+  """``nnx.jit(train_step)`` for ``loss_fn``; with ``donate=True`` the old
+  params, master and moments' buffers are reused for the new ones."""
+  return nnx.jit(functools.partial(train_step, loss_fn=loss_fn),
+                 donate_argnums=(0, 1) if donate else ())
+
+
+def split_train_step(loss_fn: LossFn, model: nnx.Module, optimizer: Optimizer
+                     ) -> tuple[Callable[[Any, Any], tuple[Any, dict]], Any]:
+  """:func:`train_step` as a pure function of the split state.
+
+  Returns ``(step, state)``: ``step(state, batch) -> (new_state, metrics)``
+  for ``jax.jit``, :func:`jmp_lab.diagnostics.audit_step` and
+  :func:`jmp_lab.diagnostics.compiled_report`, and the model's and
+  optimizer's ``state``; ``nnx.update((model, optimizer), new_state)`` puts
+  a step's result back into the objects.
+  """
+  graphdef, state = nnx.split((model, optimizer))
+
+  def step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    metrics = train_step(model, optimizer, batch, loss_fn=loss_fn)
+    return nnx.state((model, optimizer)), metrics
+
+  return step, state
+
+
+__all__ = [
+    "DEFAULT_FP32_MODULES", "Optimizer", "PolicyParam", "dot_product_attention",
+    "log_softmax", "make_train_step", "policy_dtypes", "softmax",
+    "softmax_cross_entropy_with_integer_labels", "split_train_step",
+    "train_step", "with_policy",
+]
