@@ -111,13 +111,23 @@ def dot_general(reduce_dtype: Any) -> Callable[..., jax.Array]:
   dot.defvjp(forward, backward)
 
   def dot_general_fn(lhs, rhs, dimension_numbers, precision=None,
-                     preferred_element_type=None):
+                     preferred_element_type=None, out_sharding=None):
+    _check_no_out_sharding(out_sharding)
     dimension_numbers = tuple(tuple(tuple(int(i) for i in axes)
                                     for axes in pair)
                               for pair in dimension_numbers)
     return dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
 
   return dot_general_fn
+
+
+def _check_no_out_sharding(out_sharding) -> None:
+  # Flax NNX passes out_sharding (None unless the caller sets one).
+  if out_sharding is not None:
+    raise ValueError(
+        f"a reduce-dtype matmul does not take out_sharding (got "
+        f"{out_sharding!r}): leave the layer's out_sharding unset and let "
+        f"jit's partitioner place the result")
 
 
 # --------------------------------------------------------------------------
@@ -203,7 +213,8 @@ def conv_general_dilated(reduce_dtype: Any) -> Callable[..., jax.Array]:
   def conv_fn(lhs, rhs, window_strides, padding, lhs_dilation=None,
               rhs_dilation=None, dimension_numbers=None,
               feature_group_count=1, batch_group_count=1, precision=None,
-              preferred_element_type=None):
+              preferred_element_type=None, out_sharding=None):
+    _check_no_out_sharding(out_sharding)
     if feature_group_count != 1 or batch_group_count != 1:
       raise ValueError(
           f"jmp_lab.reduce.conv_general_dilated supports feature_group_count "

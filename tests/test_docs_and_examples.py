@@ -64,3 +64,19 @@ def test_char_transformer_example_smoke_with_fused_fp16_and_resume(tmp_path):
   assert first["step"] == 3 and resumed["step"] == 5
   assert int(resumed["state"].step) + int(resumed["state"].skipped_steps) == 5
   assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0
+
+
+def test_char_transformer_nnx_example_smoke_with_remainder_and_resume(tmp_path):
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+  common = ["--data", str(text), "--policy", "p=bf16,c=bf16,o=f32",
+            "--master", "remainder", "--fused", "--batch-size", "4",
+            "--seq-len", "32", "--sample-len", "8", "--no-progress",
+            "--ckpt-dir", str(tmp_path / "ckpt")]
+  first = run_example("char_transformer_nnx.py", "--steps", "3", *common)
+  resumed = run_example("char_transformer_nnx.py", "--steps", "2", "--resume",
+                        *common)
+  assert first["step"] == 3 and resumed["step"] == 5
+  optimizer = resumed["optimizer"]
+  assert int(optimizer.step[...]) + int(optimizer.skipped_steps) == 5
+  assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0

@@ -1,0 +1,227 @@
+"""The character-level transformer of ``char_transformer.py``, in Flax NNX.
+
+Same data (the standard library's own sources, or ``--data FILE``), same
+model, same optimizers; the NNX version of the training loop. Converting an
+NNX loop to mixed precision is one policy line and one optimizer line::
+
+  model = jmp_lab.nnx.with_policy(CharTransformer(...), "mixed_bfloat16")
+  optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(
+      optax.adamw(...), policy="mixed_bfloat16",
+      loss_scale=jmp_lab.DynamicLossScale()), wrt=nnx.Param)
+
+and the step is ``jmp_lab.nnx.make_train_step(loss_fn)(model, optimizer,
+batch)``. Checkpoints are orbax saves of ``nnx.state((model, optimizer))``.
+
+  python examples/char_transformer_nnx.py --steps 300
+  python examples/char_transformer_nnx.py --policy mixed_float16 --fused
+  python examples/char_transformer_nnx.py --steps 100 --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+import jmp_lab
+from char_transformer import load_tokens, make_optimizer
+
+
+class Block(nnx.Module):
+  def __init__(self, width: int, heads: int, dropout: float, rngs: nnx.Rngs):
+    self.norm1 = nnx.LayerNorm(width, rngs=rngs)  # fp32 by jmp_lab's default
+    # Flax's default attention_fn gets jmp_lab's fp32 softmax under a policy.
+    self.attn = nnx.MultiHeadAttention(heads, width, dropout_rate=dropout,
+                                       deterministic=False, decode=False,
+                                       rngs=rngs)
+    self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+    self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.down = nnx.Linear(4 * width, width, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+  def __call__(self, x, mask):
+    h = self.norm1(x)
+    x = x + self.attn(h, mask=mask)
+    h = self.down(nnx.gelu(self.up(self.norm2(x))))
+    return x + self.dropout(h)
+
+
+class CharTransformer(nnx.Module):
+  def __init__(self, *, vocab: int = 256, width: int = 128, depth: int = 2,
+               heads: int = 4, max_len: int = 128, dropout: float = 0.1,
+               rngs: nnx.Rngs):
+    self.tokens = nnx.Embed(vocab, width, rngs=rngs)
+    self.positions = nnx.Embed(max_len, width, rngs=rngs)
+    self.blocks = nnx.List([Block(width, heads, dropout, rngs)
+                            for _ in range(depth)])
+    self.norm = nnx.LayerNorm(width, rngs=rngs)
+    self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[1]))
+    mask = nnx.make_causal_mask(tokens)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.norm(x))
+
+
+def loss_fn(model, batch):
+  logits = model(batch[:, :-1])
+  return jmp_lab.nnx.softmax_cross_entropy_with_integer_labels(
+      logits, batch[:, 1:]).mean()
+
+
+@nnx.jit
+def valid_loss_of(model, batch):
+  model = nnx.view(model, deterministic=True)
+  return loss_fn(model, batch)
+
+
+def sample(model, prompt: bytes, length: int, max_len: int, key) -> bytes:
+  """Generates ``length`` bytes after ``prompt`` (temperature 0.8)."""
+  model = nnx.view(model, deterministic=True)
+  tokens = list(prompt)
+
+  @nnx.jit
+  def next_token(model, context, last, key):
+    logits = model(context)[0, last]
+    return jax.random.categorical(key, logits.astype(jnp.float32) / 0.8)
+
+  for i in range(length):
+    window = tokens[-max_len:]
+    context = np.zeros((1, max_len), np.int32)
+    context[0, :len(window)] = window
+    tokens.append(int(next_token(model, jnp.asarray(context), len(window) - 1,
+                                 jax.random.fold_in(key, i))))
+  return bytes(tokens[len(prompt):])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--data", default=None,
+                      help="a text file (default: the stdlib's own sources)")
+  parser.add_argument("--policy", default="mixed_bfloat16",
+                      help="a preset (float32, mixed_bfloat16, mixed_float16) "
+                           "or a spec such as p=bf16,c=bf16,o=f32")
+  parser.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"])
+  parser.add_argument("--fused", action="store_true", help="use jmp_lab.fused_adamw")
+  parser.add_argument("--clip", type=float, default=1.0, help="global-norm clip")
+  parser.add_argument("--master", default="float32",
+                      choices=["float32", "remainder", "none"])
+  parser.add_argument("--rounding", default="nearest",
+                      choices=["nearest", "stochastic"])
+  parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"])
+  parser.add_argument("--nu-dtype", default=None, choices=["bfloat16"])
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument("--seq-len", type=int, default=128)
+  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out",
+                                                         "char_nnx_ckpt"))
+  parser.add_argument("--ckpt-every", type=int, default=100)
+  parser.add_argument("--resume", action="store_true",
+                      help="continue from the latest checkpoint in --ckpt-dir")
+  parser.add_argument("--sample-len", type=int, default=300)
+  parser.add_argument("--no-progress", action="store_true")
+  args = parser.parse_args(argv)
+
+  policy = jmp_lab.get_policy(args.policy)
+  tokens = load_tokens(args.data)
+  split = int(0.95 * len(tokens))
+  train_tokens, valid_tokens = tokens[:split], tokens[split:]
+  # The two lines that make an NNX loop mixed precision:
+  model = jmp_lab.nnx.with_policy(
+      CharTransformer(max_len=args.seq_len, rngs=nnx.Rngs(0, dropout=1)), policy)
+  optimizer = jmp_lab.nnx.Optimizer(model, make_optimizer(args, policy),
+                                    wrt=nnx.Param)
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(
+      nnx.state(model, nnx.Param)))
+  print(f"{len(tokens):,} bytes of text; {n_params:,} params; policy {policy}; "
+        f"optimizer {'fused_adamw' if args.fused else 'mixed_precision(adamw)'}"
+        f", master {args.master} (Flax NNX)")
+
+  ckpt_dir = os.path.abspath(args.ckpt_dir)
+  manager = ocp.CheckpointManager(
+      ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+  config = {"policy": str(policy), "fused": args.fused, "seq_len": args.seq_len,
+            "loss_scale": args.loss_scale, "master": args.master,
+            "rounding": args.rounding, "mu_dtype": args.mu_dtype,
+            "nu_dtype": args.nu_dtype}
+  config_path = os.path.join(ckpt_dir, "run_config.json")
+  start_step = 0
+  if args.resume and manager.latest_step() is not None:
+    saved = config
+    if os.path.exists(config_path):
+      with open(config_path) as f:
+        saved = json.load(f)
+    if saved != config:
+      raise ValueError(
+          f"--resume: the checkpoints in {args.ckpt_dir} were written with "
+          f"{saved}, but this run uses {config}; resume with the same options "
+          f"or use another --ckpt-dir")
+    start_step = manager.latest_step()
+    restored = manager.restore(start_step, args=ocp.args.StandardRestore(
+        nnx.state((model, optimizer))))
+    nnx.update((model, optimizer), restored)
+    print(f"resumed from step {start_step} (loss scale "
+          f"{float(optimizer.loss_scale.loss_scale):g}, "
+          f"{int(optimizer.skipped_steps)} skipped so far)")
+  with open(config_path, "w") as f:
+    json.dump(config, f)
+
+  step_fn = jmp_lab.nnx.make_train_step(loss_fn)
+  window = args.seq_len + 1
+  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
+  valid = jnp.asarray(np.stack([valid_tokens[s:s + window] for s in starts]))
+  rng = np.random.default_rng(start_step)  # the linen example's batches
+  train_losses = []
+  bar = tqdm(range(start_step, start_step + args.steps), disable=args.no_progress)
+  metrics, timed_from, timed_steps = None, None, 0
+  for step in bar:
+    starts = rng.integers(0, len(train_tokens) - window, args.batch_size)
+    batch = jnp.asarray(np.stack([train_tokens[s:s + window] for s in starts]))
+    metrics = step_fn(model, optimizer, batch)
+    train_losses.append(metrics["loss"])  # a device array: no sync
+    if timed_from is None:  # exclude compilation from tokens/s
+      jax.block_until_ready(metrics)
+      timed_from = time.perf_counter()
+    else:
+      timed_steps += 1
+    if (step + 1) % 20 == 0:
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
+                      scale=f"{float(metrics['loss_scale']):g}")
+    if (step + 1) % args.ckpt_every == 0:
+      manager.save(step + 1, args=ocp.args.StandardSave(
+          nnx.state((model, optimizer))))
+  jax.block_until_ready(metrics)
+  seconds = time.perf_counter() - timed_from
+  final_step = start_step + args.steps
+  if manager.latest_step() != final_step:
+    manager.save(final_step, args=ocp.args.StandardSave(
+        nnx.state((model, optimizer))), force=True)
+  manager.wait_until_finished()
+
+  valid_loss = float(valid_loss_of(model, valid))
+  tokens_per_s = timed_steps * args.batch_size * args.seq_len / max(seconds, 1e-9)
+  print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
+        f"{valid_loss:.3f} nats/char, loss scale "
+        f"{float(optimizer.loss_scale.loss_scale):g}, skipped "
+        f"{int(optimizer.skipped_steps)}, {tokens_per_s:,.0f} tokens/s")
+  text = sample(model, b"def ", args.sample_len, args.seq_len, jax.random.key(7))
+  print("--- sample ---")
+  print("def " + text.decode("utf-8", errors="replace"))
+  return {"step": final_step, "valid_loss": valid_loss,
+          "tokens_per_s": tokens_per_s, "model": model, "optimizer": optimizer,
+          "train_losses": np.asarray(jax.device_get(train_losses), np.float64)}
+
+
+if __name__ == "__main__":
+  main()
