@@ -122,7 +122,8 @@ CONFIGS = [
 
 
 def loss_fn(params, state, batch):
-  logits = state.apply_fn({"params": params}, batch[:, :-1])
+  # model_state holds the fp8 scaling state under an fp8 policy (else {}).
+  logits = state.apply_fn({"params": params, **state.model_state}, batch[:, :-1])
   loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
   return loss
 
@@ -158,13 +159,23 @@ REDUCE_CONFIGS = [
     Config("bf16-r32", "mixed_bfloat16,reduce=float32", "none"),
     Config("bf16-o2-r32", "p=bf16,c=bf16,o=f32,reduce=float32", "none"),
 ]
-ALL_CONFIGS = CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS + REDUCE_CONFIGS
+# fp8 matmuls (issue 16): the Dense layers as fp8 GEMMs, delayed or current
+# scaling; attention's own two matmuls stay bf16.
+FP8_CONFIGS = [
+    Config("bf16-fp8", "mixed_fp8", "none"),
+    Config("bf16-fp8-current", "mixed_bfloat16,matmul=fp8_current", "none"),
+]
+ALL_CONFIGS = (CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS + REDUCE_CONFIGS
+               + FP8_CONFIGS)
 
 
 def make_state(config: Config, size: ModelSize):
   policy = jmp_lab.get_policy(config.policy)
   model = jl.with_policy(GPT(size), policy)
-  params = model.init(jax.random.key(0), jnp.zeros((1, size.seq_len), jnp.int32))["params"]
+  variables = model.init(jax.random.key(0),
+                         jnp.zeros((1, size.seq_len), jnp.int32))
+  params = variables["params"]
+  model_state = {k: v for k, v in variables.items() if k != "params"}
   loss_scale = (jmp_lab.DynamicLossScale() if config.loss_scale == "dynamic"
                 else jmp_lab.NoOpLossScale())
   if config.fused:
@@ -180,7 +191,8 @@ def make_state(config: Config, size: ModelSize):
         policy=policy, loss_scale=loss_scale, master=config.master,
         rounding=config.rounding)
   return jmp_lab.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
-                                   policy=policy, flat_params=config.flat)
+                                   policy=policy, flat_params=config.flat,
+                                   model_state=model_state)
 
 
 def compiled_step_report(config: Config, size: ModelSize, target: str,

@@ -4,7 +4,8 @@ The default data is text every machine has: the Python standard library's own
 sources (``--data FILE`` trains on any text file instead). Nothing is
 downloaded. The example shows:
 
-* bf16 and fp16 policies, with LayerNorm and the attention softmax in fp32;
+* bf16, fp16 and fp8 (``mixed_fp8``) policies, with LayerNorm and the
+  attention softmax in fp32;
 * gradient clipping on *unscaled* gradients (``--clip``);
 * the fused optimizer (``--fused``), or ``mixed_precision(optax.chain(...))``;
 * memory-lean masters (``--master remainder|none``, ``--rounding``,
@@ -15,6 +16,7 @@ downloaded. The example shows:
 
   python examples/char_transformer.py --steps 300
   python examples/char_transformer.py --policy mixed_float16 --fused
+  python examples/char_transformer.py --policy mixed_fp8      # fp8 matmuls
   python examples/char_transformer.py --steps 100 --resume   # continues
 """
 
@@ -102,7 +104,9 @@ class CharTransformer(nn.Module):
 
 
 def loss_fn(params, state, batch):
-  logits = state.apply_fn({"params": params}, batch["tokens"][:, :-1],
+  # model_state holds the fp8 scaling state under an fp8 policy (else {}).
+  logits = state.apply_fn({"params": params, **state.model_state},
+                          batch["tokens"][:, :-1],
                           train=True, rngs={"dropout": batch["rng"]})
   loss = jl.softmax_cross_entropy_with_integer_labels(
       logits, batch["tokens"][:, 1:]).mean()
@@ -132,7 +136,7 @@ def make_optimizer(args, policy):
       rounding=args.rounding)
 
 
-def sample(model, params, prompt: bytes, length: int, max_len: int,
+def sample(model, variables, prompt: bytes, length: int, max_len: int,
            key) -> bytes:
   """Generates ``length`` bytes after ``prompt`` (temperature 0.8)."""
   tokens = list(prompt)
@@ -141,7 +145,7 @@ def sample(model, params, prompt: bytes, length: int, max_len: int,
   def next_token(context, last, key):
     # Causal attention: the logits at the last real position ignore the
     # padding after it, so one fixed-size context serves every step.
-    logits = model.apply({"params": params}, context)[0, last]
+    logits = model.apply(variables, context)[0, last]
     return jax.random.categorical(key, logits.astype(jnp.float32) / 0.8)
 
   for i in range(length):
@@ -195,9 +199,15 @@ def main(argv=None):
   split = int(0.95 * len(tokens))
   train_tokens, valid_tokens = tokens[:split], tokens[split:]
   model = jl.with_policy(CharTransformer(max_len=args.seq_len), policy)
-  params = model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
-  state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
-                                    tx=make_optimizer(args, policy), policy=policy)
+  variables = model.init(jax.random.key(0),
+                         jnp.zeros((1, args.seq_len), jnp.int32))
+  params = variables["params"]
+  # Under --policy mixed_fp8 the fp8 scaling state (a collection of its own,
+  # overwritten by every step, never seen by the optimizer) rides along.
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=params, tx=make_optimizer(args, policy),
+      policy=policy,
+      model_state={k: v for k, v in variables.items() if k != "params"})
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
   print(f"{len(tokens):,} bytes of text; {n_params:,} params; policy {policy}; "
         f"optimizer {'fused_adamw' if args.fused else 'mixed_precision(adamw)'}"
@@ -234,8 +244,9 @@ def main(argv=None):
   window = args.seq_len + 1  # inputs and the next token
   starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
   valid = np.stack([valid_tokens[s:s + window] for s in starts])
-  valid_loss_of = jax.jit(lambda params: jl.softmax_cross_entropy_with_integer_labels(
-      model.apply({"params": params}, valid[:, :-1]), valid[:, 1:]).mean())
+  valid_loss_of = jax.jit(lambda state: jl.softmax_cross_entropy_with_integer_labels(
+      model.apply({"params": state.params, **state.model_state}, valid[:, :-1]),
+      valid[:, 1:]).mean())
   train_losses, valid_curve = [], []
   rng = np.random.default_rng(start_step)  # a resumed run draws new batches
   bar = tqdm(range(start_step, start_step + args.steps), disable=args.no_progress)
@@ -247,7 +258,7 @@ def main(argv=None):
     state, metrics = step_fn(state, batch)
     train_losses.append(metrics["loss"])  # a device array: no sync
     if args.eval_every and (step + 1) % args.eval_every == 0:
-      valid_curve.append((step + 1, valid_loss_of(state.params)))
+      valid_curve.append((step + 1, valid_loss_of(state)))
     if timed_from is None:  # exclude compilation from tokens/s
       jax.block_until_ready(metrics)
       timed_from = time.perf_counter()
@@ -265,13 +276,13 @@ def main(argv=None):
     manager.save(final_step, args=ocp.args.StandardSave(state), force=True)
   manager.wait_until_finished()
 
-  valid_loss = float(valid_loss_of(state.params))
+  valid_loss = float(valid_loss_of(state))
   tokens_per_s = timed_steps * args.batch_size * args.seq_len / max(seconds, 1e-9)
   print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
         f"{valid_loss:.3f} nats/char, loss scale {float(state.loss_scale.loss_scale):g}, "
         f"skipped {int(state.skipped_steps)}, {tokens_per_s:,.0f} tokens/s")
-  text = sample(model, state.params, b"def ", args.sample_len, args.seq_len,
-                jax.random.key(7))
+  text = sample(model, {"params": state.params, **state.model_state}, b"def ",
+                args.sample_len, args.seq_len, jax.random.key(7))
   print("--- sample ---")
   print("def " + text.decode("utf-8", errors="replace"))
   return {"step": final_step, "valid_loss": valid_loss,

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lab import fp8
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.policy import (Policy, cast_floating, get_policy,
                             resolve_overrides)
@@ -113,6 +114,7 @@ class PolicyModule:
   policy: Policy
   class_overrides: tuple[tuple[type, Policy], ...]
   path_overrides: tuple[tuple[re.Pattern, Policy], ...]
+  fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH
   # Which module owns which param depends only on the shapes of what goes
   # in, so the abstract trace is memoized on them (see _module_policies).
   _traced: dict = dataclasses.field(default_factory=dict, compare=False,
@@ -237,10 +239,10 @@ class PolicyModule:
       else:
         output = self.policy.compute_dtype
       args, kwargs = cast_floating((args, kwargs), compute)
-      reduce_dtype = (override or self.policy).reduce_dtype
       depth[0] += 1
       try:
-        with _reduced_gradients(context.module, reduce_dtype):
+        with _matmul_override(context.module, override or self.policy,
+                              self.fp8_history_length):
           out = next_fun(*args, **kwargs)
       finally:
         depth[0] -= 1
@@ -252,36 +254,78 @@ class PolicyModule:
 _MAX_TRACED = 32
 
 
+class Fp8DotGeneral(nn.Module):
+  """A delayed-scaling fp8 ``dot_general`` (:func:`jmp_lab.fp8.dot_general`)
+  for ``nn.Dense``'s ``dot_general_cls``: its scales and amax histories are
+  variables in the ``_overwrite_with_gradient`` collection
+  (:data:`jmp_lab.fp8.COLLECTION`), which ``jmp_lab.train_step`` overwrites
+  with their gradients."""
+
+  history_length: int = fp8.AMAX_HISTORY_LENGTH
+
+  @nn.compact
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None):
+    meta = {name: self.variable(fp8.COLLECTION, name, lambda v=v: v).value
+            for name, v in fp8.init_meta(self.history_length).items()}
+    return fp8.dot_general(lhs, rhs, dimension_numbers, precision,
+                           preferred_element_type, meta=meta)
+
+
+_FP8_MODULES = (nn.Dense, nn.DenseGeneral)
+
+
+def _is_exactly(module: nn.Module, cls: type) -> bool:
+  return type(module) is cls or (isinstance(module, cls) and not isinstance(
+      module, _NOT_REDUCED_MODULES))
+
+
 @contextlib.contextmanager
+def _set_for_one_call(module: nn.Module, attribute: str, value: Any):
+  # Flax modules are frozen dataclasses built inside the user's code, so
+  # the attribute is set on the instance and restored afterwards.
+  object.__setattr__(module, attribute, value)
+  try:
+    yield
+  finally:
+    object.__setattr__(module, attribute, None)
+
+
+def _matmul_override(module: nn.Module, policy: Policy, history_length: int):
+  """For one call: a Dense/DenseGeneral's ``dot_general`` (or
+  ``dot_general_cls``) in fp8 under a ``matmul`` policy, or the reduce
+  dtype's under a ``reduce`` policy (fp8 wins: its weight gradient comes out
+  of the fp8 GEMM); a module that sets its own keeps it."""
+  if policy.matmul is not None and any(_is_exactly(module, cls)
+                                       for cls in _FP8_MODULES):
+    if module.dot_general is not None or module.dot_general_cls is not None:
+      return contextlib.nullcontext()
+    if policy.matmul == "fp8_current":
+      return _set_for_one_call(module, "dot_general", fp8.current_dot_general)
+    return _set_for_one_call(module, "dot_general_cls", functools.partial(
+        Fp8DotGeneral, history_length=history_length))
+  return _reduced_gradients(module, policy.reduce_dtype)
+
+
 def _reduced_gradients(module: nn.Module, reduce_dtype):
   """Gives a Dense/DenseGeneral/Conv the reduce dtype's ``dot_general`` or
-  ``conv_general_dilated`` for one call. Flax modules are frozen dataclasses
-  built inside the user's code, so the attribute is set on the instance and
-  restored afterwards; a module that sets its own keeps it."""
+  ``conv_general_dilated`` for one call."""
   if reduce_dtype is None:
-    yield
-    return
+    return contextlib.nullcontext()
   if isinstance(module, _NOT_REDUCED_MODULES):
     warnings.warn(
         f"policy reduce dtype {np.dtype(reduce_dtype).name} does not reach "
         f"{type(module).__name__} {'/'.join(module.path)!r}: its weight "
         f"gradient is summed across devices in the compute dtype (jmp_lab "
-        f"covers Dense, DenseGeneral, Conv and Embed)", stacklevel=4)
+        f"covers Dense, DenseGeneral, Conv and Embed)", stacklevel=5)
   for cls, attribute, cls_attribute, factory in _REDUCIBLE_MODULES:
-    if type(module) is cls or (isinstance(module, cls) and not isinstance(
-        module, _NOT_REDUCED_MODULES)):
+    if _is_exactly(module, cls):
       break
   else:
-    yield
-    return
+    return contextlib.nullcontext()
   if getattr(module, attribute) is not None or getattr(module, cls_attribute) is not None:
-    yield
-    return
-  object.__setattr__(module, attribute, factory(reduce_dtype))
-  try:
-    yield
-  finally:
-    object.__setattr__(module, attribute, None)
+    return contextlib.nullcontext()
+  return _set_for_one_call(module, attribute, factory(reduce_dtype))
 
 
 def _abstract_key(tree: Any) -> Optional[tuple]:
@@ -304,6 +348,7 @@ def with_policy(
     class_overrides: Optional[Mapping[type, PolicySpec]] = None,
     path_overrides: Optional[Mapping[str, PolicySpec]] = None,
     fp32_norms: bool = True,
+    fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
 ) -> PolicyModule:
   """Applies ``policy`` to a linen module.
 
@@ -318,6 +363,17 @@ def with_policy(
       (``"Block_0/Dense_1/kernel"``); these take precedence over classes.
     fp32_norms: compute LayerNorm, RMSNorm, BatchNorm and GroupNorm in fp32
       (see :func:`fp32_island`).
+    fp8_history_length: the amax history of delayed fp8 scaling
+      (``matmul="fp8"``).
+
+  With ``matmul="fp8"`` (``"mixed_fp8"``) or ``"fp8_current"`` in
+  ``policy``, Dense and DenseGeneral (so flax's attention projections too)
+  run their matmuls as fp8 GEMMs (:mod:`jmp_lab.fp8`); with delayed scaling
+  each gets an :class:`Fp8DotGeneral` whose state is in the
+  ``_overwrite_with_gradient`` collection: keep it in
+  ``TrainState.model_state`` and pass ``{"params": params,
+  **state.model_state}`` to ``apply``. A path or class override without
+  ``matmul`` keeps a module out of fp8 (e.g. ``{"head": "mixed_bfloat16"}``).
 
   With a ``reduce`` dtype in ``policy``, Dense and DenseGeneral compute their
   weight gradients in it and Embed reads its table in it (see the module
@@ -342,7 +398,10 @@ def with_policy(
     defaults[nn.Embed] = reduce_island(policy)
   classes, patterns = resolve_overrides(class_overrides, path_overrides,
                                         defaults)
-  return PolicyModule(module, policy, classes, patterns)
+  if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
+    raise ValueError(f"fp8_history_length must be a positive int, got "
+                     f"{fp8_history_length!r}")
+  return PolicyModule(module, policy, classes, patterns, fp8_history_length)
 
 
 # --------------------------------------------------------------------------

@@ -79,7 +79,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jmp_lab import _checks, _tree
+from jmp_lab import _checks, _tree, fp8
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.linen import (fp32_island, log_softmax, reduce_island, softmax,
@@ -150,13 +150,32 @@ def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
       is_leaf=_is_nnx_object)
 
 
+class Fp8Meta(nnx.Variable):
+  """The delayed fp8 scaling state of one Linear (:func:`jmp_lab.fp8.init_meta`):
+  overwritten with its gradient by :func:`train_step`, never seen by the
+  optimizer (``wrt=nnx.Param`` leaves it out)."""
+
+
 @functools.lru_cache(maxsize=None)
-def _policy_class(base: type, compute: np.dtype, output: np.dtype) -> type:
-  """``base`` whose ``__call__`` runs in ``compute`` and returns ``output``."""
+def _policy_class(base: type, compute: np.dtype, output: np.dtype,
+                  fp8_delayed: bool = False) -> type:
+  """``base`` whose ``__call__`` runs in ``compute`` and returns ``output``
+  (with ``fp8_delayed``, its matmul in fp8 scaled by its :class:`Fp8Meta`)."""
 
   def __call__(self, *args, **kwargs):
     args, kwargs = _cast_arrays((args, kwargs), compute)
-    return _cast_arrays(base.__call__(self, *args, **kwargs), output)
+    if not fp8_delayed:
+      return _cast_arrays(base.__call__(self, *args, **kwargs), output)
+    # The layer calls self.dot_general: for this call, the fp8 matmul that
+    # reads (and, differentiated, updates) this module's scaling state.
+    default = self.dot_general
+    object.__setattr__(self, "dot_general",
+                       fp8.delayed_dot_general(self.fp8_meta.get_value()))
+    try:
+      out = base.__call__(self, *args, **kwargs)
+    finally:
+      object.__setattr__(self, "dot_general", default)
+    return _cast_arrays(out, output)
 
   # A plain subclass, no slots or mixins: instances keep their layout, so
   # their class can be swapped in place.
@@ -196,6 +215,34 @@ def _give_reduce_dtype(module: nnx.Module, reduce_dtype) -> None:
       return
 
 
+_FP8_MODULES = (nnx.Linear, nnx.LinearGeneral)
+
+
+def _fp8_mode(module: nnx.Module, policy: Policy) -> Optional[str]:
+  """The module's fp8 matmul mode: the policy's for a Linear/LinearGeneral
+  that keeps lax.dot_general (or jmp_lab's current-scaling one), else None."""
+  if policy.matmul is None or _base_class(module) not in _FP8_MODULES:
+    return None
+  if module.dot_general not in (jax.lax.dot_general, fp8.current_dot_general):
+    return None
+  return policy.matmul
+
+
+def _set_fp8_state(module: nnx.Module, mode: Optional[str],
+                   history_length: int) -> None:
+  """Gives a Linear what its fp8 mode needs (and takes back what an earlier
+  policy gave it): the current-scaling matmul, or an :class:`Fp8Meta`."""
+  if module.dot_general is fp8.current_dot_general:
+    module.dot_general = jax.lax.dot_general
+  if mode == "fp8_current":
+    module.dot_general = fp8.current_dot_general
+  has_meta = isinstance(getattr(module, "fp8_meta", None), Fp8Meta)
+  if mode == "fp8" and not has_meta:
+    module.fp8_meta = Fp8Meta(fp8.init_meta(history_length))
+  elif mode != "fp8" and has_meta:
+    del module.fp8_meta
+
+
 def with_policy(
     model: nnx.Module,
     policy: PolicySpec,
@@ -203,6 +250,7 @@ def with_policy(
     class_overrides: Optional[Mapping[type, PolicySpec]] = None,
     path_overrides: Optional[Mapping[str, PolicySpec]] = None,
     fp32_norms: bool = True,
+    fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
 ) -> nnx.Module:
   """Applies ``policy`` to an NNX module graph, in place; returns ``model``.
 
@@ -217,6 +265,14 @@ def with_policy(
       (``"blocks/0/mlp/kernel"``); these take precedence over classes.
     fp32_norms: compute LayerNorm, RMSNorm, BatchNorm and GroupNorm in fp32
       (:func:`jmp_lab.linen.fp32_island`).
+    fp8_history_length: the amax history of delayed fp8 scaling.
+
+  With ``matmul="fp8"`` (``"mixed_fp8"``) in ``policy``, every Linear and
+  LinearGeneral (so the attention projections too) runs its matmul as an
+  fp8 GEMM (:mod:`jmp_lab.fp8`) and gets an ``fp8_meta``
+  (:class:`Fp8Meta`) variable with its scaling state; ``"fp8_current"``
+  needs no state. An override without ``matmul`` keeps a module in the
+  compute dtype.
 
   Calling it again on the same model replaces the policy.
 
@@ -231,6 +287,9 @@ def with_policy(
         f"{type(model).__name__}; for linen modules use "
         f"jmp_lab.linen.with_policy")
   policy = get_policy(policy)
+  if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
+    raise ValueError(f"fp8_history_length must be a positive int, got "
+                     f"{fp8_history_length!r}")
   defaults: dict[type, Policy] = {}
   if fp32_norms:
     defaults.update((cls, fp32_island(policy)) for cls in DEFAULT_FP32_MODULES)
@@ -267,7 +326,11 @@ def with_policy(
       output = policy.output_dtype
     else:
       output = policy.compute_dtype
-    module.__class__ = _policy_class(_base_class(module), compute, output)
+    fp8_mode = _fp8_mode(module, effective[path])
+    if _base_class(module) in _FP8_MODULES:
+      _set_fp8_state(module, fp8_mode, fp8_history_length)
+    module.__class__ = _policy_class(_base_class(module), compute, output,
+                                     fp8_mode == "fp8")
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention
@@ -510,13 +573,25 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   def forward(model):
     return _split_loss_output(loss_fn(model, batch))
 
-  (loss, metrics), scaled_grads = scaled_value_and_grad(
+  # The fp8 scaling state is differentiated too: its gradient is its new
+  # value (overwrite-with-gradient); it never reaches the optimizer.
+  (loss, metrics), grads = scaled_value_and_grad(
       forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
-      argnums=nnx.DiffState(0, optimizer.wrt))(model)
+      argnums=nnx.DiffState(0, nnx.Any(optimizer.wrt, Fp8Meta)))(model)
+  scaled_grads, new_fp8_meta = nnx.split_state(grads, optimizer.wrt, ...)
+  if new_fp8_meta:
+    scaled_grads = fp8.skip_unless_finite(scaled_grads, new_fp8_meta)
   optimizer.update(model, scaled_grads)
   applied = optimizer.last_step_applied
   after = nnx.as_pure(nnx.state(model, others))
   nnx.update(model, select_tree(applied, after, before))
+  if new_fp8_meta:  # kept on a skipped step, like everything else
+    # Leaf by leaf: the gradient state nests each Fp8Meta's dict value
+    # differently from nnx.state, in the same (sorted) order.
+    new_leaves, treedef = jax.tree_util.tree_flatten(new_fp8_meta)
+    old_leaves = jax.tree_util.tree_leaves(nnx.state(model, Fp8Meta))
+    nnx.update(model, treedef.unflatten(
+        select_tree(applied, new_leaves, old_leaves)))
   metrics.update(loss=loss, loss_scale=loss_scale.loss_scale,
                  grads_finite=applied, skipped_steps=optimizer.skipped_steps)
   return metrics
@@ -551,7 +626,7 @@ def split_train_step(loss_fn: LossFn, model: nnx.Module, optimizer: Optimizer
 
 
 __all__ = [
-    "DEFAULT_FP32_MODULES", "Optimizer", "PolicyParam", "dot_product_attention",
+    "DEFAULT_FP32_MODULES", "Fp8Meta", "Optimizer", "PolicyParam", "dot_product_attention",
     "log_softmax", "make_train_step", "policy_dtypes", "softmax",
     "softmax_cross_entropy_with_integer_labels", "split_train_step",
     "train_step", "with_policy",

@@ -32,9 +32,8 @@ from jmp_lab._tree import is_floating_array
 
 T = TypeVar("T")
 
-# The dtypes a policy may hold. fp8 is deliberately absent: fp8 training
-# needs per-tensor scaling of every matmul operand, which a three-dtype
-# policy cannot express.
+# The dtypes a policy may hold. fp8 is not one of them: an fp8 matmul needs a
+# scale per operand, so it is the ``matmul`` key (MATMUL_MODES), not a dtype.
 SUPPORTED_DTYPES = (
     np.dtype(jnp.float16),
     np.dtype(jnp.bfloat16),
@@ -63,7 +62,16 @@ _KEY_TO_FIELD = {
     "o": "output_dtype",
     "reduce": "reduce_dtype",
     "r": "reduce_dtype",
+    "matmul": "matmul",
+    "m": "matmul",
 }
+
+# How a policy's Dense/Linear matmuls run (the ``matmul`` key): in the
+# compute dtype (None), or as fp8 GEMMs with E4M3 inputs and kernels and E5M2
+# output gradients, scaled per tensor by delayed scaling (``"fp8"``: amax
+# history, as Transformer Engine's default) or current scaling
+# (``"fp8_current"``: the amax of the tensor itself). See jmp_lab.fp8.
+MATMUL_MODES = ("fp8", "fp8_current")
 
 DTypeLike = Union[str, np.dtype, type, Any]
 
@@ -169,15 +177,26 @@ class Policy:
       behaviour: a weight gradient comes out of its GEMM in the compute
       dtype and is summed across devices in it. Applied by
       :func:`jmp_lab.linen.with_policy` (see there for which modules).
+    matmul: None (matmuls in the compute dtype), ``"fp8"`` or
+      ``"fp8_current"``: Dense/Linear matmuls as fp8 GEMMs (E4M3 inputs and
+      kernels, E5M2 output gradients) with delayed or current per-tensor
+      scaling (:mod:`jmp_lab.fp8`).
   """
 
   param_dtype: np.dtype
   compute_dtype: np.dtype
   output_dtype: np.dtype
   reduce_dtype: Optional[np.dtype] = None
+  matmul: Optional[str] = None
 
   def __post_init__(self):
+    if self.matmul is not None and self.matmul not in MATMUL_MODES:
+      raise ValueError(
+          f"policy matmul {self.matmul!r} is not supported; accepted: "
+          f"{', '.join(MATMUL_MODES)} (or None: the compute dtype)")
     for field in dataclasses.fields(self):
+      if field.name == "matmul":
+        continue
       if field.name == "reduce_dtype" and self.reduce_dtype is None:
         continue
       value = _canonicalize_dtype(getattr(self, field.name), what=field.name)
@@ -216,6 +235,8 @@ class Policy:
     )
     if self.reduce_dtype is not None:
       text += f",reduce={_DTYPE_NAMES[self.reduce_dtype][0]}"
+    if self.matmul is not None:
+      text += f",matmul={self.matmul}"
     return text
 
 
@@ -223,6 +244,8 @@ PRESETS = {
     "float32": Policy(jnp.float32, jnp.float32, jnp.float32),
     "mixed_bfloat16": Policy(jnp.float32, jnp.bfloat16, jnp.float32),
     "mixed_float16": Policy(jnp.float32, jnp.float16, jnp.float32),
+    # bf16 compute with the Dense/Linear matmuls in fp8 (delayed scaling).
+    "mixed_fp8": Policy(jnp.float32, jnp.bfloat16, jnp.float32, matmul="fp8"),
 }
 
 
@@ -235,7 +258,9 @@ def get_policy(spec: Union[Policy, str]) -> Policy:
       name, which sets all three dtypes (``"bf16"``); or comma-separated
       ``key=dtype`` pairs with keys ``params``/``p``, ``compute``/``c``,
       ``output``/``o`` and ``reduce``/``r``, optionally after a preset
-      (``"mixed_bfloat16,reduce=float32"``). Unset keys follow jmp: params
+      (``"mixed_bfloat16,reduce=float32"``); and ``matmul``/``m`` with a
+      value of :data:`MATMUL_MODES` (``"mixed_bfloat16,matmul=fp8"``, which
+      is the ``"mixed_fp8"`` preset). Unset keys follow jmp: params
       defaults to float32, compute follows params, output follows compute,
       and reduce is unset (None: see :class:`Policy`). Dtype names are
       ``float32``/``f32``/``full``/``single``, ``bfloat16``/``bf16``,
@@ -305,13 +330,26 @@ def _parse_key_values(text: str, base: Optional[Policy] = None,
       raise ValueError(
           f"duplicate key {key!r} in policy {spec!r}: {field} is already set"
       )
+    if field == "matmul":
+      chosen[field] = _parse_matmul(value, spec)
+      continue
     chosen[field] = _parse_dtype(value, what=f"dtype for {key!r} in {spec!r}")
   if base is not None:
     return dataclasses.replace(base, **chosen)
   param = chosen.get("param_dtype", np.dtype(jnp.float32))
   compute = chosen.get("compute_dtype", param)
   output = chosen.get("output_dtype", compute)
-  return Policy(param, compute, output, chosen.get("reduce_dtype"))
+  return Policy(param, compute, output, chosen.get("reduce_dtype"),
+                chosen.get("matmul"))
+
+
+def _parse_matmul(value: str, spec: str) -> str:
+  mode = value.strip().lower()
+  if mode not in MATMUL_MODES:
+    raise ValueError(
+        f"unknown matmul {value!r} in policy {spec!r}; accepted: "
+        f"{', '.join(MATMUL_MODES)}")
+  return mode
 
 
 def resolve_overrides(

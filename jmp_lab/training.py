@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lab import _checks, _tree, fused
+from jmp_lab import _checks, _tree, fp8, fused
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,
@@ -284,6 +284,13 @@ def _split_loss_output(out: Any, state: TrainState
   return loss, (model_state, dict(metrics))
 
 
+def _fp8_meta(model_state: Any) -> Any:
+  """The delayed fp8 scaling state in ``model_state``, or None."""
+  if isinstance(model_state, Mapping):
+    return model_state.get(fp8.COLLECTION)
+  return None
+
+
 def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
                ) -> tuple[TrainState, dict[str, Any]]:
   """One mixed-precision training step.
@@ -301,18 +308,37 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
   Returns:
     ``(new_state, metrics)``; metrics hold ``loss``, the ``loss_scale`` used,
     ``grads_finite``, ``skipped_steps`` and the loss_fn's own metrics.
+
+  Under an fp8 policy (:mod:`jmp_lab.fp8`) ``state.model_state`` holds the
+  ``_overwrite_with_gradient`` collection: the step replaces it with its
+  gradient (the updated scales and amax histories), and keeps it on a
+  skipped step.
   """
   # 1-3. Forward in the compute dtype, backward through the scaled loss.
+  # The fp8 scaling state (jmp_lab.fp8) is differentiated too: its gradient
+  # is its new value (overwrite-with-gradient); it never reaches tx.
   loss_scale = state.loss_scale
-  def normalized(params, state, batch):
+  fp8_meta = _fp8_meta(state.model_state)
+
+  def normalized(params, fp8_meta, state, batch):
+    if fp8_meta is not None:
+      state = state.replace(model_state={**state.model_state,
+                                         fp8.COLLECTION: fp8_meta})
     if state.flat:  # the loss reads a tree view; the gradient arrives flat
       params = fused.unflatten_params(state.opt_state, params)
     return _split_loss_output(loss_fn(params, state, batch), state)
 
-  (loss, (model_state, metrics)), scaled_grads = scaled_value_and_grad(
-      normalized, loss_scale, has_aux=True)(state.params, state, batch)
+  (loss, (model_state, metrics)), (scaled_grads, new_fp8_meta) = (
+      scaled_value_and_grad(normalized, loss_scale, has_aux=True,
+                            argnums=(0, 1))(state.params, fp8_meta, state,
+                                            batch))
+  if fp8_meta is not None:
+    model_state = {**state.model_state, **model_state,
+                   fp8.COLLECTION: new_fp8_meta}
+    scaled_grads = fp8.skip_unless_finite(scaled_grads, new_fp8_meta)
 
   # 4-5. Unscale, check, update the fp32 master or skip; adjust the scale.
+  # On a skipped step the model state, fp8 scaling state included, is kept.
   new_state = state.apply_gradients(grads=scaled_grads,
                                     model_state=model_state)
 

@@ -42,6 +42,9 @@ class MatmulRecord:
   odd_dims: tuple[str, ...]       # which of M/N/K miss that multiple
   location: str
   times: int = 1                  # trip count of enclosing scans
+  # Both operands dequantized from fp8 just before (quantize-dequantize,
+  # jmp_lab.fp8): XLA:GPU runs such a matmul as an fp8 GEMM.
+  fp8: bool = False
 
   @property
   def half(self) -> bool:
@@ -87,13 +90,54 @@ def _user_location(eqn) -> str:
     return "?"
 
 
+# Ops a dequantized fp8 value passes through on its way to a matmul: the
+# dequantize itself (convert, multiply by the scale) and layout changes.
+_DEQUANTIZE_PATH = {"convert_element_type", "mul", "broadcast_in_dim",
+                    "reshape", "transpose", "copy", "copy_p"}
+
+
+def _inner_jaxpr(eqn):
+  """The jaxpr a call-like eqn (pjit, custom_vjp_call...) runs, if its
+  outputs are that jaxpr's outputs."""
+  for param in eqn.params.values():
+    inner = getattr(param, "jaxpr", param)
+    if hasattr(inner, "eqns") and len(inner.outvars) == len(eqn.outvars):
+      return inner
+  return None
+
+
+def _from_fp8(var, producers, depth=0) -> bool:
+  """Whether ``var`` is a value dequantized from an fp8 array."""
+  eqn = producers.get(var)
+  if eqn is None or depth > 12:
+    return False
+  name = eqn.primitive.name
+  if name == "convert_element_type" and np.dtype(
+      eqn.invars[0].aval.dtype) in _FP8_DTYPES:
+    return True
+  if name in _DEQUANTIZE_PATH:
+    return any(_from_fp8(v, producers, depth + 1) for v in eqn.invars
+               if type(v).__name__ != "Literal")
+  inner = _inner_jaxpr(eqn)
+  if inner is not None:
+    out = inner.outvars[eqn.outvars.index(var)]
+    return _from_fp8(out, _producers(inner), depth + 1)
+  return False
+
+
+def _producers(jaxpr) -> dict:
+  return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
 def _walk(jaxpr, times, records, casts):
+  producers = _producers(jaxpr)
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in ("dot_general", "conv_general_dilated"):
       dims, flops = (_dot_dims if name == "dot_general" else _conv_dims)(eqn)
       dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
-      multiple = 16 if all(d in _FP8_DTYPES for d in dtypes) else 8
+      fp8 = all(_from_fp8(v, producers) for v in eqn.invars[:2])
+      multiple = 16 if fp8 or all(d in _FP8_DTYPES for d in dtypes) else 8
       odd = tuple(k for k, v in dims.items() if v % multiple)
       accumulation = eqn.params.get("preferred_element_type") or np.result_type(
           *dtypes)
@@ -107,7 +151,8 @@ def _walk(jaxpr, times, records, casts):
           flops=flops * times,
           tensor_core_dims=not odd, odd_dims=odd,
           location=_user_location(eqn),
-          times=times))
+          times=times,
+          fp8=fp8))
     elif name == "convert_element_type":
       src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
       if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
@@ -130,6 +175,8 @@ class AuditReport:
     matmuls: every dot_general and convolution, as :class:`MatmulRecord`.
     total_flops: their FLOPs, scan trip counts included.
     half_flop_share: the share of those FLOPs with half or fp8 operands.
+    fp8_flop_share: the share run as fp8 GEMMs: both operands fp8, or
+      dequantized from fp8 just before (jmp_lab's fp8 policies).
     fp32_could_be_half: fp32 matmuls under a policy with a half compute dtype.
     off_tensor_core: matmuls whose M/N/K miss a multiple of 8 (16 for fp8).
     casts: float-to-float conversions by kind, in the jaxpr.
@@ -145,6 +192,12 @@ class AuditReport:
   casts: dict[str, int]
   hlo_converts: int
   policy: Optional[Policy] = None
+
+  @property
+  def fp8_flop_share(self) -> float:
+    fp8_flops = sum(r.flops for r in self.matmuls if r.fp8 or all(
+        np.dtype(d) in _FP8_DTYPES for d in r.operand_dtypes))
+    return fp8_flops / self.total_flops
 
   @property
   def num_casts(self) -> int:
@@ -212,13 +265,16 @@ def _audit_table(report: AuditReport) -> str:
     shapes = f"{list(r.lhs_shape)}x{list(r.rhs_shape)}->{list(r.out_shape)}"
     tc = "ok" if r.tensor_core_dims else "odd " + "".join(r.odd_dims)
     flag = "  <- fp32, could be half" if r in report.fp32_could_be_half else ""
+    flag += "  (fp8 GEMM)" if r.fp8 else ""
     lines.append(
         f"{r.kind:<11} {'/'.join(r.operand_dtypes):<18} {r.accumulation_dtype:<8} "
         f"{shapes:<40} {100 * r.flops / report.total_flops:6.2f}%  {tc:<8} "
         f"{r.location}{flag}")
   lines.append(
       f"half-precision share of matmul FLOPs: {100 * report.half_flop_share:.1f}%"
-      f"; fp32 matmuls the policy could run in half: "
+      + (f" (fp8: {100 * report.fp8_flop_share:.1f}%)"
+         if report.fp8_flop_share else "")
+      + f"; fp32 matmuls the policy could run in half: "
       f"{len(report.fp32_could_be_half)}; off tensor-core dims: "
       f"{len(report.off_tensor_core)}; float casts: {report.num_casts} "
       f"({report.hlo_converts} converts in the lowered module)"

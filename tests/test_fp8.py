@@ -1,0 +1,298 @@
+"""Tests for jmp_lab.fp8 and the fp8 policies (linen and NNX)."""
+
+import functools
+import pathlib
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from absl.testing import parameterized
+from flax import nnx
+
+import jmp_lab
+from jmp_lab import fp8
+from jmp_lab import linen as jl
+
+from conftest import tree_bits_equal
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+DIMS = (((1,), (0,)), ((), ()))
+
+
+# --- the scaling arithmetic, by hand --------------------------------------------
+
+def test_fp8_maxima_are_the_formats():
+  assert float(jnp.finfo(fp8.E4M3).max) == E4M3_MAX
+  assert float(jnp.finfo(fp8.E5M2).max) == E5M2_MAX
+
+
+def test_delayed_scaling_against_a_hand_computation():
+  """One step of delayed scaling, every number worked out by hand."""
+  meta = fp8.init_meta(history_length=4)
+  meta["input_amax_history"] = jnp.array([2.0, 0.0, 7.0, 0.0])
+  meta["kernel_amax_history"] = jnp.array([0.5, 0.0, 0.0, 0.0])
+  meta["output_grad_amax_history"] = jnp.array([3.0, 0.0, 0.0, 0.0])
+  x = jnp.array([[1.0, -3.5], [0.25, 6.0]], jnp.bfloat16)   # amax 6
+  w = jnp.array([[0.125, 0.5], [-0.25, 0.0625]], jnp.bfloat16)  # amax 0.5
+  g = jnp.array([[2.0, -1.0], [0.5, 4.0]], jnp.bfloat16)    # amax 4
+
+  def f(x, w, meta):
+    return jnp.sum(fp8.dot_general(x, w, DIMS, meta=meta).astype(jnp.float32)
+                   * g.astype(jnp.float32))
+
+  y = fp8.dot_general(x, w, DIMS, meta=meta)
+  dx, dw, new = jax.grad(f, argnums=(0, 1, 2))(x, w, meta)
+
+  # Delayed: each scale comes from the history *before* this step, as
+  # amax / fp8_max (Transformer Engine's scale is fp8_max / amax).
+  sx, sw, sg = 7.0 / E4M3_MAX, 0.5 / E4M3_MAX, 3.0 / E5M2_MAX
+  np.testing.assert_allclose(new["input_scale"], [sx], rtol=1e-6)
+  np.testing.assert_allclose(new["kernel_scale"], [sw], rtol=1e-6)
+  np.testing.assert_allclose(new["output_grad_scale"], [sg], rtol=1e-6)
+  # The history rolls one place (front to back) and this step's amax takes
+  # the front: [2, 0, 7, 0] -> [0, 7, 0, 2] -> [6, 7, 0, 2] (Flax's order).
+  np.testing.assert_array_equal(new["input_amax_history"], [6.0, 7.0, 0.0, 2.0])
+  np.testing.assert_array_equal(new["kernel_amax_history"], [0.5, 0.0, 0.0, 0.5])
+  np.testing.assert_array_equal(new["output_grad_amax_history"],
+                                [4.0, 0.0, 0.0, 3.0])
+
+  def qdq(a, scale, dtype, amax):
+    # quantize: divide by the scale, clip to the format, round to it.
+    q = np.clip(np.asarray(a, np.float32) / scale, -amax, amax)
+    return np.asarray(jnp.asarray(q).astype(dtype).astype(jnp.float32)) * scale
+
+  xq = qdq(x, sx, fp8.E4M3, E4M3_MAX)
+  wq = qdq(w, sw, fp8.E4M3, E4M3_MAX)
+  gq = qdq(g, sg, fp8.E5M2, E5M2_MAX)
+  np.testing.assert_allclose(np.asarray(y, np.float32), xq @ wq, rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(dx, np.float32), gq @ wq.T, rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(dw, np.float32), xq.T @ gq, rtol=1e-2)
+  # 6.0 / (7/448) = 384 is exact in E4M3; -3.5 / (7/448) = -224 too.
+  np.testing.assert_allclose(xq[0, 1], -3.5, rtol=1e-6)
+  np.testing.assert_allclose(xq[1, 1], 6.0, rtol=1e-6)
+
+
+def test_an_empty_or_non_finite_history_keeps_the_old_scale():
+  old = jnp.array([0.25])
+  chex.assert_trees_all_close(
+      fp8.delayed_scale(jnp.zeros(4), old, fp8.E4M3), old)
+  chex.assert_trees_all_close(
+      fp8.delayed_scale(jnp.array([1.0, jnp.inf]), old, fp8.E4M3), old)
+  chex.assert_trees_all_close(
+      fp8.delayed_scale(jnp.array([1.0, 8.0]), old, fp8.E4M3),
+      jnp.array([8.0 / E4M3_MAX]))
+
+
+def test_current_scaling_against_a_hand_computation():
+  """Scales from each tensor's own amax, chosen so the scales are powers of
+  two: every quantized value below is worked out by hand."""
+  x = jnp.array([[1.0, -3.0], [0.3, 14.0]], jnp.bfloat16)  # amax 14: 14/448 = 2^-5
+  w = jnp.eye(2, dtype=jnp.bfloat16) * 0.5                 # amax 0.5
+  # x / 2^-5 = 32, -96, 9.6, 448; E4M3 has 3 mantissa bits, so 9.6 -> 10:
+  x_q = np.array([[1.0, -3.0], [10 / 32, 14.0]])
+  y = fp8.current_dot_general(x, w, DIMS)
+  np.testing.assert_allclose(np.asarray(y, np.float32), x_q * 0.5, rtol=1e-6)
+  # The output gradient in E5M2 with its own amax: 3.5 / 57344 = 2^-14;
+  # g / 2^-14 = 57344, 1638.4, -14336, 28672; E5M2 has 2 mantissa bits, so
+  # 1638.4 -> 1536 (between 1536 and 1792):
+  g = jnp.array([[3.5, 0.1], [-0.875, 1.75]], jnp.bfloat16)
+  g_q = np.array([[3.5, 1536 / 16384], [-0.875, 1.75]])
+  dx = jax.grad(lambda x: jnp.sum(fp8.current_dot_general(x, w, DIMS).astype(
+      jnp.float32) * g.astype(jnp.float32)))(x)
+  np.testing.assert_allclose(np.asarray(dx, np.float32), g_q * 0.5, rtol=1e-6)
+
+
+def test_bad_meta_and_history_length():
+  with pytest.raises(ValueError, match="history_length must be a positive int"):
+    fp8.init_meta(0)
+  with pytest.raises(TypeError, match="fp8 meta must be the dict"):
+    fp8.dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DIMS, meta={"a": 1})
+  with pytest.raises(ValueError, match="fp8_history_length"):
+    jl.with_policy(nn.Dense(2), "mixed_fp8", fp8_history_length=-1)
+
+
+# --- linen ------------------------------------------------------------------------
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.LayerNorm()(nn.relu(nn.Dense(32)(x)))
+    return nn.Dense(10, name="head")(x)
+
+
+X = jax.random.normal(jax.random.key(0), (16, 16))
+Y = jnp.arange(16) % 10
+
+
+def linen_state(spec, loss_scale=None, **kwargs):
+  model = jl.with_policy(MLP(), spec, fp8_history_length=8, **kwargs)
+  variables = model.init(jax.random.key(1), X)
+  return jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=variables["params"], policy=spec,
+      model_state={k: v for k, v in variables.items() if k != "params"},
+      tx=jmp_lab.mixed_precision(optax.adam(1e-2), policy=spec,
+                                 loss_scale=loss_scale or jmp_lab.NoOpLossScale()))
+
+
+def linen_loss(params, state, batch):
+  logits = state.apply_fn({"params": params, **state.model_state}, batch[0])
+  return jl.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+
+def test_linen_dense_matmuls_are_fp8_and_an_override_keeps_the_head_out():
+  step = functools.partial(jmp_lab.train_step, loss_fn=linen_loss)
+  state = linen_state("mixed_fp8")
+  report = jmp_lab.diagnostics.audit_step(step, state, (X, Y), policy="mixed_fp8")
+  assert report.fp8_flop_share == 1.0 and len(report.matmuls) == 6
+  state = linen_state("mixed_fp8", path_overrides={"^head$": "mixed_bfloat16"})
+  report = jmp_lab.diagnostics.audit_step(step, state, (X, Y))
+  assert 0.0 < report.fp8_flop_share < 1.0
+  assert not any(r.fp8 for r in report.matmuls if 10 in r.out_shape
+                 or 10 in r.lhs_shape)
+  assert jmp_lab.diagnostics.audit_step(
+      step, linen_state("mixed_bfloat16"), (X, Y)).fp8_flop_share == 0.0
+
+
+class LinenFp8StepTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters("mixed_fp8", "mixed_bfloat16,matmul=fp8_current")
+  def test_step_trains_and_the_meta_never_reaches_the_optimizer(self, spec):
+    state = linen_state(spec)
+    step = self.variant(functools.partial(jmp_lab.train_step, loss_fn=linen_loss))
+    losses = []
+    for _ in range(5):
+      state, metrics = step(state, (X, Y))
+      losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    # The optimizer state holds params-shaped trees only: no fp8 meta.
+    opt_leaves = {x.shape for x in jax.tree_util.tree_leaves(state.opt_state)}
+    assert (8,) not in opt_leaves
+    if spec == "mixed_fp8":
+      meta = state.model_state[fp8.COLLECTION]["Dense_0"]["Fp8DotGeneral_0"]
+      # five steps' amaxes of the input went into the history
+      assert int(jnp.sum(meta["input_amax_history"] > 0)) == 5
+      np.testing.assert_allclose(
+          meta["input_amax_history"][0], jnp.max(jnp.abs(X)), rtol=1e-2)
+      assert float(meta["kernel_scale"][0]) != 1.0
+    else:
+      assert state.model_state == {}
+
+  def test_skipped_step_keeps_the_fp8_state(self):
+    state = linen_state("mixed_fp8", jmp_lab.DynamicLossScale(2.0**8))
+    step = jax.jit(functools.partial(jmp_lab.train_step, loss_fn=linen_loss))
+    state, _ = step(state, (X, Y))
+    poisoned = (X.at[0, 0].set(jnp.inf), Y)
+    new_state, metrics = step(state, poisoned)
+    assert not bool(metrics["grads_finite"])
+    tree_bits_equal(new_state.model_state, state.model_state)
+    tree_bits_equal(new_state.params, state.params)
+    assert float(new_state.loss_scale.loss_scale) == 2.0**7
+
+
+def test_linen_fp8_state_survives_orbax(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  state = linen_state("mixed_fp8")
+  step = jax.jit(functools.partial(jmp_lab.train_step, loss_fn=linen_loss))
+  for _ in range(3):
+    state, _ = step(state, (X, Y))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt", linen_state("mixed_fp8"))
+  tree_bits_equal(restored.model_state, state.model_state)
+  a, _ = step(state, (X, Y))
+  b, _ = step(restored, (X, Y))
+  tree_bits_equal((a.params, a.model_state), (b.params, b.model_state))
+
+
+# --- NNX ---------------------------------------------------------------------------
+
+class NnxMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.norm = nnx.LayerNorm(32, rngs=rngs)
+    self.head = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.norm(nnx.relu(self.up(x))))
+
+
+def nnx_loss(model, batch):
+  return jmp_lab.nnx.softmax_cross_entropy_with_integer_labels(
+      model(batch[0]), batch[1]).mean()
+
+
+def nnx_setup(spec, loss_scale=None):
+  model = jmp_lab.nnx.with_policy(NnxMLP(nnx.Rngs(1)), spec, fp8_history_length=8)
+  optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(
+      optax.adam(1e-2), policy=spec,
+      loss_scale=loss_scale or jmp_lab.NoOpLossScale()), wrt=nnx.Param)
+  return model, optimizer
+
+
+def test_nnx_linears_are_fp8_and_the_meta_is_overwritten_not_optimized():
+  model, optimizer = nnx_setup("mixed_fp8")
+  assert isinstance(model.up.fp8_meta, jmp_lab.nnx.Fp8Meta)
+  step, state = jmp_lab.nnx.split_train_step(nnx_loss, model, optimizer)
+  assert jmp_lab.diagnostics.audit_step(step, state, (X, Y)).fp8_flop_share == 1.0
+  train = jmp_lab.nnx.make_train_step(nnx_loss)
+  losses = [float(train(model, optimizer, (X, Y))["loss"]) for _ in range(5)]
+  assert losses[-1] < losses[0]
+  history = model.up.fp8_meta.get_value()["input_amax_history"]
+  assert int(jnp.sum(history > 0)) == 5
+  assert (8,) not in {x.shape for x in jax.tree_util.tree_leaves(
+      nnx.as_pure(optimizer.opt_state))}
+  # applied again without fp8, the state goes away
+  jmp_lab.nnx.with_policy(model, "mixed_bfloat16")
+  assert not hasattr(model.up, "fp8_meta")
+
+
+def test_nnx_skipped_step_keeps_the_fp8_state_and_orbax_restores_it(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  model, optimizer = nnx_setup("mixed_fp8", jmp_lab.DynamicLossScale(2.0**8))
+  train = jmp_lab.nnx.make_train_step(nnx_loss, donate=False)
+  train(model, optimizer, (X, Y))
+  before = nnx.as_pure(nnx.state(model))
+  metrics = train(model, optimizer, (X.at[0, 0].set(jnp.nan), Y))
+  assert not bool(metrics["grads_finite"])
+  tree_bits_equal(nnx.as_pure(nnx.state(model)), before)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", nnx.state((model, optimizer)))
+    checkpointer.wait_until_finished()
+    fresh = nnx_setup("mixed_fp8", jmp_lab.DynamicLossScale(2.0**8))
+    restored = checkpointer.restore(tmp_path / "ckpt", nnx.state(fresh))
+  nnx.update(fresh, restored)
+  tree_bits_equal(nnx.as_pure(nnx.state(fresh[0], jmp_lab.nnx.Fp8Meta)),
+                  nnx.as_pure(nnx.state(model, jmp_lab.nnx.Fp8Meta)))
+  a = train(model, optimizer, (X, Y))
+  b = train(*fresh, (X, Y))
+  assert float(a["loss"]) == float(b["loss"])
+
+
+# --- compiled for an H100 ----------------------------------------------------------
+
+def test_gpt_dense_matmuls_compile_to_fp8_gemms_on_h100():
+  """Every Dense matmul of the (small) GPT step, forward and both gradients,
+  is an fp8 cuBLASLt GEMM; attention's own two matmuls stay bf16. The
+  GPT-2-small figures are in benchmarks/RESULTS.md."""
+  pytest.importorskip("jax_cuda12_plugin")
+  from benchmarks import train_step
+  size = train_step.SMALL
+  config = next(c for c in train_step.FP8_CONFIGS if c.name == "bf16-fp8")
+  report = train_step.compiled_step_report(config, size, "h100")
+  dense_weights = size.layers * 12 * size.width**2 + size.width * size.vocab
+  dense_flops = 6 * size.batch * size.seq_len * dense_weights
+  fp8_flops = sum(g.flops * g.times for g in report.gemms if g.math == "fp8")
+  assert fp8_flops == pytest.approx(dense_flops, rel=1e-3)
+  assert {g.operands for g in report.gemms if g.math == "fp8"} == {
+      "f8e4m3fn x f8e4m3fn -> bf16", "f8e5m2 x f8e4m3fn -> bf16",
+      "f8e4m3fn x f8e5m2 -> bf16"}
