@@ -183,6 +183,8 @@ def main(argv=None):
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--seq-len", type=int, default=128)
   parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--seed", type=int, default=0,
+                      help="init seed (dropout uses seed + 1)")
   parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out", "char_ckpt"))
   parser.add_argument("--ckpt-every", type=int, default=100)
   parser.add_argument("--resume", action="store_true",
@@ -199,7 +201,7 @@ def main(argv=None):
   split = int(0.95 * len(tokens))
   train_tokens, valid_tokens = tokens[:split], tokens[split:]
   model = jl.with_policy(CharTransformer(max_len=args.seq_len), policy)
-  variables = model.init(jax.random.key(0),
+  variables = model.init(jax.random.key(args.seed),
                          jnp.zeros((1, args.seq_len), jnp.int32))
   params = variables["params"]
   # Under --policy mixed_fp8 the fp8 scaling state (a collection of its own,
@@ -254,7 +256,7 @@ def main(argv=None):
   for step in bar:
     starts = rng.integers(0, len(train_tokens) - window, args.batch_size)
     batch = {"tokens": np.stack([train_tokens[s:s + window] for s in starts]),
-             "rng": jax.random.fold_in(jax.random.key(1), step)}
+             "rng": jax.random.fold_in(jax.random.key(args.seed + 1), step)}
     state, metrics = step_fn(state, batch)
     train_losses.append(metrics["loss"])  # a device array: no sync
     if args.eval_every and (step + 1) % args.eval_every == 0:

@@ -124,6 +124,8 @@ def main(argv=None):
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--seq-len", type=int, default=128)
   parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--seed", type=int, default=0,
+                      help="init seed (dropout uses seed + 1)")
   parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out",
                                                          "char_nnx_ckpt"))
   parser.add_argument("--ckpt-every", type=int, default=100)
@@ -139,7 +141,8 @@ def main(argv=None):
   train_tokens, valid_tokens = tokens[:split], tokens[split:]
   # The two lines that make an NNX loop mixed precision:
   model = jmp_lab.nnx.with_policy(
-      CharTransformer(max_len=args.seq_len, rngs=nnx.Rngs(0, dropout=1)), policy)
+      CharTransformer(max_len=args.seq_len,
+                      rngs=nnx.Rngs(args.seed, dropout=args.seed + 1)), policy)
   optimizer = jmp_lab.nnx.Optimizer(model, make_optimizer(args, policy),
                                     wrt=nnx.Param)
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(

@@ -198,6 +198,23 @@ class LinenFp8StepTest(chex.TestCase):
     assert float(new_state.loss_scale.loss_scale) == 2.0**7
 
 
+def test_fused_adamw_under_fp8_never_sees_the_scaling_state():
+  model = jl.with_policy(MLP(), "mixed_fp8", fp8_history_length=8)
+  variables = model.init(jax.random.key(1), X)
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=variables["params"], policy="mixed_fp8",
+      model_state={fp8.COLLECTION: variables[fp8.COLLECTION]},
+      tx=jmp_lab.fused_adamw(1e-2, policy="mixed_fp8", backend="reference",
+                             loss_scale=jmp_lab.NoOpLossScale()))
+  step = jax.jit(functools.partial(jmp_lab.train_step, loss_fn=linen_loss))
+  first, _ = step(state, (X, Y))
+  second, metrics = step(first, (X, Y))
+  assert int(second.step) == 2 and bool(metrics["grads_finite"])
+  chex.assert_trees_all_equal_structs(first.opt_state, state.opt_state)
+  assert not jax.tree_util.tree_all(jax.tree_util.tree_map(
+      lambda a, b: bool((a == b).all()), second.model_state, first.model_state))
+
+
 def test_linen_fp8_state_survives_orbax(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   state = linen_state("mixed_fp8")

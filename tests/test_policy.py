@@ -169,6 +169,25 @@ class PolicyParsingTest(chex.TestCase):
     assert jmp_lab.get_policy(str(policy)) == policy
     assert ("reduce=" in str(policy)) == (expected[3] is not None)
 
+  @parameterized.parameters(*[
+      ("mixed_fp8", (F32, BF16, F32, "fp8")),
+      ("mixed_bfloat16,matmul=fp8", (F32, BF16, F32, "fp8")),
+      ("c=bf16,o=f32,m=fp8_current", (F32, BF16, F32, "fp8_current")),
+      ("mixed_bfloat16,reduce=f32,matmul=FP8", (F32, BF16, F32, "fp8")),
+  ])
+  def test_matmul_key(self, spec, expected):
+    policy = jmp_lab.get_policy(spec)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype,
+            policy.matmul) == expected
+    assert jmp_lab.get_policy(str(policy)) == policy
+    assert jmp_lab.get_policy("mixed_bfloat16").matmul is None
+
+  def test_bad_matmul_mode(self):
+    with pytest.raises(ValueError, match="matmul 'fp4'.*fp8, fp8_current"):
+      jmp_lab.get_policy("mixed_bfloat16,matmul=fp4")
+    with pytest.raises(ValueError, match="matmul 'int8'.*accepted: fp8"):
+      jmp_lab.Policy(F32, BF16, F32, matmul="int8")
+
   @parameterized.product(name=list(jmp_lab.PRESETS))
   def test_preset_str_round_trips(self, name):
     policy = jmp_lab.get_policy(name)
