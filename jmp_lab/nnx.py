@@ -199,18 +199,26 @@ _REDUCIBLE_MODULES = (
 )
 
 
+_INSTALLED: set = set()  # the reduce-dtype functions with_policy gave out
+
+
 @functools.lru_cache(maxsize=None)
 def _reduced(factory: Callable[[Any], Callable], dtype: np.dtype) -> Callable:
   # One function object per dtype: it is a static attribute of the module,
   # part of the graph definition that nnx.jit caches compilations on.
-  return factory(dtype)
+  fn = factory(dtype)
+  _INSTALLED.add(fn)
+  return fn
 
 
-def _give_reduce_dtype(module: nnx.Module, reduce_dtype) -> None:
+def _set_reduce_dtype(module: nnx.Module, reduce_dtype) -> None:
+  """Gives a Linear/LinearGeneral/Conv the reduce dtype's matmul (or takes
+  back what an earlier policy gave it); a module's own function is kept."""
   for cls, attribute, default, factory in _REDUCIBLE_MODULES:
-    if type(module) is cls or _base_class(module) is cls:
-      current = getattr(module, attribute, None)
-      if current is default or getattr(current, "_jmp_lab_reduce", False):
+    if _base_class(module) is cls:
+      if getattr(module, attribute) in _INSTALLED:
+        setattr(module, attribute, default)
+      if reduce_dtype is not None and getattr(module, attribute) is default:
         setattr(module, attribute, _reduced(factory, np.dtype(reduce_dtype)))
       return
 
@@ -326,6 +334,7 @@ def with_policy(
       output = policy.output_dtype
     else:
       output = policy.compute_dtype
+    _set_reduce_dtype(module, None)  # what an earlier policy gave, back
     fp8_mode = _fp8_mode(module, effective[path])
     if _base_class(module) in _FP8_MODULES:
       _set_fp8_state(module, fp8_mode, fp8_history_length)
@@ -334,8 +343,8 @@ def with_policy(
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention
-    if effective[path].reduce_dtype is not None:
-      _give_reduce_dtype(module, effective[path].reduce_dtype)
+    if fp8_mode is None:  # fp8 wins: its weight gradient is the fp8 GEMM's
+      _set_reduce_dtype(module, effective[path].reduce_dtype)
 
   for path, variable in nnx.iter_graph(model):
     if not isinstance(variable, nnx.Param):

@@ -228,6 +228,11 @@ def test_reduce_dtype_reaches_linear_weight_gradients_and_the_embed_table():
              for _, operands, outputs in dots), dots
   grads = nnx.grad(lambda m: m(tokens).sum())(model)
   chex.assert_type(jax.tree_util.tree_leaves(grads), jnp.float32)
+  default = model.out.dot_general
+  jnnx.with_policy(model, "mixed_bfloat16")  # applied again: taken back
+  assert model.out.dot_general is jax.lax.dot_general is not default
+  jnnx.with_policy(model, "mixed_fp8")  # and fp8 may follow
+  assert isinstance(model.out.fp8_meta, jnnx.Fp8Meta)
 
 
 def test_bad_arguments():
