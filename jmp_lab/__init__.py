@@ -11,6 +11,8 @@ The public API lives here; each concept has its own module:
   loss-scale state inside an optax transformation;
 * :mod:`jmp_lab.fused` -- ``fused_adamw``: the same, as one Pallas kernel
   pass (:mod:`jmp_lab.kernels` holds the backends);
+* :mod:`jmp_lab.fp8` -- fp8 matmuls with per-tensor (delayed or current)
+  scaling, for policies with ``matmul=fp8``;
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
 * :mod:`jmp_lab.nnx` -- policies applied to Flax NNX module graphs, and the
   NNX optimizer and train step;
@@ -21,7 +23,7 @@ The public API lives here; each concept has its own module:
   ``from jmp_lab import jmp``.
 """
 
-from jmp_lab import diagnostics, kernels, linen, nnx, sharding
+from jmp_lab import diagnostics, fp8, kernels, linen, nnx, sharding
 from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
 from jmp_lab.loss_scale import (
     DynamicLossScale,
@@ -70,6 +72,7 @@ __all__ = [
     "cast_floating",
     "current_loss_scale",
     "diagnostics",
+    "fp8",
     "flat_params",
     "fused_adamw",
     "get_policy",

@@ -59,6 +59,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
+from jmp_lab.loss_scale import all_finite
+
 E4M3 = jnp.float8_e4m3fn  # inputs and kernels
 E5M2 = jnp.float8_e5m2    # output gradients
 AMAX_HISTORY_LENGTH = 1024
@@ -208,20 +210,26 @@ def value_and_new_meta(fun: Callable[[Fp8Meta], jax.Array], meta: Fp8Meta
 
 
 def skip_unless_finite(grads: Any, new_meta: Any) -> Any:
-  """``grads``, made NaN when a new scale or amax is not finite.
+  """``grads``, with a NaN in one leaf when a new scale or amax is not finite.
 
   fp8 quantization saturates: an inf activation is clipped to the format's
   maximum, so the gradients of a step that overflowed can be finite. Its
   amax, recorded in the history, would then pin that tensor's scale for the
   next ``history_length`` steps. The train steps therefore hand the
-  optimizer NaN gradients for such a step: it is skipped (and the loss scale
-  backs off) like any overflow, and the fp8 state is kept.
+  optimizer a NaN for such a step: it is skipped (and the loss scale backs
+  off) like any overflow, and the fp8 state is kept. One leaf is enough for
+  the optimizer's finite check, and touching one leaf keeps XLA's fusions of
+  the others as they are.
   """
-  finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x))
-                                for x in jax.tree_util.tree_leaves(new_meta)]))
-  return jax.tree_util.tree_map(
-      lambda g: jnp.where(finite, g, jnp.nan).astype(g.dtype)
-      if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
+  leaves, treedef = jax.tree_util.tree_flatten(grads)
+  floating = [i for i, g in enumerate(leaves)
+              if jnp.issubdtype(jnp.result_type(g), jnp.floating)]
+  if not floating:
+    return grads
+  smallest = min(floating, key=lambda i: jnp.size(leaves[i]))
+  poison = jnp.where(all_finite(new_meta), 0.0, jnp.nan)
+  leaves[smallest] = leaves[smallest] + poison.astype(leaves[smallest].dtype)
+  return treedef.unflatten(leaves)
 
 
 __all__ = ["AMAX_HISTORY_LENGTH", "COLLECTION", "E4M3", "E5M2", "Fp8Meta",
