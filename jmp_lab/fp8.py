@@ -47,7 +47,7 @@ Example::
   ...     lambda m: fp8.dot_general(x, w, (((1,), (0,)), ((), ())), meta=m).sum(), meta)
   >>> float(new_meta["input_amax_history"][0])   # this step's amax of x
   3.0
-  >>> float(new_meta["input_scale"]) == 1.0      # scaled from the (empty) history
+  >>> float(new_meta["input_scale"][0]) == 1.0   # scaled from the (empty) history
   True
 """
 

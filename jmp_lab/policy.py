@@ -279,7 +279,7 @@ def get_policy(spec: Union[Policy, str]) -> Policy:
 
     >>> get_policy("c=bf16")  # params f32, compute and output bf16
     Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), \
-output_dtype=dtype(bfloat16), reduce_dtype=None)
+output_dtype=dtype(bfloat16), reduce_dtype=None, matmul=None)
   """
   if isinstance(spec, Policy):
     return spec

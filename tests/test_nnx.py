@@ -1,7 +1,6 @@
 """Tests for jmp_lab.nnx: policies on NNX module graphs, the NNX optimizer
 and train step. They mirror the linen tests (test_linen, test_training)."""
 
-import functools
 
 import chex
 import jax

@@ -156,7 +156,8 @@ def test_sharded_fused_update_equals_the_single_device_update(spec, backend):
     return jax.grad(lambda p: loss_fn(p, model_state, batch).astype(
         jnp.float32) * scale)(params)
 
-  model_state = type("S", (), {"apply_fn": staticmethod(model.apply)})()
+  model_state = type("S", (), {"apply_fn": staticmethod(model.apply),
+                               "model_state": {}})()
   state_specs = jax.tree_util.tree_map(
       lambda s: s.spec, sharding.optimizer_state_shardings(
           jax.eval_shape(sharded.init, params), mesh))
@@ -220,7 +221,8 @@ def test_sharded_fused_update_compiles_for_8_h100s_as_one_kernel_per_device():
 
   def local(params, state, batch):
     grads = jax.grad(lambda p: train_step.loss_fn(
-        p, type("S", (), {"apply_fn": staticmethod(model.apply)})(), batch))(params)
+        p, type("S", (), {"apply_fn": staticmethod(model.apply),
+                          "model_state": {}})(), batch))(params)
     return tx.update.new_params(grads, state, params)
 
   step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")),
