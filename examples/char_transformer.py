@@ -158,13 +158,14 @@ def sample(model, variables, prompt: bytes, length: int, max_len: int,
   return bytes(tokens[len(prompt):])
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def make_parser(description: str, ckpt_dir: str) -> argparse.ArgumentParser:
+  """The options of this example, which the NNX one shares."""
+  parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--data", default=None,
                       help="a text file (default: the stdlib's own sources)")
   parser.add_argument("--policy", default="mixed_bfloat16",
-                      help="a preset (float32, mixed_bfloat16, mixed_float16) "
-                           "or a spec such as p=bf16,c=bf16,o=f32")
+                      help="a preset (float32, mixed_bfloat16, mixed_float16, "
+                           "mixed_fp8) or a spec such as p=bf16,c=bf16,o=f32")
   parser.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"])
   parser.add_argument("--fused", action="store_true", help="use jmp_lab.fused_adamw")
   parser.add_argument("--clip", type=float, default=1.0, help="global-norm clip")
@@ -185,15 +186,49 @@ def main(argv=None):
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--seed", type=int, default=0,
                       help="init seed (dropout uses seed + 1)")
-  parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out", "char_ckpt"))
+  parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out", ckpt_dir))
   parser.add_argument("--ckpt-every", type=int, default=100)
   parser.add_argument("--resume", action="store_true",
                       help="continue from the latest checkpoint in --ckpt-dir")
   parser.add_argument("--sample-len", type=int, default=300)
+  parser.add_argument("--no-progress", action="store_true")
+  return parser
+
+
+def checked_run_config(args, policy, resuming: bool) -> dict:
+  """The options a checkpoint depends on, written beside the checkpoints;
+  resuming with other options is refused by name."""
+  config = {"policy": str(policy), "fused": args.fused, "seq_len": args.seq_len,
+            "loss_scale": args.loss_scale, "master": args.master,
+            "rounding": args.rounding, "mu_dtype": args.mu_dtype,
+            "nu_dtype": args.nu_dtype}
+  path = os.path.join(os.path.abspath(args.ckpt_dir), "run_config.json")
+  if resuming and os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f)
+    if saved != config:
+      raise ValueError(
+          f"--resume: the checkpoints in {args.ckpt_dir} were written with "
+          f"{saved}, but this run uses {config}; resume with the same options "
+          f"or use another --ckpt-dir")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(config, f)
+  return config
+
+
+def validation_batch(valid_tokens: np.ndarray, seq_len: int) -> np.ndarray:
+  """16 fixed windows of the held-out text (inputs and next tokens)."""
+  window = seq_len + 1
+  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
+  return np.stack([valid_tokens[s:s + window] for s in starts])
+
+
+def main(argv=None):
+  parser = make_parser(__doc__.splitlines()[0], "char_ckpt")
   parser.add_argument("--eval-every", type=int, default=0,
                       help="also record the validation loss every N steps "
                            "(returned as valid_curve; 0: at the end only)")
-  parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
 
   policy = jmp_lab.get_policy(args.policy)
@@ -219,33 +254,18 @@ def main(argv=None):
       os.path.abspath(args.ckpt_dir),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
   start_step = 0
-  config = {"policy": str(policy), "fused": args.fused, "seq_len": args.seq_len,
-            "loss_scale": args.loss_scale, "master": args.master,
-            "rounding": args.rounding, "mu_dtype": args.mu_dtype,
-            "nu_dtype": args.nu_dtype}
-  config_path = os.path.join(os.path.abspath(args.ckpt_dir), "run_config.json")
-  if args.resume and manager.latest_step() is not None:
-    saved = config
-    if os.path.exists(config_path):
-      with open(config_path) as f:
-        saved = json.load(f)
-    if saved != config:
-      raise ValueError(
-          f"--resume: the checkpoints in {args.ckpt_dir} were written with "
-          f"{saved}, but this run uses {config}; resume with the same options "
-          f"or use another --ckpt-dir")
+  resuming = args.resume and manager.latest_step() is not None
+  checked_run_config(args, policy, resuming)
+  if resuming:
     start_step = manager.latest_step()
     state = manager.restore(start_step, args=ocp.args.StandardRestore(state))
     print(f"resumed from step {start_step} (loss scale "
           f"{float(state.loss_scale.loss_scale):g}, "
           f"{int(state.skipped_steps)} skipped so far)")
 
-  with open(config_path, "w") as f:
-    json.dump(config, f)
   step_fn = jmp_lab.make_train_step(loss_fn)
   window = args.seq_len + 1  # inputs and the next token
-  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
-  valid = np.stack([valid_tokens[s:s + window] for s in starts])
+  valid = validation_batch(valid_tokens, args.seq_len)
   valid_loss_of = jax.jit(lambda state: jl.softmax_cross_entropy_with_integer_labels(
       model.apply({"params": state.params, **state.model_state}, valid[:, :-1]),
       valid[:, 1:]).mean())

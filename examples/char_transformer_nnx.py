@@ -19,8 +19,6 @@ batch)``. Checkpoints are orbax saves of ``nnx.state((model, optimizer))``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 
@@ -32,7 +30,8 @@ from flax import nnx
 from tqdm import tqdm
 
 import jmp_lab
-from char_transformer import load_tokens, make_optimizer
+from char_transformer import (checked_run_config, load_tokens, make_optimizer,
+                              make_parser, validation_batch)
 
 
 class Block(nnx.Module):
@@ -105,34 +104,7 @@ def sample(model, prompt: bytes, length: int, max_len: int, key) -> bytes:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--data", default=None,
-                      help="a text file (default: the stdlib's own sources)")
-  parser.add_argument("--policy", default="mixed_bfloat16",
-                      help="a preset (float32, mixed_bfloat16, mixed_float16) "
-                           "or a spec such as p=bf16,c=bf16,o=f32")
-  parser.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"])
-  parser.add_argument("--fused", action="store_true", help="use jmp_lab.fused_adamw")
-  parser.add_argument("--clip", type=float, default=1.0, help="global-norm clip")
-  parser.add_argument("--master", default="float32",
-                      choices=["float32", "remainder", "none"])
-  parser.add_argument("--rounding", default="nearest",
-                      choices=["nearest", "stochastic"])
-  parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"])
-  parser.add_argument("--nu-dtype", default=None, choices=["bfloat16"])
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--seq-len", type=int, default=128)
-  parser.add_argument("--lr", type=float, default=3e-3)
-  parser.add_argument("--seed", type=int, default=0,
-                      help="init seed (dropout uses seed + 1)")
-  parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out",
-                                                         "char_nnx_ckpt"))
-  parser.add_argument("--ckpt-every", type=int, default=100)
-  parser.add_argument("--resume", action="store_true",
-                      help="continue from the latest checkpoint in --ckpt-dir")
-  parser.add_argument("--sample-len", type=int, default=300)
-  parser.add_argument("--no-progress", action="store_true")
+  parser = make_parser(__doc__.splitlines()[0], "char_nnx_ckpt")
   args = parser.parse_args(argv)
 
   policy = jmp_lab.get_policy(args.policy)
@@ -154,22 +126,10 @@ def main(argv=None):
   ckpt_dir = os.path.abspath(args.ckpt_dir)
   manager = ocp.CheckpointManager(
       ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-  config = {"policy": str(policy), "fused": args.fused, "seq_len": args.seq_len,
-            "loss_scale": args.loss_scale, "master": args.master,
-            "rounding": args.rounding, "mu_dtype": args.mu_dtype,
-            "nu_dtype": args.nu_dtype}
-  config_path = os.path.join(ckpt_dir, "run_config.json")
   start_step = 0
-  if args.resume and manager.latest_step() is not None:
-    saved = config
-    if os.path.exists(config_path):
-      with open(config_path) as f:
-        saved = json.load(f)
-    if saved != config:
-      raise ValueError(
-          f"--resume: the checkpoints in {args.ckpt_dir} were written with "
-          f"{saved}, but this run uses {config}; resume with the same options "
-          f"or use another --ckpt-dir")
+  resuming = args.resume and manager.latest_step() is not None
+  checked_run_config(args, policy, resuming)
+  if resuming:
     start_step = manager.latest_step()
     restored = manager.restore(start_step, args=ocp.args.StandardRestore(
         nnx.state((model, optimizer))))
@@ -177,13 +137,10 @@ def main(argv=None):
     print(f"resumed from step {start_step} (loss scale "
           f"{float(optimizer.loss_scale.loss_scale):g}, "
           f"{int(optimizer.skipped_steps)} skipped so far)")
-  with open(config_path, "w") as f:
-    json.dump(config, f)
 
   step_fn = jmp_lab.nnx.make_train_step(loss_fn)
   window = args.seq_len + 1
-  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
-  valid = jnp.asarray(np.stack([valid_tokens[s:s + window] for s in starts]))
+  valid = jnp.asarray(validation_batch(valid_tokens, args.seq_len))
   rng = np.random.default_rng(start_step)  # the linen example's batches
   train_losses = []
   bar = tqdm(range(start_step, start_step + args.steps), disable=args.no_progress)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,22 @@ def check_finite_in(value: Any, argument: str, *, low: float, high: float,
 # --------------------------------------------------------------------------
 # Params, gradients and the optimizer state that must match them.
 # --------------------------------------------------------------------------
+
+
+def check_loss(loss: Any, contract: str) -> None:
+  """A loss_fn's loss must be a floating scalar (``contract`` says what the
+  loss_fn must return)."""
+  if not (_tree.is_floating_value(loss) and jnp.ndim(loss) == 0):
+    raise TypeError(f"{contract}; got a loss of {_tree.leaf_description(loss)}")
+
+
+def checked_metrics(metrics: Any, contract: str) -> dict:
+  """A loss_fn's metrics as a dict (None: none)."""
+  if metrics is None:
+    return {}
+  if not isinstance(metrics, Mapping):
+    raise TypeError(f"{contract}; got metrics of type {type(metrics).__name__}")
+  return dict(metrics)
 
 
 def keeps_master_copy(policy: Policy) -> bool:

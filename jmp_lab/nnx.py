@@ -543,18 +543,11 @@ _LOSS_FN_CONTRACT = (
 
 
 def _split_loss_output(out: Any) -> tuple[Any, dict[str, Any]]:
-  loss, metrics = out if isinstance(out, tuple) else (out, {})
   if isinstance(out, tuple) and len(out) != 2:
     raise TypeError(f"{_LOSS_FN_CONTRACT}; got a tuple of {len(out)} items")
-  if not (_tree.is_floating_value(loss) and jnp.ndim(loss) == 0):
-    raise TypeError(f"{_LOSS_FN_CONTRACT}; got a loss of "
-                    f"{_tree.leaf_description(loss)}")
-  if metrics is None:
-    metrics = {}
-  if not isinstance(metrics, Mapping):
-    raise TypeError(f"{_LOSS_FN_CONTRACT}; got metrics of type "
-                    f"{type(metrics).__name__}")
-  return loss, dict(metrics)
+  loss, metrics = out if isinstance(out, tuple) else (out, None)
+  _checks.check_loss(loss, _LOSS_FN_CONTRACT)
+  return loss, _checks.checked_metrics(metrics, _LOSS_FN_CONTRACT)
 
 
 def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,

@@ -260,9 +260,7 @@ def _split_loss_output(out: Any, state: TrainState
     loss, aux = out
   else:
     loss, aux = out, None
-  if not (_tree.is_floating_value(loss) and jnp.ndim(loss) == 0):
-    raise TypeError(f"{_LOSS_FN_CONTRACT}; got a loss of "
-                    f"{_tree.leaf_description(loss)}")
+  _checks.check_loss(loss, _LOSS_FN_CONTRACT)
   if aux is None:
     model_state, metrics = state.model_state, {}
   elif isinstance(aux, Mapping):
@@ -276,12 +274,8 @@ def _split_loss_output(out: Any, state: TrainState
   else:
     raise TypeError(f"{_LOSS_FN_CONTRACT}; got aux of type "
                     f"{type(aux).__name__}")
-  if metrics is None:
-    metrics = {}
-  if not isinstance(metrics, Mapping):
-    raise TypeError(f"{_LOSS_FN_CONTRACT}; got metrics of type "
-                    f"{type(metrics).__name__}")
-  return loss, (model_state, dict(metrics))
+  return loss, (model_state, _checks.checked_metrics(metrics,
+                                                     _LOSS_FN_CONTRACT))
 
 
 def _fp8_meta(model_state: Any) -> Any:

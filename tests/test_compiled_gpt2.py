@@ -23,13 +23,19 @@ from benchmarks import train_step  # noqa: E402
 # --- GPT-2-small, every configuration of the benchmark ------------------------
 
 
+def gpt2_report(name: str, layers: int = 12):
+  """The GPT-2-small step of a benchmark config (or its first ``layers``
+  layers), compiled for an H100 once per test session (each compile of the
+  whole model takes 10-40 s)."""
+  return _compiled(name, layers)  # one cache key, however it is called
+
+
 @functools.lru_cache(maxsize=None)
-def gpt2_report(name: str):
-  """The GPT-2-small step of a benchmark config, compiled for an H100 once
-  per test session (each compile takes 10-40 s)."""
+def _compiled(name: str, layers: int):
   config = next(c for c in train_step.ALL_CONFIGS
                 if c.name == name)
-  return train_step.compiled_step_report(config, train_step.ModelSize(), "h100")
+  return train_step.compiled_step_report(
+      config, train_step.ModelSize(layers=layers), "h100")
 
 
 def kernel_expected(config) -> bool:
@@ -44,12 +50,20 @@ def kernel_expected(config) -> bool:
 GPT2_CONFIGS = [c for c in train_step.CONFIGS if c.name != "fp16+fused"]
 
 
+# The configs no other test compiles are checked on 2 of GPT-2-small's 12
+# layers (the same layers, so the same GEMMs): what they assert, the math of
+# every GEMM, does not depend on the depth, and CI time is short. The whole
+# model's figures for every config are in benchmarks/RESULTS.md.
+SHALLOW = {"fp32-highest": 2, "fp32-tf32": 2, "fp16": 2}
+
+
 @pytest.mark.parametrize("config", GPT2_CONFIGS, ids=lambda c: c.name)
 def test_gpt2_small_step_compiles_for_h100(config):
-  report = gpt2_report(config.name)
+  layers = SHALLOW.get(config.name, 12)
+  report = gpt2_report(config.name, layers)
   policy = jmp_lab.get_policy(config.policy)
   assert report.memory["temp"] > 0 and report.kernels > 100
-  assert len(report.gemms) >= 12 * 6  # every layer's projections, fwd and bwd
+  assert len(report.gemms) >= layers * 6  # every layer's projections, fwd and bwd
   if policy.compute_dtype.itemsize == 2:
     assert report.fp32_gemms == [], [g.operands for g in report.fp32_gemms]
     assert report.gemm_flop_share("16-bit") == 1.0

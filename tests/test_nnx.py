@@ -173,15 +173,16 @@ def test_applying_a_policy_again_replaces_it():
   assert jnnx.policy_dtypes(model) == (BF16, F32)
 
 
+class LM(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(11, 8, rngs=rngs)
+    self.out = nnx.Linear(8, 5, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.out(self.embed(tokens))
+
+
 def test_integer_inputs_pass_through_embed_and_the_graph_is_unchanged():
-  class LM(nnx.Module):
-    def __init__(self, rngs):
-      self.embed = nnx.Embed(11, 8, rngs=rngs)
-      self.out = nnx.Linear(8, 5, rngs=rngs)
-
-    def __call__(self, tokens):
-      return self.out(self.embed(tokens))
-
   plain = LM(nnx.Rngs(0))
   paths = [p for p, _ in nnx.to_flat_state(nnx.state(plain))]
   model = jnnx.with_policy(LM(nnx.Rngs(0)), "mixed_bfloat16")
@@ -209,14 +210,6 @@ def test_attention_softmax_is_fp32_and_matches_flax_in_fp32():
 
 
 def test_reduce_dtype_reaches_linear_weight_gradients_and_the_embed_table():
-  class LM(nnx.Module):
-    def __init__(self, rngs):
-      self.embed = nnx.Embed(11, 8, rngs=rngs)
-      self.out = nnx.Linear(8, 5, rngs=rngs)
-
-    def __call__(self, tokens):
-      return self.out(self.embed(tokens))
-
   model = jnnx.with_policy(LM(nnx.Rngs(0)), "mixed_bfloat16,reduce=float32")
   tokens = jnp.array([[1, 2, 3]])
   assert jnnx.policy_dtypes(model.embed) == (F32, BF16)  # table read in f32
