@@ -75,3 +75,28 @@ def scaled_grads(params, loss_scale, step, poison=False):
   return {"dense": {"kernel": leaf(params["dense"]["kernel"], 0.0),
                     "bias": leaf(params["dense"]["bias"], 1.0)},
           "step": leaf(params["step"], 0.0)}
+
+
+# ---------------------------------------------------------------------------
+# Test order for `-n 2 --dist loadfile --no-loadscope-reorder`: each worker
+# takes the next file when it is free, in this order, so the longest files
+# (compiles for the H100, subprocesses, examples) start first and the two
+# workers finish together (longest-first scheduling). Without it xdist
+# orders files by their number of tests, which put the 90-s, one-test
+# distributed file last. The rest keep their collection order.
+# ---------------------------------------------------------------------------
+
+LONGEST_FIRST = (
+    "test_compiled_gpt2.py", "test_docs_and_examples.py", "test_distributed.py",
+    "test_fused.py", "test_lean.py", "test_reduce.py", "test_compiled.py",
+    "test_sharding.py", "test_kernels.py", "test_nnx.py", "test_fp8.py",
+    "test_training.py", "test_benchmarks.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  def rank(item):
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(
+        LONGEST_FIRST)
+  items.sort(key=rank)  # stable: within a file, the collection order
