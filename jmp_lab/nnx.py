@@ -386,8 +386,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
 
   The two matmuls (and their gradients) run in the inputs' dtype; the mask,
   softmax and dropout are fp32, like linen's ``force_fp32_for_softmax``; the
-  weights are cast back for the second matmul. Flax's own computes the softmax in the input
-  dtype. :func:`with_policy` gives it to every ``nnx.MultiHeadAttention``
+  weights are cast back for the second matmul. Flax's own computes the
+  softmax in the input dtype. :func:`with_policy` gives it to every ``nnx.MultiHeadAttention``
   that uses Flax's default. ``promote_dtype`` is accepted and unused (the
   policy has cast the inputs).
   """
@@ -397,7 +397,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
         f"jmp_lab.nnx.dot_product_attention: query has {query.shape[-2]} "
         f"heads and key {key.shape[-2]}; grouped-query attention is not "
         f"supported")
-  dtype = np.dtype(dtype or query.dtype)
+  dtype = np.dtype(query.dtype if dtype is None else dtype)
   query, key, value = (x.astype(dtype) for x in (query, key, value))
   query = query / jnp.asarray(math.sqrt(query.shape[-1]), dtype)
   # The logits leave the matmul in its dtype (tensor cores accumulate in
