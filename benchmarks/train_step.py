@@ -87,8 +87,13 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     s = self.size
+    # Positions looked up per example, as Hugging Face's GPT-2 does: the
+    # position table's gradient is then a scatter-add over the batch in the
+    # embedding's dtype (the reduce dtype under a reduce policy), not a
+    # broadcast's transpose in the compute dtype.
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = nn.Embed(s.vocab, s.width)(tokens) + nn.Embed(s.seq_len, s.width)(
-        jnp.arange(tokens.shape[1]))
+        positions)
     mask = nn.make_causal_mask(tokens)
     for _ in range(s.layers):
       x = Block(s.heads)(x, mask)

@@ -57,7 +57,9 @@ import re
 import warnings
 from typing import Any, Mapping, Optional, Union
 
+import flax
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,8 +104,13 @@ _REDUCIBLE_MODULES = (
     (nn.Conv, "conv_general_dilated", "conv_general_dilated_cls",
      reduce_lib.conv_general_dilated),
 )
-# Modules whose weight gradient a reduce dtype does not reach yet.
-_NOT_REDUCED_MODULES = (nn.ConvTranspose, nn.ConvLocal, nn.Einsum)
+# Modules whose weight gradient a reduce dtype does not reach yet (their
+# biases it does).
+_NOT_REDUCED_MODULES = (nn.ConvTranspose, nn.ConvLocal)
+# Modules that add their bias broadcast over their output's leading axes
+# (nn.Einsum: over the axes its equation says).
+_BIAS_MODULES = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose,
+                 nn.ConvLocal, nn.Einsum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +164,7 @@ class PolicyModule:
 
   def init(self, rngs, *args, method=None, **kwargs) -> dict:
     """``module.init`` with the params cast to ``policy.param_dtype``."""
-    with nn.intercept_methods(self._interceptor()):
+    with nn.intercept_methods(self._interceptor({})):
       variables = self.module.init(rngs, *args, method=method, **kwargs)
     variables = dict(variables)
     if "params" in variables:
@@ -168,8 +175,9 @@ class PolicyModule:
             mutable=False, method=None, **kwargs) -> Any:
     """``module.apply`` under the policy; same arguments and results."""
     variables = dict(variables)
+    attached: dict[tuple, dict[str, jax.Array]] = {}
     if "params" in variables:
-      module_policies = self._module_policies(
+      module_policies, attach = self._module_policies(
           variables, args, kwargs, rngs=rngs, mutable=mutable, method=method)
       leaf_policies = self._param_policies(variables["params"],
                                            module_policies)
@@ -177,7 +185,8 @@ class PolicyModule:
           lambda x, policy: cast_floating(x, policy.compute_dtype),
           variables["params"], leaf_policies,
           is_leaf=lambda x: isinstance(x, Policy))
-    with nn.intercept_methods(self._interceptor()):
+      variables["params"] = _detach(variables["params"], attach, attached)
+    with nn.intercept_methods(self._interceptor(attached)):
       return self.module.apply(variables, *args, rngs=rngs, mutable=mutable,
                                method=method, **kwargs)
 
@@ -187,7 +196,7 @@ class PolicyModule:
   # ---- interception ---------------------------------------------------------
 
   def _module_policies(self, variables, args, kwargs, **apply_kwargs
-                       ) -> dict[tuple, Policy]:
+                       ) -> tuple[dict[tuple, Policy], dict[tuple, tuple]]:
     """:meth:`_trace_module_policies`, memoized on structure and shapes."""
     key = _abstract_key((variables, args, kwargs, apply_kwargs))
     if key is None:  # something unhashable went in: trace every time
@@ -201,18 +210,25 @@ class PolicyModule:
     return self._traced[key]
 
   def _trace_module_policies(self, variables, args, kwargs, **apply_kwargs
-                             ) -> dict[tuple, Policy]:
-    """Maps each overridden module's path to its policy, by an abstract trace.
+                             ) -> tuple[dict[tuple, Policy], dict[tuple, tuple]]:
+    """Maps each overridden module's path to its policy, and each module
+    whose param gradients jmp_lab attaches (:func:`_attached_params`) to
+    those params' names, by an abstract trace.
 
     Which module owns which param is only known by running the model, so the
     model is traced once abstractly (``jax.eval_shape``: no FLOPs, no memory).
     """
     found: dict[tuple, Policy] = {}
+    attach: dict[tuple, tuple] = {}
 
     def record(next_fun, call_args, call_kwargs, context):
       policy = self.module_policy(context.module)
+      path = tuple(context.module.path)
       if policy is not None:
-        found[tuple(context.module.path)] = policy
+        found[path] = policy
+      names = _attached_params(context.module, policy or self.policy)
+      if names:
+        attach[path] = names
       return next_fun(*call_args, **call_kwargs)
 
     def run(variables):
@@ -220,9 +236,9 @@ class PolicyModule:
         return self.module.apply(variables, *args, **apply_kwargs, **kwargs)
 
     jax.eval_shape(run, variables)
-    return found
+    return found, attach
 
-  def _interceptor(self):
+  def _interceptor(self, attached: Mapping[tuple, Mapping[str, jax.Array]]):
     depth = [0]
 
     def intercept(next_fun, args, kwargs, context):
@@ -231,7 +247,8 @@ class PolicyModule:
         return next_fun(*args, **kwargs)
       is_top_level = depth[0] == 0
       override = self.module_policy(context.module)
-      compute = (override or self.policy).compute_dtype
+      policy = override or self.policy
+      compute = policy.compute_dtype
       if is_top_level and override is None:
         output = self.policy.output_dtype
       elif override is not None:
@@ -241,14 +258,98 @@ class PolicyModule:
       args, kwargs = cast_floating((args, kwargs), compute)
       depth[0] += 1
       try:
-        with _matmul_override(context.module, override or self.policy,
+        with _matmul_override(context.module, policy,
                               self.fp8_history_length):
           out = next_fun(*args, **kwargs)
       finally:
         depth[0] -= 1
+      params = attached.get(tuple(context.module.path))
+      if params and name == "__call__":
+        out = _attach_gradients(context.module, out, params, args, kwargs,
+                                policy.reduce_dtype)
       return cast_floating(out, output)
 
     return intercept
+
+
+# ---- gradients attached after a layer's call (reduce dtype) -----------------
+#
+# Flax's layers add their bias in the compute dtype, so under data
+# parallelism its gradient, the output gradient summed over the batch, is
+# summed in it across devices too; nn.Einsum calls jnp.einsum with no
+# matmul to inject. For those params the layer reads the (cast) param
+# through stop_gradient and the interceptor attaches the gradient after the
+# call with jmp_lab.reduce.with_param_gradient, summed in the reduce dtype.
+# The forward pass is the layer's own.
+
+
+def _runs_its_own_call(module: nn.Module, classes: tuple) -> bool:
+  # A subclass that overrides __call__ may use its params otherwise.
+  return any(isinstance(module, cls) and type(module).__call__ is cls.__call__
+             for cls in classes)
+
+
+def _attached_params(module: nn.Module, policy: Policy) -> tuple[str, ...]:
+  """The params of ``module`` whose gradients the interceptor attaches."""
+  if policy.reduce_dtype is None:
+    return ()
+  names = []
+  if _runs_its_own_call(module, (nn.Einsum,)):
+    names.append("kernel")
+  if (_runs_its_own_call(module, _BIAS_MODULES) and module.use_bias
+      and not getattr(module, "batch_dims", ())):
+    names.append("bias")
+  return tuple(names)
+
+
+def _detach(params: Any, attach: Mapping[tuple, tuple],
+            attached: dict) -> Any:
+  """``params`` with the attached ones behind ``stop_gradient``; their
+  differentiable values go into ``attached[module_path][name]``."""
+  if not attach:
+    return params
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(params))
+  for path, names in attach.items():
+    for name in names:
+      if path + (name,) in flat:
+        attached.setdefault(path, {})[name] = flat[path + (name,)]
+        flat[path + (name,)] = jax.lax.stop_gradient(flat[path + (name,)])
+  out = traverse_util.unflatten_dict(flat)
+  return flax.core.freeze(out) if isinstance(params, flax.core.FrozenDict) else out
+
+
+def _einsum_call(module: nn.Einsum, kernel, args, kwargs):
+  """The input and equation of one ``nn.Einsum`` call, as flax computes it."""
+  inputs = args[0] if args else kwargs["inputs"]
+  subscripts = (args[1] if len(args) > 1 else kwargs.get("einsum_str")) \
+      or module.einsum_str
+  inputs, _, _ = module.promote_dtype(inputs, kernel, None, dtype=module.dtype)
+  return inputs, subscripts.replace(" ", "")
+
+
+def _attach_gradients(module: nn.Module, out, params: Mapping[str, Any],
+                      args, kwargs, reduce_dtype) -> Any:
+  einsum = isinstance(module, nn.Einsum)
+  if einsum:
+    inputs, subscripts = _einsum_call(module, params["kernel"], args, kwargs)
+    _, rhs, result = reduce_lib.einsum_subscripts(subscripts, inputs,
+                                                  params["kernel"])
+  if "kernel" in params:
+    kernel_shape = params["kernel"].shape
+    gradient = lambda g, x: reduce_lib.einsum_rhs_gradient(  # noqa: E731
+        subscripts, x, g, kernel_shape, reduce_dtype)
+    out = reduce_lib.with_param_gradient(
+        gradient, out, params["kernel"], jax.lax.stop_gradient(inputs))
+  if "bias" in params:
+    if einsum:  # flax's broadcast: the output axes the kernel has
+      broadcast = tuple(module.shape[rhs.index(c)] if c in rhs else 1
+                        for c in result)
+    else:
+      broadcast = params["bias"].shape
+    gradient = lambda g, _: reduce_lib.bias_gradient(  # noqa: E731
+        g, broadcast, reduce_dtype)
+    out = reduce_lib.with_param_gradient(gradient, out, params["bias"], ())
+  return out
 
 
 _MAX_TRACED = 32
@@ -317,7 +418,8 @@ def _reduced_gradients(module: nn.Module, reduce_dtype):
         f"policy reduce dtype {np.dtype(reduce_dtype).name} does not reach "
         f"{type(module).__name__} {'/'.join(module.path)!r}: its weight "
         f"gradient is summed across devices in the compute dtype (jmp_lab "
-        f"covers Dense, DenseGeneral, Conv and Embed)", stacklevel=5)
+        f"covers Dense, DenseGeneral, Conv, Einsum and Embed, and the biases "
+        f"of all of them and of ConvTranspose and ConvLocal)", stacklevel=5)
   for cls, attribute, cls_attribute, factory in _REDUCIBLE_MODULES:
     if _is_exactly(module, cls):
       break

@@ -236,3 +236,142 @@ def conv_general_dilated(reduce_dtype: Any) -> Callable[..., jax.Array]:
                 dims, precision, preferred_element_type)
 
   return conv_fn
+
+
+# --------------------------------------------------------------------------
+# Einsums, and gradients attached after a layer's own computation.
+# --------------------------------------------------------------------------
+
+
+def einsum_subscripts(subscripts: str, lhs, rhs) -> tuple[str, str, str]:
+  """The subscripts of ``jnp.einsum(subscripts, lhs, rhs)`` with ellipses
+  spelled out, as ``(lhs, rhs, output)``; ``lhs`` and ``rhs`` are arrays or
+  shape-dtype structs.
+
+  >>> import jax, jax.numpy as jnp
+  >>> einsum_subscripts("...d,dk->...k", jnp.ones((2, 3, 4)), jnp.ones((4, 5)))
+  ('bcd', 'dk', 'bck')
+  """
+  if subscripts.count(",") != 1 or "->" not in subscripts:
+    raise ValueError(
+        f"a reduce-dtype einsum takes an explicit equation of two operands "
+        f"(\"lhs,rhs->out\"), got {subscripts!r}")
+  import opt_einsum  # a dependency of jax
+  inputs, output, _ = opt_einsum.parser.parse_einsum_input(
+      (subscripts, lhs, rhs))
+  lhs_names, rhs_names = inputs.split(",")
+  if len(set(rhs_names)) != len(rhs_names):
+    raise ValueError(
+        f"a reduce-dtype einsum's weight (second operand) cannot repeat a "
+        f"subscript (a diagonal), got {subscripts!r}")
+  return lhs_names, rhs_names, output
+
+
+def einsum_rhs_gradient(subscripts: str, lhs, g, rhs_shape: Sequence[int],
+                        reduce_dtype: Any) -> jax.Array:
+  """The second operand's cotangent of ``jnp.einsum(subscripts, lhs, rhs)``,
+  its product accumulated and returned in ``reduce_dtype`` (``g`` is the
+  output's cotangent)."""
+  lhs_names, rhs_names, out_names = einsum_subscripts(
+      subscripts, lhs, jax.ShapeDtypeStruct(tuple(rhs_shape), g.dtype))
+  # A weight axis in neither the input nor the output is summed out by the
+  # forward einsum: its gradient is the same along it.
+  kept = "".join(c for c in rhs_names if c in lhs_names or c in out_names)
+  product = jax.numpy.einsum(f"{lhs_names},{out_names}->{kept}", lhs, g,
+                             preferred_element_type=reduce_dtype)
+  expanded = lax.expand_dims(product, [i for i, c in enumerate(rhs_names)
+                                       if c not in kept])
+  return jax.numpy.broadcast_to(expanded, tuple(rhs_shape))
+
+
+@functools.lru_cache(maxsize=None)
+def einsum(reduce_dtype: Any) -> Callable[..., jax.Array]:
+  """``jnp.einsum`` of two operands whose second (the weight) gets its
+  gradient summed in ``reduce_dtype``: flax NNX's ``Einsum(einsum_op=...)``.
+
+  The returned function takes ``(subscripts, lhs, rhs, precision=None,
+  preferred_element_type=None, out_sharding=None)``.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> op = einsum(jnp.float32)
+    >>> x, w = jnp.ones((2, 8, 4), jnp.bfloat16), jnp.ones((4, 3), jnp.bfloat16)
+    >>> loss = lambda w: op("btd,dk->btk", x, w).astype(jnp.float32).sum()
+    >>> float(jax.grad(loss)(w)[0, 0])
+    16.0
+  """
+  reduce_dtype = np.dtype(reduce_dtype)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+  def product(subscripts, lhs, rhs, precision, preferred_element_type):
+    return jax.numpy.einsum(subscripts, lhs, rhs, precision=precision,
+                            preferred_element_type=preferred_element_type)
+
+  def forward(subscripts, lhs, rhs, precision, preferred_element_type):
+    return product(subscripts, lhs, rhs, precision,
+                   preferred_element_type), (lhs, rhs)
+
+  def backward(subscripts, precision, preferred_element_type, residuals, g):
+    lhs, rhs = residuals
+    _, lhs_vjp = jax.vjp(lambda x: jax.numpy.einsum(
+        subscripts, x, rhs, precision=precision,
+        preferred_element_type=preferred_element_type), lhs)
+    d_rhs = einsum_rhs_gradient(subscripts, lhs, g, rhs.shape, reduce_dtype)
+    return lhs_vjp(g)[0].astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+  product.defvjp(forward, backward)
+
+  def einsum_fn(subscripts, lhs, rhs, precision=None,
+                preferred_element_type=None, out_sharding=None):
+    _check_no_out_sharding(out_sharding)
+    einsum_subscripts(subscripts, lhs, rhs)  # checks the equation
+    return product(subscripts.replace(" ", ""), lhs, rhs, precision,
+                   preferred_element_type)
+
+  return einsum_fn
+
+
+def bias_gradient(g, broadcast_shape: Sequence[int], reduce_dtype: Any
+                  ) -> jax.Array:
+  """The gradient of a bias added as ``y + bias.reshape(broadcast_shape)``:
+  ``g`` summed over the broadcast axes in ``reduce_dtype``, in the bias's
+  broadcast shape (a reshape away from the bias's own)."""
+  pad = g.ndim - len(broadcast_shape)
+  shape = (1,) * pad + tuple(broadcast_shape)
+  axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+  summed = g.astype(reduce_dtype).sum(axis=axes, keepdims=True)
+  return summed.reshape(shape[pad:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def with_param_gradient(param_gradient: Callable, y, param, context):
+  """``y``, unchanged; differentiated, ``param``'s cotangent is
+  ``param_gradient(g, context)`` (``g``: ``y``'s cotangent), cast to
+  ``param``'s dtype, and ``context`` gets none.
+
+  For a layer that reads ``param`` through ``lax.stop_gradient``: its own
+  gradient path is cut, and this one computes the gradient in the reduce
+  dtype instead (how :func:`jmp_lab.linen.with_policy` reaches biases and
+  ``nn.Einsum``). The forward pass is the layer's own, bit for bit.
+  ``param_gradient`` must be a hashable function.
+  """
+  del param, context
+  return y
+
+
+def _with_param_gradient_forward(param_gradient, y, param, context):
+  # The param is kept only for its shape and dtype: the layer holds it
+  # anyway, so XLA keeps no extra copy.
+  return y, (param, context)
+
+
+def _with_param_gradient_backward(param_gradient, residuals, g):
+  param, context = residuals
+  d_param = param_gradient(g, context).reshape(param.shape)
+  return (g, d_param.astype(param.dtype),
+          jax.tree_util.tree_map(jax.numpy.zeros_like, context))
+
+
+with_param_gradient.defvjp(_with_param_gradient_forward,
+                           _with_param_gradient_backward)
