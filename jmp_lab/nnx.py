@@ -13,9 +13,10 @@ module graph, with the meaning of :func:`jmp_lab.linen.with_policy`:
   fp32 (only ``nnx.Param`` variables are ever cast);
 * ``nnx.MultiHeadAttention`` with Flax's default ``attention_fn`` gets
   :func:`dot_product_attention`, whose softmax is fp32;
-* with a ``reduce`` dtype, ``Linear``, ``LinearGeneral`` and ``Conv`` compute
-  their weight gradients in it (:mod:`jmp_lab.reduce`) and ``Embed`` reads its
-  table in it.
+* with a ``reduce`` dtype, ``Linear``, ``LinearGeneral``, ``Conv`` and
+  ``Einsum`` compute their weight gradients in it (:mod:`jmp_lab.reduce`),
+  ``Embed`` reads its table in it, and every bias of those layers and of
+  ``ConvTranspose`` is summed over the batch in it.
 
 Module code does not change. How: NNX has no method interceptor (linen's
 ``intercept_methods``), so a module's call is its class's ``__call__``:
@@ -69,6 +70,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable, Mapping, Optional, Union
@@ -101,12 +103,58 @@ PolicySpec = Union[Policy, str]
 # ---------------------------------------------------------------------------
 
 
+# The params read through stop_gradient for one layer call (by id): their
+# gradient is attached after the call, in the reduce dtype (_policy_class).
+_DETACHED: set = set()
+
+
 def _read_in_compute_dtype(variable_class: type) -> Callable:
   def get_value(self, **kwargs):
     value = variable_class.get_value(self, **kwargs)
     dtype = self.get_metadata("compute_dtype", None)
-    return value if dtype is None else cast_floating(value, dtype)
+    value = value if dtype is None else cast_floating(value, dtype)
+    return jax.lax.stop_gradient(value) if id(self) in _DETACHED else value
   return get_value
+
+
+@contextlib.contextmanager
+def _detached(variable: nnx.Variable):
+  """For one call: ``variable`` reads through ``stop_gradient``; yields its
+  differentiable read."""
+  value = variable.get_value()
+  _DETACHED.add(id(variable))
+  try:
+    yield value
+  finally:
+    _DETACHED.discard(id(variable))
+
+
+# Layers that add their bias broadcast over their output's leading axes
+# (nnx.Einsum: over the axes its equation says).
+_BIAS_MODULES = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose,
+                 nnx.Einsum)
+
+
+def _reduced_bias(module: nnx.Module, policy: Policy) -> Optional[np.dtype]:
+  """The reduce dtype for ``module``'s bias gradient, if jmp_lab attaches it."""
+  if (policy.reduce_dtype is None or _base_class(module) not in _BIAS_MODULES
+      or not isinstance(getattr(module, "bias", None), nnx.Param)
+      or getattr(module, "batch_axis", None)):
+    return None
+  return np.dtype(policy.reduce_dtype)
+
+
+def _bias_broadcast(module: nnx.Module, bias_shape, args, kwargs) -> tuple:
+  """How ``module`` broadcasts its bias onto its output (flax's rule)."""
+  if not isinstance(module, nnx.Einsum):
+    return tuple(bias_shape)
+  inputs = args[0] if args else kwargs["inputs"]
+  subscripts = (args[1] if len(args) > 1 else kwargs.get("einsum_str")) \
+      or module.einsum_str
+  _, rhs, out = reduce_lib.einsum_subscripts(
+      subscripts.replace(" ", ""), inputs, module.kernel.get_raw_value())
+  shape = module.kernel.get_raw_value().shape
+  return tuple(shape[rhs.index(c)] if c in rhs else 1 for c in out)
 
 
 class PolicyParam(nnx.Param):
@@ -158,23 +206,30 @@ class Fp8Meta(nnx.Variable):
 
 @functools.lru_cache(maxsize=None)
 def _policy_class(base: type, compute: np.dtype, output: np.dtype,
-                  fp8_delayed: bool = False) -> type:
+                  fp8_delayed: bool = False,
+                  reduce_bias: Optional[np.dtype] = None) -> type:
   """``base`` whose ``__call__`` runs in ``compute`` and returns ``output``
-  (with ``fp8_delayed``, its matmul in fp8 scaled by its :class:`Fp8Meta`)."""
+  (with ``fp8_delayed``, its matmul in fp8 scaled by its :class:`Fp8Meta`;
+  with ``reduce_bias``, its bias gradient summed in that dtype)."""
 
   def __call__(self, *args, **kwargs):
     args, kwargs = _cast_arrays((args, kwargs), compute)
-    if not fp8_delayed:
-      return _cast_arrays(base.__call__(self, *args, **kwargs), output)
-    # The layer calls self.dot_general: for this call, the fp8 matmul that
-    # reads (and, differentiated, updates) this module's scaling state.
-    default = self.dot_general
-    object.__setattr__(self, "dot_general",
-                       fp8.delayed_dot_general(self.fp8_meta.get_value()))
-    try:
+    bias = None
+    with contextlib.ExitStack() as stack:
+      if fp8_delayed:
+        # The layer calls self.dot_general: for this call, the fp8 matmul
+        # that reads (and, differentiated, updates) its scaling state.
+        stack.enter_context(_swapped(self, "dot_general",
+                                     fp8.delayed_dot_general(
+                                         self.fp8_meta.get_value())))
+      if reduce_bias is not None:
+        bias = stack.enter_context(_detached(self.bias))
       out = base.__call__(self, *args, **kwargs)
-    finally:
-      object.__setattr__(self, "dot_general", default)
+    if bias is not None:
+      broadcast = _bias_broadcast(self, bias.shape, args, kwargs)
+      out = reduce_lib.with_param_gradient(
+          lambda g, _: reduce_lib.bias_gradient(g, broadcast, reduce_bias),
+          out, bias, ())
     return _cast_arrays(out, output)
 
   # A plain subclass, no slots or mixins: instances keep their layout, so
@@ -183,6 +238,16 @@ def _policy_class(base: type, compute: np.dtype, output: np.dtype,
       "__module__": base.__module__, "__qualname__": base.__qualname__,
       "__call__": __call__, "_jmp_lab_base": base,
       "_jmp_lab_dtypes": (compute, output)})
+
+
+@contextlib.contextmanager
+def _swapped(module: nnx.Module, attribute: str, value: Any):
+  default = getattr(module, attribute)
+  object.__setattr__(module, attribute, value)
+  try:
+    yield
+  finally:
+    object.__setattr__(module, attribute, default)
 
 
 def _base_class(module: nnx.Module) -> type:
@@ -196,6 +261,7 @@ _REDUCIBLE_MODULES = (
      reduce_lib.dot_general),
     (nnx.Conv, "conv_general_dilated", jax.lax.conv_general_dilated,
      reduce_lib.conv_general_dilated),
+    (nnx.Einsum, "einsum_op", jnp.einsum, reduce_lib.einsum),
 )
 
 
@@ -338,8 +404,9 @@ def with_policy(
     fp8_mode = _fp8_mode(module, effective[path])
     if _base_class(module) in _FP8_MODULES:
       _set_fp8_state(module, fp8_mode, fp8_history_length)
-    module.__class__ = _policy_class(_base_class(module), compute, output,
-                                     fp8_mode == "fp8")
+    module.__class__ = _policy_class(
+        _base_class(module), compute, output, fp8_mode == "fp8",
+        _reduced_bias(module, effective[path]))
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention

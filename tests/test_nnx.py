@@ -227,6 +227,62 @@ def test_reduce_dtype_reaches_linear_weight_gradients_and_the_embed_table():
   assert isinstance(model.out.fp8_meta, jnnx.Fp8Meta)
 
 
+class SharedLinear(nnx.Module):
+  """One Linear called twice: its bias gradient comes from both calls."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(6, 6, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear(nnx.relu(self.linear(x)))
+
+
+# (a constructor of a layer, input shape): every layer whose bias or weight
+# gradient the reduce dtype reaches, biases broadcast every way flax does.
+REDUCE_LAYERS = [
+    (lambda r: nnx.Linear(6, 3, rngs=r), (4, 5, 6)),
+    (lambda r: nnx.LinearGeneral((5, 6), (2, 3), axis=(-2, -1), rngs=r), (4, 5, 6)),
+    (lambda r: nnx.Conv(4, 3, (3,), rngs=r), (2, 7, 4)),
+    (lambda r: nnx.ConvTranspose(4, 3, (3,), rngs=r), (2, 7, 4)),
+    (lambda r: nnx.Einsum("btd,dhk->bthk", (4, 3, 2), (3, 2), rngs=r), (2, 5, 4)),
+    (lambda r: nnx.Einsum("btd,dh->hbt", (4, 3), (3, 1, 1), rngs=r), (2, 5, 4)),
+    (SharedLinear, (4, 6)),
+]
+
+
+@pytest.mark.parametrize("make, shape", REDUCE_LAYERS,
+                         ids=[str(i) for i in range(len(REDUCE_LAYERS))])
+def test_reduce_dtype_gradients_equal_autodiff_in_fp32(make, shape):
+  """In fp32, reduce=float32 changes where gradients are summed, not their
+  values (weights, and biases attached after the call)."""
+  x = jax.random.normal(jax.random.key(0), shape)
+  plain = make(nnx.Rngs(0))
+  weights = jax.random.normal(jax.random.key(2), plain(x).shape)
+  reduced = jnnx.with_policy(make(nnx.Rngs(0)), "float32,reduce=float32")
+  loss = lambda m: jnp.sum(m(x) * weights)  # noqa: E731
+  want = nnx.state(nnx.grad(loss)(plain))
+  got = nnx.state(nnx.jit(nnx.grad(loss))(reduced))
+  chex.assert_trees_all_close(jax.tree_util.tree_leaves(got),
+                              jax.tree_util.tree_leaves(want),
+                              rtol=1e-5, atol=1e-5)
+
+
+def test_reduce_dtype_sums_bias_and_einsum_weight_gradients_in_it():
+  def gradient_ops(spec):
+    model = jnnx.with_policy(
+        nnx.Einsum("btd,dk->btk", (6, 8), (8,), rngs=nnx.Rngs(0)), spec)
+    x = jnp.ones((4, 5, 6))
+    jaxpr = jax.make_jaxpr(nnx.grad(lambda m: m(x).sum()))(model).jaxpr
+    sums = [outputs for _, _, outputs in primitive_dtypes(jaxpr, {"reduce_sum"})]
+    dots = [outputs for _, _, outputs in primitive_dtypes(jaxpr, {"dot_general"})]
+    return sums, dots
+
+  sums, dots = gradient_ops("mixed_bfloat16")
+  assert (BF16,) in sums and (F32,) not in dots
+  sums, dots = gradient_ops("mixed_bfloat16,reduce=float32")
+  assert (BF16,) not in sums and (F32,) in sums
+  assert (F32,) in dots  # the weight gradient's product
+
 def test_bad_arguments():
   with pytest.raises(TypeError, match="flax.nnx.Module.*linen"):
     jnnx.with_policy(lambda x: x, "mixed_bfloat16")
