@@ -163,6 +163,8 @@ LEAN_CONFIGS = [
 REDUCE_CONFIGS = [
     Config("bf16-r32", "mixed_bfloat16,reduce=float32", "none"),
     Config("bf16-o2-r32", "p=bf16,c=bf16,o=f32,reduce=float32", "none"),
+    Config("bf16-o2-r32+fused", "p=bf16,c=bf16,o=f32,reduce=float32", "none",
+           fused=True),
 ]
 # fp8 matmuls (issue 16): the Dense layers as fp8 GEMMs, delayed or current
 # scaling; attention's own two matmuls stay bf16.

@@ -331,9 +331,12 @@ def fused_adamw(
         mu=zeros(), nu=zeros(), layout=buffers, **common)
 
   def hyperparameters(state, clip, scale=None):
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, state.count + 1)
     scale = state.loss_scale.loss_scale if scale is None else scale
+    return hyper_values(state.count, clip, scale)
+
+  def hyper_values(count, clip, scale):
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+    inv_bias1, inv_bias2 = inverse_bias_corrections(b1, b2, count + 1)
     return jnp.stack([jnp.asarray(x, jnp.float32) for x in
                       (lr, inv_bias1, inv_bias2, scale, clip)])
 
@@ -383,23 +386,31 @@ def fused_adamw(
     # no master, the params.
     p = tree_layout.leaves(state.master_params if keep_master and not (
         config.remainder or config.direct) else params)
-    sumsq, finite = kernels.tree_grad_stats(
-        multi_tensor_backend, g, jnp.asarray(state.loss_scale.loss_scale, jnp.float32))
-    if axis_name is not None:
-      # pmin over {0, 1}: one non-finite device makes every device skip.
-      # The gradients are already reduced over the axis (every device holds
-      # all of them), so the norm is local: summing it would count it N times.
-      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
-    hyper = hyperparameters(state, clip_factor(sumsq))
-    flags = [finite.astype(jnp.int32), jnp.int32(0)]
-    if config.stochastic:
-      seed = rounding_lib.step_seed(state.rounding_key, state.count)
-      flags.append(jax.lax.bitcast_convert_type(seed, jnp.int32))
-    flags = jnp.stack(flags)
-    out = kernels.tree_update(
+    scale = jnp.asarray(state.loss_scale.loss_scale, jnp.float32)
+
+    def scalars(sumsq, finite, scalar_args):
+      count, scale, rounding_key = scalar_args
+      if axis_name is not None:
+        # pmin over {0, 1}: one non-finite device makes every device skip.
+        # The gradients are already reduced over the axis (every device
+        # holds all of them), so the norm is local: summing it would count
+        # it N times.
+        finite = jax.lax.pmin(finite.astype(jnp.int32),
+                              axis_name).astype(bool)
+      flags = [finite.astype(jnp.int32), jnp.int32(0)]
+      if config.stochastic:
+        seed = rounding_lib.step_seed(rounding_key, count)
+        flags.append(jax.lax.bitcast_convert_type(seed, jnp.int32))
+      return (hyper_values(count, clip_factor(sumsq), scale),
+              jnp.stack(flags), finite)
+
+    # One op XLA can partition leaf by leaf (ZeRO-1 under jit); inside
+    # shard_map the plain program.
+    out, finite = kernels.tree_step(
         multi_tensor_backend, config, tree_layout.trainable_decays, g, p,
-        tree_layout.leaves(state.mu), tree_layout.leaves(state.nu), hyper,
-        flags, write_extra=write_extra, remainders=remainders)
+        tree_layout.leaves(state.mu), tree_layout.leaves(state.nu),
+        remainders, scale, scalars, (state.count, scale, state.rounding_key),
+        write_extra=write_extra, partitionable=axis_name is None)
     if config.remainder:  # outputs: remainders, mu, nu, params
       return out, next_state(state, finite, None, tree_layout.tree(out.mu),
                              tree_layout.tree(out.nu),

@@ -17,15 +17,17 @@ fp32 and hand back the compute dtype; BatchNorm's ``batch_stats`` stay fp32.
 Only the ``params`` collection is ever cast.
 
 A policy with a ``reduce`` dtype (``"mixed_bfloat16,reduce=float32"``) has
-the weight gradients summed across devices in it: ``nn.Dense`` and
+the gradients summed across devices in it: ``nn.Dense`` and
 ``nn.DenseGeneral`` (and so flax's attention projections) get
 :func:`jmp_lab.reduce.dot_general` as their ``dot_general``, ``nn.Conv``
-:func:`jmp_lab.reduce.conv_general_dilated` (unless they set their own), and
+:func:`jmp_lab.reduce.conv_general_dilated` (unless they set their own),
 ``nn.Embed`` looks its rows up in the reduce dtype, so the table's gradient
-is accumulated in it. Norms are fp32 islands already. Not covered:
-``nn.ConvTranspose``, ``nn.ConvLocal`` and ``nn.Einsum`` (their weight
-gradients stay in the compute dtype; a warning says so), and biases (a bias
-gradient is a sum of the output gradient, in the compute dtype).
+is accumulated in it, and ``nn.Einsum``'s kernel and every bias (of those
+layers and of ``nn.ConvTranspose`` and ``nn.ConvLocal``) are read through
+``stop_gradient`` and get their gradient attached after the call, summed in
+the reduce dtype (:func:`jmp_lab.reduce.with_param_gradient`). Norms are fp32
+islands already. Not covered: the kernels of ``nn.ConvTranspose`` and
+``nn.ConvLocal`` (a warning says so).
 
 Softmax and cross-entropy stay fp32 through the helpers here:
 :func:`softmax`, :func:`softmax_cross_entropy_with_integer_labels`, and

@@ -42,7 +42,7 @@ def make_state(optimizer):
                                 loss_scale=loss_scale)
         if optimizer == "mixed_precision" else
         jmp_lab.fused_adamw(1e-2, policy=POLICY, loss_scale=loss_scale,
-                            backend="reference"))
+                            backend=optimizer.split("-")[1]))
   return jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
                                    tx=tx, policy=POLICY)
 
@@ -56,12 +56,15 @@ def batches(n, poison_at=()):
     yield {"x": x, "y": rng.integers(0, 10, 16).astype(np.int32)}
 
 
-@pytest.mark.parametrize("optimizer", ["mixed_precision", "fused_adamw"])
+@pytest.mark.parametrize("optimizer", ["mixed_precision", "fused_adamw-reference",
+                                       "fused_adamw-interpret"])
 @pytest.mark.parametrize("zero1", [False, True])
 def test_data_parallel_and_zero1_equal_the_single_device_run(optimizer, zero1):
   """6 steps, one with an inf on one device only: both devices skip it, the
   state stays in its layout, and the result equals one device's run to the
-  rounding of the gradient sum's order."""
+  rounding of the gradient sum's order. The interpret backend is the
+  multi-tensor Pallas kernels, which under ZeRO-1 each device runs on its
+  own shards (jmp_lab.kernels.partitioned)."""
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
   single = make_state(optimizer)
   single_step = jmp_lab.make_train_step(loss_fn, donate=False)
@@ -131,6 +134,32 @@ def test_zero1_step_reduce_scatters_and_all_gathers_on_8_h100s():
   params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
   assert total(zero1, "all-gather") == pytest.approx(2 * params / 8, rel=0.01)
 
+
+
+def test_zero1_default_fused_kernels_run_on_each_devices_shards_on_8_h100s():
+  """The default fused_adamw (tree layout, multi-tensor Triton kernels)
+  under jit with the state split over 8 H100s: each device runs the kernels
+  on its own shards, so the gradients are reduce-scattered and only the new
+  bf16 params all-gathered; the fp32 state is never gathered (before
+  jmp_lab.kernels.partitioned it was, every step)."""
+  from benchmarks import train_step
+  size = train_step.ModelSize(layers=1, width=256, heads=4, seq_len=128,
+                              vocab=4096, batch=8)
+  config = next(c for c in train_step.CONFIGS if c.name == "bf16-o2+fused")
+  state = jax.eval_shape(lambda: train_step.make_state(config, size))
+  report = train_step.compiled_step_report(config, size, "h100", devices=8,
+                                           zero1=True)
+  moved = report.collective_bytes()
+  print(moved, report.pallas_summary())
+  params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  assert not any(k.startswith("all-gather f32") for k in moved), moved
+  assert moved["all-gather bf16"] == pytest.approx(2 * params / 8, rel=0.01)
+  assert moved["reduce-scatter bf16"] == pytest.approx(2 * params, rel=0.01)
+  assert not any(k.startswith("all-reduce bf16") for k in moved), moved
+  kernels = report.pallas_kernels
+  assert {k.name for k in kernels} == {"jmp_lab_grad_stats",
+                                       "jmp_lab_multi_tensor_adamw"}, kernels
+  assert all(k.spill_bytes == 0 for k in kernels), kernels
 
 # --- the fused update, sharded by rows (ZeRO-1 inside shard_map) ---------------
 

@@ -33,7 +33,7 @@ from typing import Optional
 
 import jax
 
-from jmp_lab.kernels import multi_tensor, pallas_triton, reference
+from jmp_lab.kernels import multi_tensor, pallas_triton, partitioned, reference
 from jmp_lab.kernels.reference import AdamWConfig, Outputs
 
 logger = logging.getLogger("jmp_lab")
@@ -138,6 +138,29 @@ def tree_update(backend: str, config: AdamWConfig, decays, g, p, mu, nu,
         *args, cuda=lambda *a: run(chosen, *a),
         default=lambda *a: run("reference", *a))
   return run(backend, *args)
+
+
+def tree_step(backend: str, config: AdamWConfig, decays, g, p, mu, nu,
+              remainders, scale, scalars_fn, scalar_args, *,
+              write_extra: bool, partitionable: bool = True):
+  """``(Outputs, finite)``: the statistics over the gradient leaves,
+  ``scalars_fn(sumsq, finite, scalar_args) -> (hyper, flags, finite)``, and
+  the update, as one op XLA's partitioner splits leaf by leaf
+  (:mod:`.partitioned`). The reference backend is XLA's own ops, which it
+  partitions anyway."""
+  plan = partitioned.StepPlan(
+      run_stats=lambda grads, s: tree_grad_stats(backend, grads, s),
+      scalars_fn=scalars_fn,
+      run_update=lambda g, p, mu, nu, hyper, flags, rem: tree_update(
+          backend, config, decays, g, p, mu, nu, hyper, flags,
+          write_extra=write_extra, remainders=rem),
+      leaves=len(g), remainders=remainders is not None,
+      result_groups=4 if (not config.direct and (write_extra
+                                                 or config.remainder)) else 3,
+      stochastic=config.stochastic)
+  return partitioned.tree_step(
+      plan, g, p, mu, nu, remainders, scale, scalar_args,
+      partitionable=partitionable and backend != "reference")
 
 
 def tree_backend(backend: str, *, half_params: bool) -> str:

@@ -1,0 +1,161 @@
+"""The multi-tensor AdamW step as one op that XLA's partitioner can split.
+
+A Pallas kernel is a custom call that XLA's SPMD partitioner cannot see
+into. With the optimizer state sharded over devices (ZeRO-1,
+:func:`jmp_lab.sharding.state_shardings`), XLA would gather every operand
+and run the whole kernel on every device: an fp32 all-gather of the master
+and both moments each step. :func:`tree_step` wraps the statistics kernel,
+the scalar arithmetic after it and the update kernel in one
+``custom_partitioning`` op whose rule is "leaf by leaf, element-wise": each
+device runs both kernels on its own shards of the leaves, with each leaf's
+gradient, master and moments sharded alike (the moments' sharding decides,
+so the gradients are reduce-scattered into it), and hands back its shards
+of the new params (which XLA then all-gathers where they are replicated).
+
+The finite flag and the clip norm are global: the statistics of leaves
+sharded over mesh axes ``A`` are summed over ``A`` (``psum``), those of
+replicated leaves counted once, and the flag is the minimum over all axes,
+before the update runs. Runs on one device, or with every operand
+replicated, are the same program as without this wrapper.
+
+Stochastic rounding draws its bits from each element's index in its leaf,
+so a shard would draw differently from the whole leaf: with
+``config.stochastic`` every operand stays whole (XLA gathers them, as it
+would for a bare kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import (SdyShardingRule,
+                                                  custom_partitioning)
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmp_lab.kernels.reference import Outputs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+  """What :func:`tree_step` runs (static: hashed by identity).
+
+  Attributes:
+    run_stats: ``(g leaves, scale) -> (sum of squares, all finite)``.
+    scalars_fn: ``(sumsq, finite, scalar_args) -> (hyper, flags, finite)``.
+    run_update: ``(g, p, mu, nu, hyper, flags, remainders) -> Outputs``.
+    leaves: how many leaves.
+    remainders: whether the remainders are an operand.
+    result_groups: 3 or 4 lists of leaves in the ``Outputs``.
+    stochastic: stochastic rounding (every operand stays whole).
+  """
+
+  run_stats: Callable[[Sequence[jax.Array], jax.Array], tuple]
+  scalars_fn: Callable[[jax.Array, jax.Array, Any], tuple]
+  run_update: Callable[..., Outputs]
+  leaves: int
+  remainders: bool
+  result_groups: int
+  stochastic: bool
+
+
+def _step(plan: StepPlan, groups, g, p, mu, nu, remainders, scale,
+          scalar_args):
+  """Statistics, scalars, update; ``groups`` is ``((mesh axes, leaf
+  indices), ...)``: each group's statistics are summed over its axes."""
+  sumsq, finite = jnp.float32(0), jnp.bool_(True)
+  every_axis = tuple(sorted({a for axes, _ in groups for a in axes}))
+  for axes, leaves in groups:
+    part_sumsq, part_finite = plan.run_stats([g[i] for i in leaves], scale)
+    if axes:
+      part_sumsq = jax.lax.psum(part_sumsq, axes)
+    sumsq, finite = sumsq + part_sumsq, finite & part_finite
+  if every_axis:
+    # pmin over {0, 1}: one non-finite shard makes every device skip.
+    finite = jax.lax.pmin(finite.astype(jnp.int32), every_axis).astype(bool)
+  hyper, flags, finite = plan.scalars_fn(sumsq, finite, scalar_args)
+  return plan.run_update(g, p, mu, nu, hyper, flags, remainders), finite
+
+
+def _spec_axes(spec: P) -> tuple[str, ...]:
+  axes = []
+  for entry in spec:
+    if entry is not None:
+      axes.extend(entry if isinstance(entry, tuple) else (entry,))
+  return tuple(axes)
+
+
+def _partition(plan: StepPlan, mesh, arg_shapes, result_shape):
+  _, _, mu, _, remainders, scale, scalar_args = arg_shapes
+  # Each leaf as its first moment is sharded (whole when stochastic).
+  specs = [P() if plan.stochastic or not isinstance(s.sharding, NamedSharding)
+           else s.sharding.spec for s in mu]
+  named = [NamedSharding(mesh, spec) for spec in specs]
+  whole = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+      lambda _: NamedSharding(mesh, P()), tree)
+  by_axes: dict[tuple, list[int]] = {}
+  for i, spec in enumerate(specs):
+    by_axes.setdefault(_spec_axes(spec), []).append(i)
+  groups = tuple((axes, tuple(leaves)) for axes, leaves in by_axes.items())
+  arg_shardings = (named, named, named, named,
+                   None if remainders is None else named,
+                   whole(scale), whole(scalar_args))
+  out, _ = result_shape
+  result_shardings = (Outputs(*[None if kind is None else named
+                                for kind in out]),
+                      NamedSharding(mesh, P()))
+  return (mesh, functools.partial(_step, plan, groups), result_shardings,
+          arg_shardings)
+
+
+def _sharding_rule(plan: StepPlan, mesh, value_types, result_types
+                   ) -> SdyShardingRule:
+  """Leaf ``i``'s dimensions are the same factors in its gradient, params,
+  remainder, moments and outputs; the scalars' are never sharded."""
+  del mesh
+  n = plan.leaves
+  ranks = [len(t.shape) for t in value_types]
+  leaf = lambda i: tuple(f"l{i}d{d}" for d in range(ranks[i]))  # noqa: E731
+  leaf_operands = n * (5 if plan.remainders else 4)
+  operands = [leaf(k % n) for k in range(leaf_operands)]
+  scalars = [tuple(f"s{k}d{d}" for d in range(rank))
+             for k, rank in enumerate(ranks[leaf_operands:])]
+  results = [leaf(k % n) for k in range(plan.result_groups * n)] + [()]
+  assert len(results) == len(result_types), (len(results), len(result_types))
+  replicate = [f for mapping in scalars for f in mapping]
+  if plan.stochastic:
+    replicate += [f for mapping in operands[:n] for f in mapping]
+  return SdyShardingRule(tuple(operands + scalars), tuple(results),
+                         need_replication_factors=tuple(replicate))
+
+
+@functools.partial(custom_partitioning, static_argnums=(0,))
+def _partitionable_step(plan: StepPlan, g, p, mu, nu, remainders, scale,
+                        scalar_args):
+  every_leaf = (((), tuple(range(plan.leaves))),)
+  return _step(plan, every_leaf, g, p, mu, nu, remainders, scale,
+               scalar_args)
+
+
+_partitionable_step.def_partition(partition=_partition,
+                                  sharding_rule=_sharding_rule)
+
+
+def tree_step(plan: StepPlan, g, p, mu, nu, remainders: Optional[list],
+              scale, scalar_args, *, partitionable: bool = True):
+  """``(Outputs, finite)`` of one multi-tensor step over lists of leaves.
+
+  With ``partitionable`` the step is one ``custom_partitioning`` op (see the
+  module doc); without (inside ``shard_map``, where ``scalars_fn`` combines
+  the flag over the mapped axis itself) it is the plain program.
+  """
+  if not partitionable:
+    every_leaf = (((), tuple(range(plan.leaves))),)
+    return _step(plan, every_leaf, g, p, mu, nu, remainders, scale,
+                 scalar_args)
+  return _partitionable_step(plan, list(g), list(p), list(mu), list(nu),
+                             None if remainders is None else list(remainders),
+                             scale, scalar_args)
