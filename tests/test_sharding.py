@@ -96,6 +96,60 @@ def test_data_parallel_and_zero1_equal_the_single_device_run(optimizer, zero1):
   assert per_device == pytest.approx(full / 2 if zero1 else full, rel=0.01)
 
 
+
+class OddMLP(nn.Module):
+  """A 31 x 7 layer: its params split over no device count above 1, so
+  under ZeRO-1 they stay whole on every device beside the split leaves."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(10)(nn.relu(nn.Dense(7)(x[:, :31])))
+
+
+@pytest.mark.parametrize("lean", [{}, {"master": "none", "rounding": "stochastic"}],
+                         ids=["fp32-master", "stochastic"])
+def test_zero1_fused_kernels_clip_and_skip_over_the_whole_model(lean):
+  """ZeRO-1 with the multi-tensor kernels (interpret) on 2 devices, clipping
+  active and an inf on one device: the clip norm sums every shard once
+  (split leaves over the devices, the whole 31 x 7 layer once), the skip is
+  global, and the run equals one device's. Stochastic rounding keeps the
+  leaves whole (its bits depend on the element's index in its leaf), and
+  its run equals one device's too."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  model = jl.with_policy(OddMLP(), POLICY)
+
+  def make():
+    params = model.init(jax.random.key(0), jnp.ones((1, 32)))["params"]
+    tx = jmp_lab.fused_adamw(1e-2, policy=POLICY, max_grad_norm=0.05,
+                             loss_scale=jmp_lab.DynamicLossScale(2.0**10),
+                             backend="interpret", **lean)
+    return jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                     tx=tx, policy=POLICY)
+
+  single, state = make(), make()
+  single_step = jmp_lab.make_train_step(loss_fn, donate=False)
+  layout = sharding.state_shardings(state, mesh)
+  state = jax.device_put(state, layout)
+  step = jmp_lab.make_train_step(loss_fn, state_sharding=layout,
+                                 batch_sharding=NamedSharding(mesh, P("data")))
+  for batch in batches(4, poison_at=(2,)):
+    single, _ = single_step(single, batch)
+    state, _ = step(state, batch)
+  assert int(state.skipped_steps) == 1 == int(single.skipped_steps)
+  mu = jmp_lab.state.find_state(state.opt_state).mu
+  # (Dense_0 is the 10-wide layer: flax names modules as they are built.)
+  assert mu["Dense_0"]["kernel"].sharding.spec == P(None, "data")
+  assert mu["Dense_1"]["kernel"].sharding.spec == P()
+  chex.assert_trees_all_close(
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), state.params),
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), single.params),
+      rtol=1e-2, atol=1e-3)
+  # Adam's step hardly sees a global clip factor (m / sqrt(v) cancels it);
+  # the first moment is the clipped gradients' average, so it shows one.
+  chex.assert_trees_all_close(mu, jmp_lab.state.find_state(single.opt_state).mu,
+                              rtol=1e-2, atol=1e-5)
+
+
 def test_bad_layouts_are_refused():
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
   state = make_state("mixed_precision")

@@ -125,11 +125,15 @@ def _sharding_rule(plan: StepPlan, mesh, value_types, result_types
              for k, rank in enumerate(ranks[leaf_operands:])]
   results = [leaf(k % n) for k in range(plan.result_groups * n)] + [()]
   assert len(results) == len(result_types), (len(results), len(result_types))
-  replicate = [f for mapping in scalars for f in mapping]
+  replicate = {f for mapping in scalars for f in mapping}
   if plan.stochastic:
-    replicate += [f for mapping in operands[:n] for f in mapping]
-  return SdyShardingRule(tuple(operands + scalars), tuple(results),
-                         need_replication_factors=tuple(replicate))
+    replicate |= {f for mapping in operands[:n] for f in mapping}
+  # Shardy wants the special factors in the order the factors first appear.
+  order = [f for mapping in operands + scalars for f in mapping]
+  return SdyShardingRule(
+      tuple(operands + scalars), tuple(results),
+      need_replication_factors=tuple(f for f in dict.fromkeys(order)
+                                     if f in replicate))
 
 
 @functools.partial(custom_partitioning, static_argnums=(0,))
