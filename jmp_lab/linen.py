@@ -334,8 +334,6 @@ def _attach_gradients(module: nn.Module, out, params: Mapping[str, Any],
   einsum = isinstance(module, nn.Einsum)
   if einsum:
     inputs, subscripts = _einsum_call(module, params["kernel"], args, kwargs)
-    _, rhs, result = reduce_lib.einsum_subscripts(subscripts, inputs,
-                                                  params["kernel"])
   if "kernel" in params:
     kernel_shape = params["kernel"].shape
     gradient = lambda g, x: reduce_lib.einsum_rhs_gradient(  # noqa: E731
@@ -343,11 +341,9 @@ def _attach_gradients(module: nn.Module, out, params: Mapping[str, Any],
     out = reduce_lib.with_param_gradient(
         gradient, out, params["kernel"], jax.lax.stop_gradient(inputs))
   if "bias" in params:
-    if einsum:  # flax's broadcast: the output axes the kernel has
-      broadcast = tuple(module.shape[rhs.index(c)] if c in rhs else 1
-                        for c in result)
-    else:
-      broadcast = params["bias"].shape
+    broadcast = (reduce_lib.einsum_bias_broadcast(subscripts, inputs,
+                                                  params["kernel"])
+                 if einsum else params["bias"].shape)
     gradient = lambda g, _: reduce_lib.bias_gradient(  # noqa: E731
         g, broadcast, reduce_dtype)
     out = reduce_lib.with_param_gradient(gradient, out, params["bias"], ())

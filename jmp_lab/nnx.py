@@ -151,10 +151,8 @@ def _bias_broadcast(module: nnx.Module, bias_shape, args, kwargs) -> tuple:
   inputs = args[0] if args else kwargs["inputs"]
   subscripts = (args[1] if len(args) > 1 else kwargs.get("einsum_str")) \
       or module.einsum_str
-  _, rhs, out = reduce_lib.einsum_subscripts(
-      subscripts.replace(" ", ""), inputs, module.kernel.get_raw_value())
-  shape = module.kernel.get_raw_value().shape
-  return tuple(shape[rhs.index(c)] if c in rhs else 1 for c in out)
+  return reduce_lib.einsum_bias_broadcast(subscripts.replace(" ", ""), inputs,
+                                          module.kernel.get_raw_value())
 
 
 class PolicyParam(nnx.Param):

@@ -267,6 +267,19 @@ def einsum_subscripts(subscripts: str, lhs, rhs) -> tuple[str, str, str]:
   return lhs_names, rhs_names, output
 
 
+def einsum_bias_broadcast(subscripts: str, lhs, rhs) -> tuple[int, ...]:
+  """The shape flax's ``Einsum`` (linen and NNX) reshapes its bias to before
+  adding it: the output's axes that the weight has, 1 elsewhere.
+
+  >>> import jax.numpy as jnp
+  >>> einsum_bias_broadcast("btd,dh->hbt", jnp.ones((2, 5, 4)), jnp.ones((4, 3)))
+  (3, 1, 1)
+  """
+  _, rhs_names, out_names = einsum_subscripts(subscripts, lhs, rhs)
+  return tuple(rhs.shape[rhs_names.index(c)] if c in rhs_names else 1
+               for c in out_names)
+
+
 def einsum_rhs_gradient(subscripts: str, lhs, g, rhs_shape: Sequence[int],
                         reduce_dtype: Any) -> jax.Array:
   """The second operand's cotangent of ``jnp.einsum(subscripts, lhs, rhs)``,
