@@ -13,7 +13,10 @@ the unfused path. Two state layouts:
   the GPT-2-small step moves 71.2 GB against 71.4 for the unfused step, with
   32 update kernels against 428 (benchmarks/RESULTS.md). With fp32 params
   ``backend="auto"`` keeps XLA's per-leaf fusion, which the kernel cannot
-  beat there (see :func:`jmp_lab.kernels.tree_backend`).
+  beat there (see :func:`jmp_lab.kernels.tree_backend`). Under ``jit``
+  with the state sharded (ZeRO-1, :func:`jmp_lab.sharding.state_shardings`)
+  each device runs the kernels on its own shards of the leaves, with a
+  global finite flag and clip norm (:mod:`jmp_lab.kernels.partitioned`).
 * ``layout="flat"``: ``(rows, 256)`` fp32 buffers, padded to whole kernel
   blocks, one kernel for everything. Gradients that arrive as a tree are
   packed first (a pass); a model that reads its params from the flat buffer
