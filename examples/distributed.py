@@ -47,6 +47,8 @@ def parse_args(argv=None):
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--global-batch", type=int, default=16)
   parser.add_argument("--seq-len", type=int, default=64)
+  parser.add_argument("--depth", type=int, default=2,
+                      help="transformer blocks of the char transformer")
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--policy", default="p=bf16,c=bf16,o=f32,reduce=float32")
   parser.add_argument("--poison-step", type=int, default=-1)
@@ -62,7 +64,7 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   if args.steps < 0:
     parser.error(f"--steps must be >= 0, got {args.steps}")
-  for name in ("processes", "devices_per_process", "global_batch"):
+  for name in ("processes", "devices_per_process", "global_batch", "depth"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got "
                    f"{getattr(args, name)}")
@@ -133,7 +135,8 @@ def train(args) -> dict:
   devices = np.array(jax.devices())
   mesh = Mesh(devices, ("data",))
   policy = jmp_lab.get_policy(args.policy)
-  model = jl.with_policy(ct.CharTransformer(max_len=args.seq_len, dropout=0.0),
+  model = jl.with_policy(ct.CharTransformer(max_len=args.seq_len,
+                                            depth=args.depth, dropout=0.0),
                          policy)
   params = model.init(jax.random.key(0),
                       jnp.zeros((1, args.seq_len), jnp.int32))["params"]

@@ -1,8 +1,9 @@
 """fp8 matmuls with per-tensor scaling, for Hopper's fp8 tensor cores.
 
 A policy with ``matmul="fp8"`` (the ``"mixed_fp8"`` preset) or
-``"fp8_current"`` runs the Dense/Linear matmuls of :func:`jmp_lab.linen.with_policy`
-and :func:`jmp_lab.nnx.with_policy` through :func:`dot_general`: the inputs
+``"fp8_current"`` runs the Dense/Linear (and Einsum) matmuls of
+:func:`jmp_lab.linen.with_policy` and :func:`jmp_lab.nnx.with_policy` through
+:func:`dot_general` (:func:`einsum`): the inputs
 and kernels are quantized to E4M3 and the output gradient to E5M2, each
 divided by its own scale. The matmul itself is written as
 quantize-dequantize around a ``dot_general`` in the compute dtype; XLA's GPU
@@ -147,6 +148,45 @@ _current_out_qdq.defvjp(_current_out_qdq_fwd, _current_out_qdq_bwd)
 # --- the matmul ----------------------------------------------------------------
 
 
+def quantize_operands(lhs: jax.Array, rhs: jax.Array,
+                      meta: Optional[Fp8Meta] = None
+                      ) -> tuple[jax.Array, jax.Array]:
+  """The two operands of an fp8 matmul, quantized to E4M3 and dequantized
+  to ``rhs``'s dtype (the compute dtype; ``rhs`` is the kernel): delayed
+  scaling with ``meta``, current scaling without."""
+  compute = rhs.dtype
+  lhs = lhs.astype(compute)
+  if meta is None:
+    return _current_in_qdq(lhs), _current_in_qdq(rhs)
+  _check_meta(meta)
+  return (fp8_ops.in_qdq(compute, E4M3, lhs, meta["input_scale"],
+                         meta["input_amax_history"]),
+          fp8_ops.in_qdq(compute, E4M3, rhs, meta["kernel_scale"],
+                         meta["kernel_amax_history"]))
+
+
+def quantize_output_gradient(y: jax.Array, meta: Optional[Fp8Meta] = None
+                             ) -> jax.Array:
+  """``y`` unchanged; its gradient quantized to E5M2 (delayed scaling with
+  ``meta``, current scaling without)."""
+  if meta is None:
+    return _current_out_qdq(y)
+  return fp8_ops.out_qdq(y.dtype, E5M2, y, meta["output_grad_scale"],
+                         meta["output_grad_amax_history"])
+
+
+def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
+                 lhs: jax.Array, rhs: jax.Array, meta: Optional[Fp8Meta],
+                 out_sharding) -> jax.Array:
+  """``product(lhs, rhs)`` (a matmul or einsum of the two) with E4M3
+  operands and an E5M2 output gradient; ``rhs`` is the kernel."""
+  if out_sharding is not None:
+    raise ValueError(f"an fp8 matmul does not take out_sharding (got "
+                     f"{out_sharding!r})")
+  return quantize_output_gradient(
+      product(*quantize_operands(lhs, rhs, meta)), meta)
+
+
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
                 meta: Optional[Fp8Meta] = None, out_sharding=None
@@ -161,23 +201,27 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   accumulates in fp32 and returns the compute dtype.
   """
   del precision, preferred_element_type
-  if out_sharding is not None:
-    raise ValueError(f"an fp8 matmul does not take out_sharding (got "
-                     f"{out_sharding!r})")
-  compute = rhs.dtype
-  lhs = lhs.astype(compute)
-  if meta is None:
-    y = jax.lax.dot_general(_current_in_qdq(lhs), _current_in_qdq(rhs),
-                            dimension_numbers)
-    return _current_out_qdq(y)
-  _check_meta(meta)
-  q_lhs = fp8_ops.in_qdq(compute, E4M3, lhs, meta["input_scale"],
-                         meta["input_amax_history"])
-  q_rhs = fp8_ops.in_qdq(compute, E4M3, rhs, meta["kernel_scale"],
-                         meta["kernel_amax_history"])
-  y = jax.lax.dot_general(q_lhs, q_rhs, dimension_numbers)
-  return fp8_ops.out_qdq(compute, E5M2, y, meta["output_grad_scale"],
-                         meta["output_grad_amax_history"])
+  return _fp8_product(
+      lambda a, b: jax.lax.dot_general(a, b, dimension_numbers),
+      lhs, rhs, meta, out_sharding)
+
+
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, precision=None,
+           preferred_element_type=None, *, meta: Optional[Fp8Meta] = None,
+           out_sharding=None) -> jax.Array:
+  """``jnp.einsum(subscripts, lhs, rhs)`` as an fp8 GEMM, as
+  :func:`dot_general` (``rhs`` is the kernel): flax NNX's ``Einsum``
+  (``einsum_op``) and linen's ``Einsum`` under an fp8 policy.
+
+  >>> import jax.numpy as jnp
+  >>> x, w = jnp.full((2, 3, 4), 3.0, jnp.bfloat16), jnp.ones((4, 5), jnp.bfloat16)
+  >>> y = einsum("btd,dk->btk", x, w)   # current scaling: 3.0 is exact
+  >>> y.dtype, float(y[0, 0, 0])
+  (dtype(bfloat16), 12.0)
+  """
+  del precision, preferred_element_type
+  return _fp8_product(lambda a, b: jnp.einsum(subscripts, a, b), lhs, rhs,
+                      meta, out_sharding)
 
 
 def current_dot_general(lhs, rhs, dimension_numbers, precision=None,
@@ -186,6 +230,14 @@ def current_dot_general(lhs, rhs, dimension_numbers, precision=None,
   ``lax.dot_general``, for a layer's ``dot_general`` attribute."""
   return dot_general(lhs, rhs, dimension_numbers, precision,
                      preferred_element_type, out_sharding=out_sharding)
+
+
+def current_einsum(subscripts, lhs, rhs, precision=None,
+                   preferred_element_type=None, out_sharding=None):
+  """:func:`einsum` with current scaling, for an NNX ``Einsum``'s
+  ``einsum_op``."""
+  return einsum(subscripts, lhs, rhs, precision, preferred_element_type,
+                out_sharding=out_sharding)
 
 
 def delayed_dot_general(meta: Fp8Meta) -> Callable[..., jax.Array]:
@@ -197,6 +249,18 @@ def delayed_dot_general(meta: Fp8Meta) -> Callable[..., jax.Array]:
     return dot_general(lhs, rhs, dimension_numbers, precision,
                        preferred_element_type, meta=meta,
                        out_sharding=out_sharding)
+
+  return fn
+
+
+def delayed_einsum(meta: Fp8Meta) -> Callable[..., jax.Array]:
+  """:func:`einsum` with delayed scaling from ``meta``, with the signature
+  of an NNX ``Einsum``'s ``einsum_op``."""
+
+  def fn(subscripts, lhs, rhs, precision=None, preferred_element_type=None,
+         out_sharding=None):
+    return einsum(subscripts, lhs, rhs, precision, preferred_element_type,
+                  meta=meta, out_sharding=out_sharding)
 
   return fn
 

@@ -62,6 +62,7 @@ from typing import Any, Mapping, Optional, Union
 import flax
 import flax.linen as nn
 from flax import traverse_util
+from flax.linen.dtypes import promote_dtype as flax_promote_dtype
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,8 +262,8 @@ class PolicyModule:
       depth[0] += 1
       try:
         with _matmul_override(context.module, policy,
-                              self.fp8_history_length):
-          out = next_fun(*args, **kwargs)
+                              self.fp8_history_length) as finish:
+          out = finish(next_fun(*args, **kwargs))
       finally:
         depth[0] -= 1
       params = attached.get(tuple(context.module.path))
@@ -292,11 +293,15 @@ def _runs_its_own_call(module: nn.Module, classes: tuple) -> bool:
 
 
 def _attached_params(module: nn.Module, policy: Policy) -> tuple[str, ...]:
-  """The params of ``module`` whose gradients the interceptor attaches."""
-  if policy.reduce_dtype is None:
+  """The params of ``module`` whose gradients the interceptor attaches: under
+  a reduce dtype, every bias and an Einsum's kernel; under fp8, an Einsum's
+  bias (so that its gradient is summed from the output gradient before
+  that is quantized to E5M2, as a Dense's is)."""
+  fp8_einsum = _is_fp8_einsum(module, policy)
+  if policy.reduce_dtype is None and not fp8_einsum:
     return ()
   names = []
-  if _runs_its_own_call(module, (nn.Einsum,)):
+  if (_runs_its_own_call(module, (nn.Einsum,)) and not fp8_einsum):
     names.append("kernel")
   if (_runs_its_own_call(module, _BIAS_MODULES) and module.use_bias
       and not getattr(module, "batch_dims", ())):
@@ -320,12 +325,11 @@ def _detach(params: Any, attach: Mapping[tuple, tuple],
   return flax.core.freeze(out) if isinstance(params, flax.core.FrozenDict) else out
 
 
-def _einsum_call(module: nn.Einsum, kernel, args, kwargs):
-  """The input and equation of one ``nn.Einsum`` call, as flax computes it."""
+def _einsum_call(module: nn.Einsum, args, kwargs):
+  """The input and equation of one ``nn.Einsum`` call."""
   inputs = args[0] if args else kwargs["inputs"]
   subscripts = (args[1] if len(args) > 1 else kwargs.get("einsum_str")) \
       or module.einsum_str
-  inputs, _, _ = module.promote_dtype(inputs, kernel, None, dtype=module.dtype)
   return inputs, subscripts.replace(" ", "")
 
 
@@ -333,19 +337,24 @@ def _attach_gradients(module: nn.Module, out, params: Mapping[str, Any],
                       args, kwargs, reduce_dtype) -> Any:
   einsum = isinstance(module, nn.Einsum)
   if einsum:
-    inputs, subscripts = _einsum_call(module, params["kernel"], args, kwargs)
+    inputs, subscripts = _einsum_call(module, args, kwargs)
+    kernel = jax.ShapeDtypeStruct(tuple(module.shape), inputs.dtype)
   if "kernel" in params:
+    # The input as flax's einsum saw it.
+    inputs, _, _ = module.promote_dtype(inputs, params["kernel"], None,
+                                        dtype=module.dtype)
     kernel_shape = params["kernel"].shape
     gradient = lambda g, x: reduce_lib.einsum_rhs_gradient(  # noqa: E731
         subscripts, x, g, kernel_shape, reduce_dtype)
     out = reduce_lib.with_param_gradient(
         gradient, out, params["kernel"], jax.lax.stop_gradient(inputs))
   if "bias" in params:
-    broadcast = (reduce_lib.einsum_bias_broadcast(subscripts, inputs,
-                                                  params["kernel"])
+    broadcast = (reduce_lib.einsum_bias_broadcast(subscripts, inputs, kernel)
                  if einsum else params["bias"].shape)
+    # Without a reduce dtype (an fp8 Einsum), summed as flax would: in the
+    # output gradient's dtype.
     gradient = lambda g, _: reduce_lib.bias_gradient(  # noqa: E731
-        g, broadcast, reduce_dtype)
+        g, broadcast, reduce_dtype or g.dtype)
     out = reduce_lib.with_param_gradient(gradient, out, params["bias"], ())
   return out
 
@@ -390,20 +399,59 @@ def _set_for_one_call(module: nn.Module, attribute: str, value: Any):
     object.__setattr__(module, attribute, None)
 
 
+@contextlib.contextmanager
 def _matmul_override(module: nn.Module, policy: Policy, history_length: int):
   """For one call: a Dense/DenseGeneral's ``dot_general`` (or
   ``dot_general_cls``) in fp8 under a ``matmul`` policy, or the reduce
   dtype's under a ``reduce`` policy (fp8 wins: its weight gradient comes out
-  of the fp8 GEMM); a module that sets its own keeps it."""
+  of the fp8 GEMM); a module that sets its own keeps it. An ``nn.Einsum``
+  has no matmul attribute: under fp8 its ``promote_dtype`` quantizes the
+  operands, and the function this yields (applied to the layer's output)
+  quantizes the output gradient. Elsewhere that function is the identity.
+  """
+  if _is_fp8_einsum(module, policy):
+    meta = _einsum_fp8_meta(module, policy, history_length)
+    default = module.promote_dtype
+
+    def promote(inputs, kernel, bias, dtype=None):
+      inputs, kernel, bias = default(inputs, kernel, bias, dtype=dtype)
+      return (*fp8.quantize_operands(inputs, kernel, meta), bias)
+
+    object.__setattr__(module, "promote_dtype", promote)
+    try:
+      yield lambda out: fp8.quantize_output_gradient(out, meta)
+    finally:
+      object.__setattr__(module, "promote_dtype", default)
+    return
   if policy.matmul is not None and any(_is_exactly(module, cls)
                                        for cls in _FP8_MODULES):
     if module.dot_general is not None or module.dot_general_cls is not None:
-      return contextlib.nullcontext()
-    if policy.matmul == "fp8_current":
-      return _set_for_one_call(module, "dot_general", fp8.current_dot_general)
-    return _set_for_one_call(module, "dot_general_cls", functools.partial(
-        Fp8DotGeneral, history_length=history_length))
-  return _reduced_gradients(module, policy.reduce_dtype)
+      override = contextlib.nullcontext()
+    elif policy.matmul == "fp8_current":
+      override = _set_for_one_call(module, "dot_general",
+                                   fp8.current_dot_general)
+    else:
+      override = _set_for_one_call(module, "dot_general_cls", functools.partial(
+          Fp8DotGeneral, history_length=history_length))
+  else:
+    override = _reduced_gradients(module, policy.reduce_dtype)
+  with override:
+    yield lambda out: out
+
+
+def _is_fp8_einsum(module: nn.Module, policy: Policy) -> bool:
+  """An ``nn.Einsum`` (with flax's own ``promote_dtype``) under fp8."""
+  return (policy.matmul is not None and _runs_its_own_call(module, (nn.Einsum,))
+          and module.promote_dtype is flax_promote_dtype)
+
+
+def _einsum_fp8_meta(module: nn.Einsum, policy: Policy, history_length: int):
+  """The delayed-scaling state of an Einsum, in its own scope's
+  ``_overwrite_with_gradient`` collection (None for current scaling)."""
+  if policy.matmul == "fp8_current":
+    return None
+  return {name: module.variable(fp8.COLLECTION, name, lambda v=v: v).value
+          for name, v in fp8.init_meta(history_length).items()}
 
 
 def _reduced_gradients(module: nn.Module, reduce_dtype):

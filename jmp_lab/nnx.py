@@ -215,11 +215,11 @@ def _policy_class(base: type, compute: np.dtype, output: np.dtype,
     bias = None
     with contextlib.ExitStack() as stack:
       if fp8_delayed:
-        # The layer calls self.dot_general: for this call, the fp8 matmul
-        # that reads (and, differentiated, updates) its scaling state.
-        stack.enter_context(_swapped(self, "dot_general",
-                                     fp8.delayed_dot_general(
-                                         self.fp8_meta.get_value())))
+        # The layer calls its matmul attribute: for this call, the fp8
+        # matmul that reads (and, differentiated, updates) its scaling state.
+        _, attribute, _, _, delayed = _fp8_entry(self)
+        stack.enter_context(_swapped(self, attribute,
+                                     delayed(self.fp8_meta.get_value())))
       if reduce_bias is not None:
         bias = stack.enter_context(_detached(self.bias))
       out = base.__call__(self, *args, **kwargs)
@@ -287,27 +287,49 @@ def _set_reduce_dtype(module: nnx.Module, reduce_dtype) -> None:
       return
 
 
-_FP8_MODULES = (nnx.Linear, nnx.LinearGeneral)
+# Modules whose matmul can run in fp8: (class, its matmul attribute, the
+# default, the current-scaling version, the delayed-scaling factory).
+_FP8_MODULES = (
+    (nnx.Linear, "dot_general", jax.lax.dot_general, fp8.current_dot_general,
+     fp8.delayed_dot_general),
+    (nnx.LinearGeneral, "dot_general", jax.lax.dot_general,
+     fp8.current_dot_general, fp8.delayed_dot_general),
+    (nnx.Einsum, "einsum_op", jnp.einsum, fp8.current_einsum,
+     fp8.delayed_einsum),
+)
+
+
+def _fp8_entry(module: nnx.Module) -> Optional[tuple]:
+  return next((entry for entry in _FP8_MODULES
+               if _base_class(module) is entry[0]), None)
 
 
 def _fp8_mode(module: nnx.Module, policy: Policy) -> Optional[str]:
-  """The module's fp8 matmul mode: the policy's for a Linear/LinearGeneral
-  that keeps lax.dot_general (or jmp_lab's current-scaling one), else None."""
-  if policy.matmul is None or _base_class(module) not in _FP8_MODULES:
+  """The module's fp8 matmul mode: the policy's for a Linear,
+  LinearGeneral or Einsum that keeps flax's matmul (or jmp_lab's
+  current-scaling one), else None."""
+  entry = _fp8_entry(module)
+  if policy.matmul is None or entry is None:
     return None
-  if module.dot_general not in (jax.lax.dot_general, fp8.current_dot_general):
+  _, attribute, default, current, _ = entry
+  if getattr(module, attribute) not in (default, current):
     return None
   return policy.matmul
 
 
 def _set_fp8_state(module: nnx.Module, mode: Optional[str],
                    history_length: int) -> None:
-  """Gives a Linear what its fp8 mode needs (and takes back what an earlier
-  policy gave it): the current-scaling matmul, or an :class:`Fp8Meta`."""
-  if module.dot_general is fp8.current_dot_general:
-    module.dot_general = jax.lax.dot_general
+  """Gives a Linear/LinearGeneral/Einsum what its fp8 mode needs (and takes
+  back what an earlier policy gave it): the current-scaling matmul, or an
+  :class:`Fp8Meta`."""
+  entry = _fp8_entry(module)
+  if entry is None:
+    return
+  _, attribute, default, current, _ = entry
+  if getattr(module, attribute) is current:
+    setattr(module, attribute, default)
   if mode == "fp8_current":
-    module.dot_general = fp8.current_dot_general
+    setattr(module, attribute, current)
   has_meta = isinstance(getattr(module, "fp8_meta", None), Fp8Meta)
   if mode == "fp8" and not has_meta:
     module.fp8_meta = Fp8Meta(fp8.init_meta(history_length))
@@ -400,8 +422,7 @@ def with_policy(
       output = policy.compute_dtype
     _set_reduce_dtype(module, None)  # what an earlier policy gave, back
     fp8_mode = _fp8_mode(module, effective[path])
-    if _base_class(module) in _FP8_MODULES:
-      _set_fp8_state(module, fp8_mode, fp8_history_length)
+    _set_fp8_state(module, fp8_mode, fp8_history_length)
     module.__class__ = _policy_class(
         _base_class(module), compute, output, fp8_mode == "fp8",
         _reduced_bias(module, effective[path]))

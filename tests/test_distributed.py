@@ -18,7 +18,8 @@ def run(tmp_path, processes, devices_per_process, *extra):
       [sys.executable, str(ROOT / "examples" / "distributed.py"),
        "--processes", str(processes),
        "--devices-per-process", str(devices_per_process), "--steps", "4",
-       "--global-batch", "8", "--seq-len", "32", "--poison-step", "2",
+       "--global-batch", "8", "--seq-len", "32", "--depth", "1",
+       "--poison-step", "2",
        "--out", str(out), "--timeout", "400", *extra],
       check=True, env=env, timeout=500)
   return json.loads(out.read_text())

@@ -198,6 +198,54 @@ class LinenFp8StepTest(chex.TestCase):
     assert float(new_state.loss_scale.loss_scale) == 2.0**7
 
 
+class EinsumMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Einsum((16, 4, 8), "bd,dhk->bhk")(x))
+    return nn.Einsum((4, 8, 10), "bhk,hkc->bc", name="head")(x)
+
+
+@pytest.mark.parametrize("spec", ["mixed_fp8", "mixed_bfloat16,matmul=fp8_current"])
+def test_linen_einsums_are_fp8_too(spec):
+  """linen's Einsum has no matmul attribute: under fp8 its promote_dtype
+  quantizes the operands and jmp_lab the output gradient. Every matmul of
+  the step has fp8 operands, the delayed state sits in the Einsum's own
+  scope, and the bias gradient is summed before the E5M2 quantization (as
+  a Dense's): equal to a plain bf16 Einsum's bias gradient fed the same
+  output gradient."""
+  model = jl.with_policy(EinsumMLP(), spec, fp8_history_length=8)
+  variables = model.init(jax.random.key(1), X)
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=variables["params"], policy=spec,
+      model_state={k: v for k, v in variables.items() if k != "params"},
+      tx=jmp_lab.mixed_precision(optax.adam(1e-2), policy=spec,
+                                 loss_scale=jmp_lab.NoOpLossScale()))
+  step = functools.partial(jmp_lab.train_step, loss_fn=linen_loss)
+  report = jmp_lab.diagnostics.audit_step(step, state, (X, Y))
+  # two forward, two weight gradients, one or two input gradients (the
+  # first layer's is dead code under current scaling)
+  assert report.fp8_flop_share == 1.0 and len(report.matmuls) >= 5
+  step = jax.jit(step)
+  losses = []
+  for _ in range(5):
+    state, metrics = step(state, (X, Y))
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < losses[0]
+  if spec == "mixed_fp8":
+    history = state.model_state[fp8.COLLECTION]["Einsum_0"]["input_amax_history"]
+    assert int(jnp.sum(history > 0)) == 5
+  else:
+    assert state.model_state == {}
+  # The head's bias gradient: the sum over the batch of the loss's output
+  # gradient, not of its E5M2 quantization.
+  params = state.params
+  logits, vjp = jax.vjp(lambda p: model.apply(
+      {"params": p, **state.model_state}, X), params)
+  g = jax.random.normal(jax.random.key(3), logits.shape).astype(logits.dtype)
+  want = jnp.sum(g.astype(jnp.bfloat16).astype(jnp.float32), axis=0)
+  chex.assert_trees_all_close(vjp(g)[0]["head"]["bias"], want, rtol=1e-2)
+
+
 def test_fused_adamw_under_fp8_never_sees_the_scaling_state():
   model = jl.with_policy(MLP(), "mixed_fp8", fp8_history_length=8)
   variables = model.init(jax.random.key(1), X)
@@ -271,6 +319,38 @@ def test_nnx_linears_are_fp8_and_the_meta_is_overwritten_not_optimized():
   # applied again without fp8, the state goes away
   jmp_lab.nnx.with_policy(model, "mixed_bfloat16")
   assert not hasattr(model.up, "fp8_meta")
+
+
+class NnxEinsumMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Einsum("bd,dhk->bhk", (16, 4, 8), (4, 8), rngs=rngs)
+    self.head = nnx.Einsum("bhk,hkc->bc", (4, 8, 10), (10,), rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("spec", ["mixed_fp8", "mixed_bfloat16,matmul=fp8_current"])
+def test_nnx_einsums_are_fp8_too(spec):
+  """NNX's Einsum gets jmp_lab.fp8.einsum as its einsum_op: every matmul of
+  the step (forward and both gradients) has fp8 operands, and it trains."""
+  model = jmp_lab.nnx.with_policy(NnxEinsumMLP(nnx.Rngs(1)), spec,
+                                  fp8_history_length=8)
+  optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(
+      optax.adam(1e-2), policy=spec, loss_scale=jmp_lab.NoOpLossScale()),
+      wrt=nnx.Param)
+  step, state = jmp_lab.nnx.split_train_step(nnx_loss, model, optimizer)
+  assert jmp_lab.diagnostics.audit_step(step, state, (X, Y)).fp8_flop_share == 1.0
+  train = jmp_lab.nnx.make_train_step(nnx_loss)
+  losses = [float(train(model, optimizer, (X, Y))["loss"]) for _ in range(5)]
+  assert losses[-1] < losses[0]
+  if spec == "mixed_fp8":
+    history = model.up.fp8_meta.get_value()["input_amax_history"]
+    assert int(jnp.sum(history > 0)) == 5
+  else:
+    assert model.up.einsum_op is fp8.current_einsum
+  jmp_lab.nnx.with_policy(model, "mixed_bfloat16")  # taken back
+  assert model.up.einsum_op is jnp.einsum and not hasattr(model.up, "fp8_meta")
 
 
 def test_nnx_skipped_step_keeps_the_fp8_state_and_orbax_restores_it(tmp_path):

@@ -297,7 +297,9 @@ def collective_bytes(report):
   return by_dtype
 
 
-@pytest.mark.parametrize("policy", ["bf16", "bf16-o2"])
+# bf16 (fp32 params) only, for CI time: with bf16 params (bf16-o2) the
+# same holds (benchmarks/RESULTS.md, GPT-2-small).
+@pytest.mark.parametrize("policy", ["bf16"])
 def test_reduce_float32_sums_gradients_in_fp32_on_8_h100s(policy):
   """A data-parallel GPT step compiled for 8 H100s: without a reduce dtype
   the weight gradients are all-reduced in bf16; with reduce=float32 every
