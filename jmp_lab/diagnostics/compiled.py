@@ -221,6 +221,9 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
   jitted = fn if hasattr(fn, "trace") else jax.jit(
       fn, donate_argnums=donate_argnums)
   options = {"xla_gpu_enable_triton_gemm": bool(triton_gemm),
+             # A production build's LLVM level, whatever XLA_FLAGS say (the
+             # test suite lowers it for its CPU programs).
+             "xla_backend_optimization_level": 3,
              "xla_gpu_fail_ptx_compilation_on_register_spilling":
                  bool(fail_on_spill)}
   if dump_to:
