@@ -325,19 +325,11 @@ def _detach(params: Any, attach: Mapping[tuple, tuple],
   return flax.core.freeze(out) if isinstance(params, flax.core.FrozenDict) else out
 
 
-def _einsum_call(module: nn.Einsum, args, kwargs):
-  """The input and equation of one ``nn.Einsum`` call."""
-  inputs = args[0] if args else kwargs["inputs"]
-  subscripts = (args[1] if len(args) > 1 else kwargs.get("einsum_str")) \
-      or module.einsum_str
-  return inputs, subscripts.replace(" ", "")
-
-
 def _attach_gradients(module: nn.Module, out, params: Mapping[str, Any],
                       args, kwargs, reduce_dtype) -> Any:
   einsum = isinstance(module, nn.Einsum)
   if einsum:
-    inputs, subscripts = _einsum_call(module, args, kwargs)
+    inputs, subscripts = reduce_lib.flax_einsum_call(module, args, kwargs)
     kernel = jax.ShapeDtypeStruct(tuple(module.shape), inputs.dtype)
   if "kernel" in params:
     # The input as flax's einsum saw it.

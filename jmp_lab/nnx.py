@@ -148,10 +148,8 @@ def _bias_broadcast(module: nnx.Module, bias_shape, args, kwargs) -> tuple:
   """How ``module`` broadcasts its bias onto its output (flax's rule)."""
   if not isinstance(module, nnx.Einsum):
     return tuple(bias_shape)
-  inputs = args[0] if args else kwargs["inputs"]
-  subscripts = (args[1] if len(args) > 1 else kwargs.get("einsum_str")) \
-      or module.einsum_str
-  return reduce_lib.einsum_bias_broadcast(subscripts.replace(" ", ""), inputs,
+  inputs, subscripts = reduce_lib.flax_einsum_call(module, args, kwargs)
+  return reduce_lib.einsum_bias_broadcast(subscripts, inputs,
                                           module.kernel.get_raw_value())
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+import opt_einsum  # a dependency of jax: its einsum's own parser
 from jax import lax
 
 
@@ -254,17 +255,30 @@ def einsum_subscripts(subscripts: str, lhs, rhs) -> tuple[str, str, str]:
   """
   if subscripts.count(",") != 1 or "->" not in subscripts:
     raise ValueError(
-        f"a reduce-dtype einsum takes an explicit equation of two operands "
-        f"(\"lhs,rhs->out\"), got {subscripts!r}")
-  import opt_einsum  # a dependency of jax
+        f"einsum subscripts must name two operands and the output "
+        f"(\"lhs,rhs->out\") where jmp_lab computes an einsum's weight or "
+        f"bias gradient itself, got {subscripts!r}")
   inputs, output, _ = opt_einsum.parser.parse_einsum_input(
       (subscripts, lhs, rhs))
   lhs_names, rhs_names = inputs.split(",")
   if len(set(rhs_names)) != len(rhs_names):
     raise ValueError(
-        f"a reduce-dtype einsum's weight (second operand) cannot repeat a "
-        f"subscript (a diagonal), got {subscripts!r}")
+        f"einsum subscripts cannot repeat a subscript of the weight (second "
+        f"operand, a diagonal) where jmp_lab computes its gradient, got "
+        f"{subscripts!r}")
   return lhs_names, rhs_names, output
+
+
+def flax_einsum_call(module: Any, args: Sequence[Any],
+                     kwargs: dict[str, Any]) -> tuple[Any, str]:
+  """``(inputs, subscripts)`` of a call ``module(inputs, einsum_str=None)``
+  of flax's ``Einsum`` (linen or NNX), spaces removed; ``einsum_str``
+  defaults to the module's.
+  """
+  inputs = args[0] if args else kwargs["inputs"]
+  subscripts = (args[1] if len(args) > 1 else kwargs.get("einsum_str")) \
+      or module.einsum_str
+  return inputs, subscripts.replace(" ", "")
 
 
 def einsum_bias_broadcast(subscripts: str, lhs, rhs) -> tuple[int, ...]:

@@ -149,6 +149,30 @@ def test_byte_model_of_one_elementwise_kernel_is_exact():
   assert report.roofline_seconds()["memory"] == pytest.approx(8 * 2**20 / 3.35232e12)
 
 
+def test_host_launches_count_a_cuda_graph_once():
+  """Twelve small kernels in a row, then a cuBLAS GEMM and its epilogue:
+  XLA records the run of twelve into one command buffer (a CUDA graph, one
+  launch from the host) and launches the GEMM and the kernel after it
+  itself."""
+  def normalise_then_project(x, w):
+    for _ in range(6):
+      x = x / jnp.sum(x, axis=0, keepdims=True)
+    return jnp.tanh(x @ w)
+
+  x = SDS((256, 256), jnp.bfloat16)
+  report = compiled.compiled_report(normalise_then_project, x, x)
+  graphed = [t for t in report.thunks if t.graph is not None
+             and t.kind != "kCommandBuffer"]
+  assert len(graphed) == 12 and len({t.graph for t in graphed}) == 1
+  gemm = [t for t in report.thunks if t.kind == "kCublasLtMatmul"]
+  assert [t.graph for t in gemm] == [None]
+  assert gemm[0].instruction in report.hlo_text
+  assert report.kernels == 14
+  assert report.host_launches() == 3
+  # By scope: the instructions XLA put in the graph count as one launch.
+  assert report.host_launches({t.instruction for t in graphed[:5]}) == 1
+
+
 def test_byte_model_counts_a_sliced_operand_as_the_slices_read():
   """Four kernels, each reading a quarter of one buffer: 8 B per element in
   all, not four whole-buffer reads (which gave 20)."""

@@ -294,6 +294,23 @@ class CollectiveRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class ThunkRecord:
+  """One unit of work in XLA's GPU thunk sequence (what the runtime runs).
+
+  Attributes:
+    kind: XLA's thunk kind, e.g. ``"kCustomKernel"``, ``"kCublasLtMatmul"``.
+    instruction: the HLO instruction it runs (its name in ``hlo_text``).
+    graph: which command buffer holds it (XLA records a command buffer as a
+      CUDA graph and launches the whole graph at once), or None where the
+      host launches the thunk itself.
+  """
+
+  kind: str
+  instruction: str
+  graph: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
 class PallasKernel:
   """A Pallas kernel in the module, with what ptxas says of it."""
 
@@ -327,6 +344,8 @@ class CompiledReport:
   pallas_kernels: list[PallasKernel]
   kernel_records: list[KernelRecord] = dataclasses.field(repr=False)
   hlo_text: str = dataclasses.field(repr=False)
+  thunks: list[ThunkRecord] = dataclasses.field(default_factory=list,
+                                                repr=False)
 
   @property
   def bytes_accessed(self) -> Optional[float]:
@@ -356,7 +375,27 @@ class CompiledReport:
     """
     records = [k for k in self.kernel_records if name in k.op_name.split("/")]
     return {"kernels": sum(k.times for k in records),
-            "io_bytes": sum(k.io_bytes * k.times for k in records)}
+            "io_bytes": sum(k.io_bytes * k.times for k in records),
+            "host_launches": self.host_launches({k.name for k in records})}
+
+  def host_launches(self, instructions: Optional[set[str]] = None) -> int:
+    """Launches the host makes for ``instructions`` (default: every thunk
+    that does work), each CUDA graph that holds any of them counted once.
+
+    XLA records runs of kernels into command buffers (CUDA graphs); the
+    kernels of a graph still run one after another on the GPU, but the host
+    launches the graph once. Thunks inside loops count once here.
+    """
+    graphs, alone = set(), 0
+    for thunk in self.thunks:
+      if thunk.kind in _NO_WORK_THUNKS or (
+          instructions is not None and thunk.instruction not in instructions):
+        continue
+      if thunk.graph is None:
+        alone += 1
+      else:
+        graphs.add(thunk.graph)
+    return alone + len(graphs)
 
   def pallas_summary(self) -> str:
     """The Pallas kernels, alike launches counted once, e.g.
@@ -411,7 +450,8 @@ class CompiledReport:
         f"{gb(self.cost_model_bytes)} + custom calls "
         f"{gb(self.custom_call_bytes)}); kernel boundaries "
         f"{gb(self.kernel_io_bytes)}",
-        f"kernels launched per step: {self.kernels}",
+        f"kernels launched per step: {self.kernels}; host launches "
+        f"{self.host_launches()} (kernels in a CUDA graph launched at once)",
         f"GEMM FLOPs: {self.gemm_flops / 1e9:.1f} GFLOP; roofline (model): "
         f"{roof['total'] * 1e3:.3f} ms = memory {roof['memory'] * 1e3:.3f} + "
         f"GEMM {roof['gemm'] * 1e3:.3f} ms",
@@ -612,6 +652,46 @@ def _cost_model(compiled) -> tuple[Optional[float], Optional[float]]:
     return None, None
 
 
+# Thunks that launch nothing on the GPU themselves.
+_NO_WORK_THUNKS = {"kCommandBuffer", "kSequential", "kWhile", "kConditional",
+                   "kWaitForStreams", "kKernelThunkDone"}
+_THUNK_LINE = re.compile(r"^( *)(\d+): (k\w+)")
+_THUNK_META = re.compile(
+    r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)\s*}\s*'
+    r'thunk_kind: "(k\w+)"')
+
+
+def _thunks(dump_dir: str) -> list[ThunkRecord]:
+  """The thunk sequence XLA dumped (after its thunk passes), with each
+  thunk's HLO instruction and command buffer; empty if there is none."""
+  # XLA writes the sequence after its passes (command buffers formed) only
+  # where the passes changed it.
+  sequences = (glob.glob(os.path.join(
+      dump_dir, "*thunk_sequence_after_thunk_passes.txt"))
+               or glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")))
+  metadata = glob.glob(os.path.join(dump_dir, "*thunk_metadata.txt"))
+  if len(sequences) != 1 or len(metadata) != 1:
+    return []
+  with open(metadata[0]) as f:
+    names = {int(i): name for name, i, _ in _THUNK_META.findall(f.read())}
+  thunks, stack, graphs = [], [], 0   # stack: (indent, graph or None)
+  with open(sequences[0]) as f:
+    for line in f:
+      match = _THUNK_LINE.match(line)
+      if not match:
+        continue
+      indent, thunk_id, kind = len(match[1]), int(match[2]), match[3]
+      while stack and stack[-1][0] >= indent:
+        stack.pop()
+      graph = stack[-1][1] if stack else None
+      if kind == "kCommandBuffer":
+        graphs += 1
+        graph = graphs
+      thunks.append(ThunkRecord(kind, names.get(thunk_id, ""), graph))
+      stack.append((indent, graph))
+  return thunks
+
+
 def _ptxas() -> Optional[str]:
   try:
     import nvidia.cuda_nvcc  # the nvidia-cuda-nvcc-cu12 wheel
@@ -685,6 +765,7 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
     walker.walk(walker.module.entry, 1)
     usage = (_register_usage(dump_dir, [n for n, _ in walker.pallas])
              if walker.pallas else {})
+    thunks = _thunks(dump_dir)
   pallas = []
   mosaic_logs = sorted(name for name in usage if name.endswith("_kernel"))
   for name, backend in walker.pallas:
@@ -699,7 +780,8 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
       custom_call_bytes=walker.custom_call_bytes,
       kernel_io_bytes=walker.kernel_io_bytes, kernels=walker.kernels,
       gemms=walker.gemms, collectives=walker.collectives,
-      pallas_kernels=pallas, kernel_records=walker.records, hlo_text=text)
+      pallas_kernels=pallas, kernel_records=walker.records, hlo_text=text,
+      thunks=thunks)
 
 
 __all__ = ["CollectiveRecord", "CompiledReport", "GemmRecord", "GpuTarget",
