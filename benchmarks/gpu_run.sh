@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# The one command for a machine with an NVIDIA GPU (about 20 minutes; each
-# part has its own time limit so the whole stays under 25):
+# The one script for a machine with an NVIDIA GPU. Its parts each stay under
+# 10 minutes (each has its own time limit), so a lease with a per-command
+# limit runs them one call at a time:
 #
-#   bash benchmarks/gpu_run.sh [OUTPUT_DIR]      # default: $OUT, else gpu_results/
+#   bash benchmarks/gpu_run.sh OUTPUT_DIR [PART ...]   # default: every part
 #
-# 1. the kernel correctness tests on the real backends: the Triton and Mosaic
-#    GPU kernels against the jnp reference (tests/test_kernels.py, which skips
-#    them on a CPU);
-# 2. benchmarks/fused_update.py at 10M, 100M and 1B params (with torch's
-#    AdamW(fused=True) + GradScaler when torch has CUDA);
-# 3. benchmarks/train_step.py on GPT-2-small, with the torch AMP peer (eager
-#    and torch.compile) and a plot.
+#   kernels       the kernel correctness tests on the real backends: the
+#                 Triton and Mosaic GPU kernels against the jnp reference
+#                 (tests/test_kernels.py, which skips them on a CPU);
+#   fused_update  benchmarks/fused_update.py at 10M, 100M and 1B params (with
+#                 torch's AdamW(fused=True) + GradScaler when torch has CUDA):
+#                 issue 12's GPU targets;
+#   train_step    benchmarks/train_step.py on GPT-2-small, with the torch AMP
+#                 peer (eager and torch.compile) and a plot: issue 7's targets;
+#   fp8           GPT-2-small's step with fp8 matmuls (delayed and current
+#                 scaling) against bf16: issue 16's item 5.
+#
+# e.g. three calls: `... "$OUT" kernels fused_update`, `... "$OUT" train_step`,
+# `... "$OUT" fp8`. OUTPUT_DIR defaults to $OUT, else gpu_results/.
 #
 # Every log and table goes to OUTPUT_DIR; the tables are appended to
 # benchmarks/RESULTS.md under a dated heading (and a copy of RESULTS.md is
@@ -19,6 +26,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_results}}"
+shift || true
+all_parts=(kernels fused_update train_step fp8)
+parts=("$@")
+[ "${#parts[@]}" -gt 0 ] || parts=("${all_parts[@]}")
+for part in "${parts[@]}"; do
+  case " ${all_parts[*]} " in
+    *" $part "*) ;;
+    *) echo "gpu_run.sh: unknown part '$part'; the parts are: ${all_parts[*]}" >&2
+       exit 2 ;;
+  esac
+done
 mkdir -p "$out"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 
@@ -40,18 +58,24 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on fail
   [ "$rc" -eq 0 ] || status=1
 }
 
-run kernels 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs
-run fused_update 480 python3 benchmarks/fused_update.py
-run train_step 660 python3 benchmarks/train_step.py --plot "$out/train_step.png"
+for part in "${parts[@]}"; do
+  case "$part" in
+    kernels) run kernels 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs ;;
+    fused_update) run fused_update 280 python3 benchmarks/fused_update.py ;;
+    train_step) run train_step 570 python3 benchmarks/train_step.py --plot "$out/train_step.png" ;;
+    fp8) run fp8 570 python3 benchmarks/train_step.py --configs bf16,bf16-fp8,bf16-fp8-current \
+           --no-torch --no-batch-search ;;
+  esac
+done
 
 {
   echo
-  echo "## GPU run of $(date -u +%Y-%m-%d) (\`bash benchmarks/gpu_run.sh\`)"
+  echo "## GPU run of $(date -u +%Y-%m-%d) (\`bash benchmarks/gpu_run.sh OUTPUT_DIR ${parts[*]}\`)"
   echo
   echo '```'
   cat "$out/environment.txt"
   echo '```'
-  for name in kernels fused_update train_step; do
+  for name in "${parts[@]}"; do
     echo
     echo "### $name"
     echo
