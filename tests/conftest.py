@@ -12,12 +12,13 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # CI time: most of the suite's time is XLA compiling small CPU programs, and
-# LLVM's optimizations are a third of that (tests/test_training.py: 66 s at
-# the default level 3, 48 s at 0). The tests check what programs compute;
-# where they compare bits, both programs are compiled alike. Compiles for an
-# H100 (jmp_lab.diagnostics.compile_for_gpu) pin level 3, so the compiled
-# reports are those of a production build. JMP_LAB_TEST_LLVM_O3=1 keeps the
-# default.
+# LLVM's optimizations are about a quarter of that (tests/test_training.py:
+# 66 s at the default level 3, 48 s at 0). The level can change which sums
+# XLA:CPU contracts into FMAs, so a test that compares two different programs
+# bit for bit pins level 3 for them (test_lean's PRODUCTION_LLVM). Compiles
+# for an H100 (jmp_lab.diagnostics.compile_for_gpu) pin level 3 too, so the
+# compiled reports are those of a production build. JMP_LAB_TEST_LLVM_O3=1
+# keeps the default everywhere.
 if os.environ.get("JMP_LAB_TEST_LLVM_O3") is None:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()

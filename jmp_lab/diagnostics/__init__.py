@@ -22,7 +22,7 @@ One module per question, each answering with a dataclass whose ``table()``
 from jmp_lab.diagnostics.audit import AuditReport, MatmulRecord, audit_step
 from jmp_lab.diagnostics.compiled import (CollectiveRecord, CompiledReport,
                                           GemmRecord, GpuTarget, PallasKernel,
-                                          compile_for_gpu, compiled_report,
+                                          ThunkRecord, compile_for_gpu, compiled_report,
                                           gpu_mesh, gpu_target)
 from jmp_lab.diagnostics.histogram import (BF16, FP16, FloatRange,
                                            GradientHistogram,
@@ -47,6 +47,7 @@ __all__ = [
     "MemoryReport",
     "MemoryRow",
     "PallasKernel",
+    "ThunkRecord",
     "TrainingRecorder",
     "activation_bytes",
     "audit_step",

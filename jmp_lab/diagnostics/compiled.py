@@ -652,9 +652,9 @@ def _cost_model(compiled) -> tuple[Optional[float], Optional[float]]:
     return None, None
 
 
-# Thunks that launch nothing on the GPU themselves.
+# Thunks that hold or order others and launch nothing on the GPU themselves.
 _NO_WORK_THUNKS = {"kCommandBuffer", "kSequential", "kWhile", "kConditional",
-                   "kWaitForStreams", "kKernelThunkDone"}
+                   "kWaitForStreams"}
 _THUNK_LINE = re.compile(r"^( *)(\d+): (k\w+)")
 _THUNK_META = re.compile(
     r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)\s*}\s*'
@@ -785,5 +785,5 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
 
 
 __all__ = ["CollectiveRecord", "CompiledReport", "GemmRecord", "GpuTarget",
-           "KernelRecord", "PallasKernel", "compile_for_gpu", "compiled_report", "gpu_mesh",
+           "KernelRecord", "PallasKernel", "ThunkRecord", "compile_for_gpu", "compiled_report", "gpu_mesh",
            "gpu_target"]
