@@ -19,9 +19,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # for an H100 (jmp_lab.diagnostics.compile_for_gpu) pin level 3 too, so the
 # compiled reports are those of a production build. JMP_LAB_TEST_LLVM_O3=1
 # keeps the default everywhere.
-if os.environ.get("JMP_LAB_TEST_LLVM_O3") is None:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_backend_optimization_level=0").strip()
+# Subprocesses that set XLA_FLAGS of their own add this to keep the level.
+LLVM_LEVEL_FLAG = ("" if os.environ.get("JMP_LAB_TEST_LLVM_O3")
+                   else "--xla_backend_optimization_level=0")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                           + LLVM_LEVEL_FLAG).strip()
 
 import chex  # noqa: E402
 import hypothesis  # noqa: E402

@@ -7,18 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from conftest import LLVM_LEVEL_FLAG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run(tmp_path, processes, devices_per_process, *extra):
   out = tmp_path / f"{processes}x{devices_per_process}.json"
-  # The processes set their own device count; keep only the LLVM level
-  # (tests/conftest.py).
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["XLA_FLAGS"] = " ".join(
-      f for f in os.environ.get("XLA_FLAGS", "").split()
-      if f.startswith("--xla_backend_optimization_level"))
+  # The processes set their own device count; keep only the LLVM level.
+  env = dict(os.environ, XLA_FLAGS=LLVM_LEVEL_FLAG)
   subprocess.run(
       [sys.executable, str(ROOT / "examples" / "distributed.py"),
        "--processes", str(processes),

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 
 import jmp_lab
 from jmp_lab import remainder, rounding
-from conftest import FLOAT0
+from conftest import FLOAT0, LLVM_LEVEL_FLAG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -446,9 +446,7 @@ for i in range(8):
              for u, v in zip(a, b)), i
 print("bit-identical steps:", i + 1)
 ''')
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_max_isa=SSE4_2 " + " ".join(
-      f for f in os.environ.get("XLA_FLAGS", "").split()
-      if f.startswith("--xla_backend_optimization_level")))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_cpu_max_isa=SSE4_2 {LLVM_LEVEL_FLAG}")
   out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
