@@ -11,7 +11,7 @@ the unfused path. Two state layouts:
   statistics pass (finite flag and clip norm, 2 B/param with bf16
   gradients), then the update, in place (28 B/param). Compiled for an H100,
   the GPT-2-small step moves 71.2 GB against 71.4 for the unfused step, with
-  32 update kernels against 428 (benchmarks/RESULTS.md). With fp32 params
+  30 update kernels against 428 (benchmarks/RESULTS.md). With fp32 params
   ``backend="auto"`` keeps XLA's per-leaf fusion, which the kernel cannot
   beat there (see :func:`jmp_lab.kernels.tree_backend`). Under ``jit``
   with the state sharded (ZeRO-1, :func:`jmp_lab.sharding.state_shardings`)

@@ -112,12 +112,13 @@ def test_fused_auto_beats_or_equals_xla_on_the_gpt2_step(unfused, fused):
   assert not HOST_SYNC.search(got.hlo_text)
   assert all(k.spill_bytes == 0 for k in got.pallas_kernels)
   if fused == "bf16-o2+fused":
-    # Measured: 71.2 against 71.4 GB; 30.0 against 32.0 B/param; 32
-    # against 428 kernels (16 leaves a launch: 13 launches of each kernel).
+    # Measured: 71.2 against 71.4 GB; 30.0 against 32.0 B/param; 30
+    # against 428 kernels (16 leaves a launch: 13 launches of each kernel,
+    # and 4 scalar kernels).
     assert got.bytes_accessed < base.bytes_accessed
     assert update["io_bytes"] / params <= 30.05
     assert update["kernels"] * 10 < base_update["kernels"]
-    # Counting a CUDA graph once (XLA's command buffers): measured 13
+    # Counting a CUDA graph once (XLA's command buffers): measured 12
     # against 124.
     assert update["host_launches"] * 5 < base_update["host_launches"]
   else:

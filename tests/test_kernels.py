@@ -241,6 +241,28 @@ def test_unknown_backend_raises():
 # --- the multi-tensor kernels (layout="tree") ---------------------------------
 
 
+@pytest.mark.parametrize("poison_at", [None, 5 * 2048 + 7, 9000])
+def test_multi_tensor_statistics_span_several_programs_per_leaf(monkeypatch,
+                                                                poison_at):
+  """Each statistics program sums STATS_BLOCKS blocks (2 here): leaves of
+  several programs, a last program past the leaf's end, a leaf smaller than
+  one block; an inf in a later program of the first leaf, or in the last,
+  partial block of the third, clears the flag."""
+  monkeypatch.setattr(multi_tensor, "STATS_BLOCKS", 2)
+  sizes = [6 * 2048 + 5, 3, 9001]
+  g = [jax.random.normal(jax.random.key(i), (n,)).astype(jnp.bfloat16) * 64
+       for i, n in enumerate(sizes)]
+  if poison_at is not None:
+    leaf = 0 if poison_at < sizes[0] else 2
+    g[leaf] = g[leaf].at[poison_at].set(jnp.inf)
+  want = kernels.tree_grad_stats("reference", g, jnp.float32(8.0))
+  got = jax.jit(lambda g: kernels.tree_grad_stats("interpret", g,
+                                                  jnp.float32(8.0)))(g)
+  assert bool(got[1]) == bool(want[1]) == (poison_at is None)
+  if poison_at is None:
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["interpret", "triton"])
 @pytest.mark.parametrize("mode", ["fp32-master", "fp32-params", "remainder",
                                   "none-nearest", "none-stochastic"])

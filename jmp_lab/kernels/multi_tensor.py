@@ -8,9 +8,10 @@ and each leaf's code is a conditional block of its own.
 
 Two kernels make one step:
 
-1. :func:`grad_stats` reads every gradient once and writes, per block, the
-   sum of squares of the unscaled gradient and whether the block is finite
-   (partial results, summed by XLA in a fixed order, so runs repeat);
+1. :func:`grad_stats` reads every gradient once and writes, per
+   ``STATS_BLOCKS`` blocks, the sum of squares of the unscaled gradient and
+   whether those blocks are finite (partial results, summed by XLA in a
+   fixed order, so runs repeat);
 2. :func:`update` reads g, p, m, v and writes p, m, v (in place, aliased to
    the inputs) and the half copy; on a non-finite step it writes only the
    half copy. With a remainder it also reads and writes the remainder; with
@@ -55,7 +56,7 @@ from jax.experimental import pallas as pl
 
 from jmp_lab import remainder, rounding
 from jmp_lab.kernels.reference import (CLIP, FINITE, INV_BIAS1, INV_BIAS2, LR,
-                                       NUM_HYPER, SCALE, SEED, AdamWConfig,
+                                       SCALE, SEED, AdamWConfig,
                                        Outputs, adamw_elementwise)
 
 # Leaves per kernel launch. Each leaf is a conditional block of its own in
@@ -69,6 +70,11 @@ LEAVES_PER_LAUNCH = 16
 # (finding the leaf) is noise, small enough that the last, partial block of
 # each leaf wastes little.
 BLOCK = 2048
+
+# Blocks that one statistics program sums. The partial results then number
+# about a 32nd of the blocks (2,610 for GPT-2-small), which XLA sums in one
+# kernel; one partial per block (79,718) took it two.
+STATS_BLOCKS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,8 @@ class Segments:
   sizes: tuple[int, ...]
   decays: tuple[bool, ...]
   first_leaf: int = 0
+  # Elements one program handles.
+  block: int = BLOCK
 
   @property
   def block_starts(self) -> tuple[int, ...]:
@@ -93,7 +101,7 @@ class Segments:
 
   @property
   def blocks(self) -> tuple[int, ...]:
-    return tuple(-(-size // BLOCK) for size in self.sizes)
+    return tuple(-(-size // self.block) for size in self.sizes)
 
   @property
   def total_blocks(self) -> int:
@@ -153,20 +161,33 @@ def _stats_kernel(segments: Segments, scale_ref, *refs):
   scale = scale_ref[0]
 
   def leaf_stats(i):
-    where, mask, _ = _block(program, segments, i)
-    # Unscaled as the optimizers unscale: the flag and the norm are theirs.
-    g = load(grads[i].at[where], mask=mask, other=0).astype(jnp.float32) / scale
-    sumsq_out[...] = jnp.full((1,), jnp.sum(g * g), jnp.float32)
-    # A min, not jnp.all: Triton has no boolean reduction.
-    finite_out[...] = jnp.full(
-        (1,), jnp.min(jnp.isfinite(g).astype(jnp.int32)), jnp.int32)
+    first = (program - segments.block_starts[i]) * segments.block
+
+    def add_block(j, carry):
+      sumsq, finite = carry
+      index = first + j * BLOCK + jax.lax.broadcasted_iota(
+          jnp.int32, (BLOCK,), 0)
+      # Unscaled as the optimizers unscale: the flag and the norm are theirs.
+      # (A block past the leaf's end is all masked: it reads nothing.)
+      g = load(grads[i].at[pl.ds(first + j * BLOCK, BLOCK)],
+               mask=index < segments.sizes[i], other=0)
+      g = g.astype(jnp.float32) / scale
+      # A min, not jnp.all: Triton has no boolean reduction.
+      return (sumsq + jnp.sum(g * g),
+              jnp.minimum(finite, jnp.min(jnp.isfinite(g).astype(jnp.int32))))
+
+    sumsq, finite = jax.lax.fori_loop(0, STATS_BLOCKS, add_block,
+                                      (jnp.float32(0), jnp.int32(1)))
+    sumsq_out[...] = jnp.full((1,), sumsq, jnp.float32)
+    finite_out[...] = jnp.full((1,), finite, jnp.int32)
 
   _for_each_leaf(program, segments, leaf_stats)
 
 
 def _launch_stats(grads: Sequence[jax.Array], scale: jax.Array, *,
                   interpret: bool) -> tuple[jax.Array, jax.Array]:
-  segments = Segments(tuple(g.size for g in grads), (False,) * len(grads))
+  segments = Segments(tuple(g.size for g in grads), (False,) * len(grads),
+                      block=STATS_BLOCKS * BLOCK)
   per_block = pl.BlockSpec((1,), lambda i: (i,))
   return pl.pallas_call(
       functools.partial(_stats_kernel, segments),
@@ -187,7 +208,8 @@ def grad_stats(grads: Sequence[jax.Array], scale: jax.Array, *,
   """``(sum of squares of g / scale, whether every g / scale is finite)``.
 
   One kernel launch per ``LEAVES_PER_LAUNCH`` leaves writes a partial result
-  per block; XLA sums them in a fixed order, so runs are reproducible.
+  per ``STATS_BLOCKS`` blocks; XLA sums them in a fixed order, so runs are
+  reproducible.
   """
   scale = jnp.reshape(scale, (1,)).astype(jnp.float32)
   partials = [_launch_stats([grads[i] for i in chunk], scale,
@@ -198,8 +220,25 @@ def grad_stats(grads: Sequence[jax.Array], scale: jax.Array, *,
   return jnp.sum(sumsq), jnp.all(finite == 1)
 
 
+# The update's scalars travel as one int32 array (see ``_pack_scalars``): the
+# hyperparameters' float bits, then the flags.
+_HYPER_SLOTS = 8
+_FLAG_SLOTS = 8
+
+
+def _pack_scalars(hyper: jax.Array, flags: jax.Array) -> jax.Array:
+  """``hyper`` (f32) and ``flags`` (i32) as one i32[16] array: XLA computes
+  the step's scalars in one kernel, where it compiled two arrays (f32[8],
+  s32[4]) as two. Floats travel as their bits, so nothing on the way can
+  flush or canonicalise them."""
+  bits = jax.lax.bitcast_convert_type(hyper.astype(jnp.float32), jnp.int32)
+  return jnp.concatenate([
+      jnp.pad(bits, (0, _HYPER_SLOTS - bits.shape[0])),
+      jnp.pad(flags.astype(jnp.int32), (0, _FLAG_SLOTS - flags.shape[0]))])
+
+
 def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
-                   hyper_ref, flags_ref, *refs):
+                   scalars_ref, *refs):
   n = len(segments.sizes)
   groups = [refs[k * n:(k + 1) * n] for k in range(len(refs) // n)]
   if config.remainder:
@@ -218,9 +257,11 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
   # Read outside pl.when: interpret mode only substitutes the program id at
   # the kernel's top level.
   program = pl.program_id(0)
-  finite = flags_ref[FINITE] == 1
-  seed = jax.lax.bitcast_convert_type(flags_ref[SEED], jnp.uint32)
-  hyper = tuple(hyper_ref[k] for k in (LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP))
+  finite = scalars_ref[_HYPER_SLOTS + FINITE] == 1
+  seed = jax.lax.bitcast_convert_type(scalars_ref[_HYPER_SLOTS + SEED],
+                                      jnp.uint32)
+  hyper = tuple(jax.lax.bitcast_convert_type(scalars_ref[k], jnp.float32)
+                for k in (LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP))
 
   def leaf_update(i):
     where, mask, index = _block(program, segments, i)
@@ -264,8 +305,8 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
   _for_each_leaf(program, segments, leaf_update)
 
 
-def _launch_update(config: AdamWConfig, segments: Segments, inputs, hyper,
-                   flags, *, write_extra: bool, interpret: bool):
+def _launch_update(config: AdamWConfig, segments: Segments, inputs, scalars,
+                   *, write_extra: bool, interpret: bool):
   """One launch over ``inputs`` (lists of leaves: g, p, mu, nu; or g, half,
   remainder, mu, nu). The state's leaves are updated in place."""
   n = len(inputs[0])
@@ -281,21 +322,20 @@ def _launch_update(config: AdamWConfig, segments: Segments, inputs, hyper,
     out_shape += [jax.ShapeDtypeStruct((size,), extra_dtype)
                   for size in segments.sizes]
   position = {id(group): k for k, group in enumerate(inputs)}
-  aliases = {2 + position[id(group)] * n + i: k * n + i
+  aliases = {1 + position[id(group)] * n + i: k * n + i
              for k, group in enumerate(updated) for i in range(n)}
   return pl.pallas_call(
       functools.partial(_update_kernel, config, segments, write_extra),
       out_shape=out_shape,
       grid=(segments.total_blocks,),
-      in_specs=[pl.BlockSpec((8,), lambda i: (0,)),
-                pl.BlockSpec((4,), lambda i: (0,))]
+      in_specs=[pl.BlockSpec((_HYPER_SLOTS + _FLAG_SLOTS,), lambda i: (0,))]
       + [pl.no_block_spec] * (len(inputs) * n),
       out_specs=[pl.no_block_spec] * len(out_shape),
       input_output_aliases=aliases,
       interpret=interpret,
       compiler_params=_compiler_params(interpret),
       name="jmp_lab_multi_tensor_adamw",
-  )(hyper, flags, *[x.reshape(-1) for group in inputs for x in group])
+  )(scalars, *[x.reshape(-1) for group in inputs for x in group])
 
 
 def update(config: AdamWConfig, decays: Sequence[bool],
@@ -314,10 +354,8 @@ def update(config: AdamWConfig, decays: Sequence[bool],
   in ``flags[SEED]``.
   Moments are stored in the dtype they come in (fp32 or bf16).
   """
-  # Triton blocks must be powers of two: pad the scalars to eight and the
-  # flags (finite, decay boundary, and the seed if any) to four.
-  hyper = jnp.pad(hyper, (0, 8 - NUM_HYPER))
-  flags = jnp.pad(flags, (0, 4 - flags.shape[0]))
+  # (Padded to a power of two, as Triton blocks must be.)
+  scalars = _pack_scalars(hyper, flags)
   groups = [g, p] + ([remainders] if config.remainder else []) + [mu, nu]
   kinds = 3 if config.direct else (
       4 if (write_extra or config.remainder) else 3)
@@ -327,7 +365,7 @@ def update(config: AdamWConfig, decays: Sequence[bool],
                         tuple(bool(decays[i]) for i in chunk), chunk.start)
     outs = _launch_update(config, segments,
                           [[group[i] for i in chunk] for group in groups],
-                          hyper, flags, write_extra=write_extra,
+                          scalars, write_extra=write_extra,
                           interpret=interpret)
     k = len(chunk)
     for kind in range(kinds):
