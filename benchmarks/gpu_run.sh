@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one script for a machine with an NVIDIA GPU. Its parts each stay under
-# 10 minutes (each has its own time limit), so a lease with a per-command
-# limit runs them one call at a time:
+# The one script for a machine with an NVIDIA GPU. Each part has a time limit
+# under 10 minutes (not yet run on a GPU), so a lease with a per-command limit
+# runs them one call at a time:
 #
 #   bash benchmarks/gpu_run.sh OUTPUT_DIR [PART ...]   # default: every part
 #
