@@ -168,7 +168,6 @@ def main(argv=None) -> None:
                       help="leaves per launch for the Triton kernels")
   parser.add_argument("--mosaic-leaves", default="8,32",
                       help="leaves for the Mosaic GPU probe ('' skips it)")
-  parser.add_argument("--target", default="h100", choices=["h100"])
   args = parser.parse_args(argv)
   print(f"# compiled for an H100 without a GPU; jax {jax.__version__}; "
         "seconds of one compile each")
