@@ -13,6 +13,9 @@ The public API lives here; each concept has its own module:
   pass (:mod:`jmp_lab.kernels` holds the backends);
 * :mod:`jmp_lab.fp8` -- fp8 matmuls with per-tensor (delayed or current)
   scaling, for policies with ``matmul=fp8``;
+* :mod:`jmp_lab.autocast` -- ``autocast(fn, policy)``: torch.autocast's
+  per-op precision rules for any JAX function (the engine the Flax front
+  ends use for their matmuls);
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
 * :mod:`jmp_lab.nnx` -- policies applied to Flax NNX module graphs, and the
   NNX optimizer and train step;
@@ -24,6 +27,7 @@ The public API lives here; each concept has its own module:
 """
 
 from jmp_lab import diagnostics, fp8, kernels, linen, nnx, sharding
+from jmp_lab.autocast import autocast
 from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
 from jmp_lab.loss_scale import (
     DynamicLossScale,
@@ -69,6 +73,7 @@ __all__ = [
     "StaticLossScale",
     "TrainState",
     "all_finite",
+    "autocast",
     "cast_floating",
     "current_loss_scale",
     "diagnostics",

@@ -1,0 +1,257 @@
+"""Does a policy reach model code as people write it? Matmul precision of
+real-model train steps, traced and compiled for an H100, and their loss.
+
+Each model of :mod:`benchmarks.real_models` is trained by a jmp_lab train
+step under a policy. Linen models go through ``jmp_lab.linen.with_policy``,
+the NNX model through ``jmp_lab.nnx.with_policy``, and the Equinox model
+through ``jmp_lab.autocast``. The step is audited in three ways:
+
+* ``audit_step``: the share of matmul and convolution FLOPs with half
+  operands in the traced step (forward and backward);
+* ``compiled_report`` (with ``--target h100``, no GPU needed): the GEMMs
+  and convolutions of the module compiled for an H100 that have an f32
+  operand, out of all of them;
+* ``--steps N``: the loss after N steps on real data (digits for the
+  ResNet, the standard library's bytes for the LMs), against fp32 on the
+  same batches.
+
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/model_reach.py --target h100
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/model_reach.py --steps 200
+
+The compiled figures are a model of the GPU program, not measurements on a
+GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jmp_lab
+from jmp_lab import linen as jl
+from benchmarks import real_models as rm
+
+
+@dataclasses.dataclass
+class Case:
+  """One model under one policy: ``step(state, batch) -> (state, metrics)``
+  is pure (jit it, audit it, compile it), ``state`` its first state and
+  ``batches`` real data."""
+
+  name: str
+  policy: str
+  step: Callable[[Any, Any], tuple[Any, dict]]
+  state: Any
+  batches: Iterator[Any]
+
+
+def _optimizer(policy: str, learning_rate: float):
+  half = jmp_lab.get_policy(policy).compute_dtype != np.dtype(jnp.float32)
+  loss_scale = (jmp_lab.DynamicLossScale() if half
+                else jmp_lab.NoOpLossScale())
+  return jmp_lab.mixed_precision(optax.adamw(learning_rate), policy=policy,
+                                 loss_scale=loss_scale)
+
+
+def _digit_batches(batch: int, seed: int = 0) -> Iterator[Any]:
+  images, labels = rm.digits("train")
+  rng = np.random.default_rng(seed)
+  while True:
+    chosen = rng.choice(len(labels), batch, replace=False)
+    yield {"x": images[chosen], "y": labels[chosen]}
+
+
+def _text_batches(batch: int, length: int, seed: int = 0) -> Iterator[Any]:
+  return rm.text_batches(rm.stdlib_bytes(), batch, length, seed)
+
+
+def resnet_case(policy: str, *, batch: int = 32, **model_kw) -> Case:
+  model = jl.with_policy(rm.ResNet(**model_kw), policy)
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=variables["params"],
+      model_state={"batch_stats": variables["batch_stats"]},
+      tx=_optimizer(policy, 3e-3), policy=policy)
+
+  def loss_fn(params, state, batch):
+    logits, updates = state.apply_fn(
+        {"params": params, **state.model_state}, batch["x"],
+        mutable=["batch_stats"])
+    loss = jl.softmax_cross_entropy_with_integer_labels(
+        logits, batch["y"]).mean()
+    return loss, {"model_state": updates}
+
+  return Case("ResNet (linen, BatchNorm)", policy,
+              functools.partial(jmp_lab.train_step, loss_fn=loss_fn), state,
+              _digit_batches(batch))
+
+
+def _lm_loss(logits_fn):
+  def loss_fn(params, state, tokens):
+    logits = logits_fn(params, state, tokens[:, :-1])
+    return jl.softmax_cross_entropy_with_integer_labels(
+        logits, tokens[:, 1:]).mean()
+  return loss_fn
+
+
+def linen_lm_case(policy: str, *, batch: int = 8, length: int = 64,
+                  name: Optional[str] = None, **config_kw) -> Case:
+  config = rm.TransformerConfig(max_len=length, **config_kw)
+  model = jl.with_policy(rm.TransformerLM(config), policy)
+  params = model.init(jax.random.key(0),
+                      jnp.zeros((1, length), jnp.int32))["params"]
+  state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                    tx=_optimizer(policy, 3e-3),
+                                    policy=policy)
+  loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(
+      {"params": params}, tokens))
+  return Case(name or "Transformer LM (linen)", policy,
+              functools.partial(jmp_lab.train_step, loss_fn=loss_fn), state,
+              _text_batches(batch, length))
+
+
+def gemma_case(policy: str, *, batch: int = 8, length: int = 64,
+               **config_kw) -> Case:
+  config = rm.GemmaConfig(**config_kw)
+  model = jmp_lab.nnx.with_policy(rm.GemmaLM(config, rngs=nnx.Rngs(0)),
+                                  policy)
+  optimizer = jmp_lab.nnx.Optimizer(model, _optimizer(policy, 3e-3),
+                                    wrt=nnx.Param)
+
+  def loss_fn(model, tokens):
+    logits = model(tokens[:, :-1])
+    return jmp_lab.nnx.softmax_cross_entropy_with_integer_labels(
+        logits, tokens[:, 1:]).mean()
+
+  step, state = jmp_lab.nnx.split_train_step(loss_fn, model, optimizer)
+  return Case("Gemma-style LM (NNX)", policy, step, state,
+              _text_batches(batch, length))
+
+
+def equinox_case(policy: str, *, batch: int = 8, length: int = 64,
+                 **model_kw) -> Case:
+  import equinox as eqx
+  model = rm.EqxTransformer(max_len=length, key=jax.random.key(0),
+                            **model_kw)
+  params, static = eqx.partition(model, eqx.is_array)
+
+  def logits(params, tokens):
+    return jax.vmap(eqx.combine(params, static))(tokens)
+
+  state = jmp_lab.TrainState.create(
+      apply_fn=jmp_lab.autocast(logits, policy), params=params,
+      tx=_optimizer(policy, 3e-3), policy=policy)
+  loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(params,
+                                                                  tokens))
+  return Case("Transformer LM (Equinox, autocast)", policy,
+              functools.partial(jmp_lab.train_step, loss_fn=loss_fn), state,
+              _text_batches(batch, length))
+
+
+CASES: dict[str, Callable[..., Case]] = {
+    "resnet": resnet_case,
+    "linen_lm": linen_lm_case,
+    "linen_lm_custom": functools.partial(
+        linen_lm_case, norm="rmsnorm", attention="custom", scan_layers=True,
+        name="Transformer LM (linen; own RMSNorm and attention, nn.scan)"),
+    "gemma": gemma_case,
+    "equinox": equinox_case,
+}
+
+
+def audit(case: Case) -> dict[str, Any]:
+  batch = next(case.batches)
+  report = jmp_lab.diagnostics.audit_step(case.step, case.state, batch,
+                                          policy=case.policy)
+  return {"half_share": report.half_flop_share,
+          "matmuls": len(report.matmuls)}
+
+
+def compiled(case: Case, target: str) -> dict[str, Any]:
+  batch = next(case.batches)
+  # Spills are reported, not refused: this counts GEMM dtypes.
+  report = jmp_lab.diagnostics.compiled_report(case.step, case.state, batch,
+                                               target=target,
+                                               fail_on_spill=False)
+  f32 = [g for g in report.gemms
+         if "f32" in (g.lhs.dtype, g.rhs.dtype)]
+  return {"gemms": len(report.gemms), "f32_gemms": len(f32)}
+
+
+def train(case: Case, steps: int) -> float:
+  """The mean loss of the last tenth of ``steps`` steps."""
+  step = jax.jit(case.step)
+  state, losses = case.state, []
+  for _ in range(steps):
+    state, metrics = step(state, next(case.batches))
+    losses.append(metrics["loss"])
+  tail = max(1, steps // 10)
+  return float(np.mean(jax.device_get(losses[-tail:])))
+
+
+def main(argv=None) -> list[dict[str, Any]]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--cases", default=",".join(CASES),
+                      help="comma-separated: " + ", ".join(CASES))
+  parser.add_argument("--policy", default="mixed_bfloat16")
+  parser.add_argument("--target", default=None,
+                      help="also compile each step for this GPU (h100, h200)")
+  parser.add_argument("--steps", type=int, default=0,
+                      help="also train this many steps, and fp32 beside it")
+  args = parser.parse_args(argv)
+  names = [n.strip() for n in args.cases.split(",") if n.strip()]
+  unknown = [n for n in names if n not in CASES]
+  if unknown:
+    parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
+  rows = []
+  for name in names:
+    case = CASES[name](args.policy)
+    row = {"case": name, "model": case.name, **audit(case)}
+    if args.target:
+      row.update(compiled(case, args.target))
+    if args.steps:
+      row["loss"] = train(case, args.steps)
+      row["fp32_loss"] = train(CASES[name]("float32"), args.steps)
+    rows.append(row)
+    print(_row_text(row, args), flush=True)
+  print()
+  print(table(rows, args))
+  return rows
+
+
+def _row_text(row, args) -> str:
+  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                  for k, v in row.items())
+
+
+def table(rows, args) -> str:
+  head = f"| model | matmul FLOPs in half (`audit_step`, {args.policy}) |"
+  rule = "|---|---|"
+  if args.target:
+    head += f" GEMMs/convolutions with an f32 operand ({args.target}) |"
+    rule += "---|"
+  if args.steps:
+    head += f" loss after {args.steps} steps | fp32 loss | ratio |"
+    rule += "---|---|---|"
+  lines = [head, rule]
+  for row in rows:
+    line = f"| {row['model']} | {100 * row['half_share']:.0f}% |"
+    if args.target:
+      line += f" {row['f32_gemms']} of {row['gemms']} |"
+    if args.steps:
+      line += (f" {row['loss']:.4f} | {row['fp32_loss']:.4f} | "
+               f"{row['loss'] / row['fp32_loss']:.4f} |")
+    lines.append(line)
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,466 @@
+"""Models written the way public Flax, NNX and Equinox code is written.
+
+jmp_lab's own examples build layers with ``dtype=None`` and let the policy
+decide. Public model code does not. It passes a config's ``dtype`` (fp32
+by default) to every layer. It ties its embeddings, writes its own RMSNorm
+and its own attention with ``jax.nn.softmax``, scans its layers, and uses
+BatchNorm with an ``axis_name``. These models follow that code:
+
+* :class:`ResNet` -- flax's ``examples/imagenet/models.py``: ``Conv`` and
+  ``BatchNorm`` partials with ``dtype`` and ``axis_name``, residual blocks,
+  a ``Dense`` head with ``dtype``.
+* :class:`TransformerLM` -- flax's ``examples/lm1b/models.py``: a
+  ``TransformerConfig`` whose ``dtype`` every ``Embed``, ``Dense``,
+  ``LayerNorm`` and ``MultiHeadDotProductAttention`` gets. It builds its
+  attention without an ``attention_fn`` and computes the logits with the
+  tied embedding's ``attend``. Config switches select the model's own
+  :class:`RMSNorm` and :class:`SelfAttention` (its own ``jax.nn.softmax``),
+  and layers scanned with ``nn.scan``.
+* :class:`GemmaLM` -- an NNX decoder in the style of Gemma's Flax code.
+  ``nnx.Embed``, ``nnx.Einsum`` and ``nnx.Linear`` all get
+  ``dtype=jnp.float32`` and ``param_dtype``. The model has its own
+  ``RMSNorm`` (with ``1 + scale``), its own attention with soft-capped
+  logits and ``jax.nn.softmax``, gated-GELU MLPs, and tied logits through
+  ``Embed.attend``.
+* :class:`EqxTransformer` -- an Equinox decoder built from ``eqx.nn``
+  layers (``Embedding``, ``Linear``, ``LayerNorm``, ``MultiheadAttention``).
+  It is applied per example with ``jax.vmap``, as Equinox code is.
+
+The data helpers read data already on the machine: scikit-learn's
+handwritten digits, and the bytes of the Python standard library's sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import os
+import sysconfig
+from typing import Any, Callable, Optional, Sequence
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import struct
+
+# ---------------------------------------------------------------------------
+# Linen ResNet, as flax/examples/imagenet/models.py writes it.
+# ---------------------------------------------------------------------------
+
+ModuleDef = Any
+
+
+class ResNetBlock(nn.Module):
+  """ResNet block."""
+
+  filters: int
+  conv: ModuleDef
+  norm: ModuleDef
+  act: Callable
+  strides: tuple[int, int] = (1, 1)
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = self.conv(self.filters, (3, 3), self.strides)(x)
+    y = self.norm()(y)
+    y = self.act(y)
+    y = self.conv(self.filters, (3, 3))(y)
+    y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+    if residual.shape != y.shape:
+      residual = self.conv(self.filters, (1, 1), self.strides,
+                           name="conv_proj")(residual)
+      residual = self.norm(name="norm_proj")(residual)
+    return self.act(residual + y)
+
+
+class ResNet(nn.Module):
+  """ResNetV1.5, sized down for 8x8 digits."""
+
+  stage_sizes: Sequence[int] = (1, 1)
+  num_classes: int = 10
+  num_filters: int = 16
+  dtype: Any = jnp.float32
+  act: Callable = nn.relu
+  conv: ModuleDef = nn.Conv
+  axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    conv = functools.partial(self.conv, use_bias=False, dtype=self.dtype)
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train,
+                             momentum=0.9, epsilon=1e-5, dtype=self.dtype,
+                             axis_name=self.axis_name)
+    x = conv(self.num_filters, (3, 3), name="conv_init")(x)
+    x = norm(name="bn_init")(x)
+    x = nn.relu(x)
+    for i, block_size in enumerate(self.stage_sizes):
+      for j in range(block_size):
+        strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+        x = ResNetBlock(self.num_filters * 2**i, strides=strides, conv=conv,
+                        norm=norm, act=self.act)(x)
+    x = jnp.mean(x, axis=(1, 2))
+    x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+    x = jnp.asarray(x, self.dtype)
+    return x
+
+
+# ---------------------------------------------------------------------------
+# Linen Transformer LM, as flax/examples/lm1b/models.py writes it.
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class TransformerConfig:
+  """Global hyperparameters used to minimize obnoxious kwarg plumbing."""
+
+  vocab_size: int = 256
+  dtype: Any = jnp.float32
+  emb_dim: int = 64
+  num_heads: int = 4
+  num_layers: int = 2
+  qkv_dim: int = 64
+  mlp_dim: int = 128
+  max_len: int = 128
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  deterministic: bool = True
+  norm: str = "layernorm"      # "rmsnorm": the model's own RMSNorm class
+  attention: str = "flax"      # "custom": the model's own SelfAttention
+  scan_layers: bool = False    # the blocks under nn.scan
+  kernel_init: Callable = nn.initializers.xavier_uniform()
+  bias_init: Callable = nn.initializers.normal(stddev=1e-6)
+
+
+class RMSNorm(nn.Module):
+  """The model's own RMSNorm (not Flax's class)."""
+
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],))
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + self.epsilon) * scale
+
+
+def _norm(config: TransformerConfig, name: Optional[str] = None):
+  if config.norm == "rmsnorm":
+    return RMSNorm(name=name)
+  return nn.LayerNorm(dtype=config.dtype, name=name)
+
+
+class SelfAttention(nn.Module):
+  """The model's own causal self-attention, with its own softmax."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x):
+    config = self.config
+    head_dim = config.qkv_dim // config.num_heads
+    dense = functools.partial(nn.DenseGeneral, dtype=config.dtype,
+                              kernel_init=config.kernel_init, use_bias=False)
+    q, k, v = (dense((config.num_heads, head_dim), name=n)(x)
+               for n in ("query", "key", "value"))
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(head_dim)
+    length = x.shape[-2]
+    mask = jnp.tril(jnp.ones((length, length), bool))
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("...hqk,...khd->...qhd", weights, v)
+    return dense(x.shape[-1], axis=(-2, -1), name="out")(out)
+
+
+class AddPositionEmbs(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs):
+    config = self.config
+    pos_embedding = self.param(
+        "pos_embedding", nn.initializers.normal(stddev=0.02),
+        (1, config.max_len, inputs.shape[-1]))
+    return inputs + pos_embedding[:, :inputs.shape[1], :]
+
+
+class MlpBlock(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs):
+    config = self.config
+    x = nn.Dense(config.mlp_dim, dtype=config.dtype,
+                 kernel_init=config.kernel_init,
+                 bias_init=config.bias_init)(inputs)
+    x = nn.relu(x)
+    return nn.Dense(inputs.shape[-1], dtype=config.dtype,
+                    kernel_init=config.kernel_init,
+                    bias_init=config.bias_init)(x)
+
+
+class DecoderBlock(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs, decoder_mask=None):
+    config = self.config
+    x = _norm(config)(inputs)
+    if config.attention == "custom":
+      x = SelfAttention(config)(x)
+    else:
+      x = nn.MultiHeadDotProductAttention(
+          num_heads=config.num_heads, dtype=config.dtype,
+          qkv_features=config.qkv_dim, kernel_init=config.kernel_init,
+          bias_init=config.bias_init, use_bias=False, broadcast_dropout=False,
+          dropout_rate=config.attention_dropout_rate,
+          deterministic=config.deterministic)(x, mask=decoder_mask)
+    x = x + inputs
+    z = _norm(config)(x)
+    z = MlpBlock(config=config)(z)
+    return x + z
+
+
+class ScannedBlock(nn.Module):
+  """A DecoderBlock in ``nn.scan``'s (carry, x) -> (carry, y) form."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, carry, decoder_mask):
+    return DecoderBlock(self.config)(carry, decoder_mask), None
+
+
+class TransformerLM(nn.Module):
+  """A decoder-only LM with tied input and output embeddings."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs):
+    config = self.config
+    shared_embedding = nn.Embed(
+        num_embeddings=config.vocab_size, features=config.emb_dim,
+        embedding_init=nn.initializers.normal(stddev=1.0), dtype=config.dtype)
+    y = shared_embedding(inputs.astype("int32"))
+    y = AddPositionEmbs(config=config, name="posembed_output")(y)
+    decoder_mask = nn.make_causal_mask(inputs, dtype=config.dtype)
+    if config.scan_layers:
+      blocks = nn.scan(ScannedBlock, variable_axes={"params": 0},
+                       split_rngs={"params": True}, in_axes=(nn.broadcast,),
+                       length=config.num_layers)
+      y, _ = blocks(config, name="decoder")(y, decoder_mask)
+    else:
+      for lyr in range(config.num_layers):
+        y = DecoderBlock(config=config, name=f"encoderdecoderblock_{lyr}")(
+            y, decoder_mask)
+    y = _norm(config, name="encoderdecoder_norm")(y)
+    logits = shared_embedding.attend(y)
+    return logits / jnp.sqrt(y.shape[-1])
+
+
+# ---------------------------------------------------------------------------
+# NNX, in the style of Gemma's Flax code.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaConfig:
+  vocab_size: int = 256
+  embed_dim: int = 64
+  hidden_dim: int = 128
+  num_heads: int = 4
+  head_dim: int = 16
+  num_layers: int = 2
+  attn_logits_soft_cap: Optional[float] = 50.0
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+
+class GemmaRMSNorm(nnx.Module):
+  """Gemma's RMSNorm: its own class, scale applied as ``1 + scale``."""
+
+  def __init__(self, dim: int, *, param_dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
+
+  def __call__(self, x):
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    normed_inputs = x * jax.lax.rsqrt(var + 1e-06)
+    return normed_inputs * (1 + self.scale[...])
+
+
+class GemmaAttention(nnx.Module):
+  """Causal attention with soft-capped logits and its own softmax."""
+
+  def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    kw = dict(dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+    self.qkv_einsum = nnx.Einsum(
+        "BTD,SNDH->SBTNH", (3, config.num_heads, config.embed_dim,
+                            config.head_dim), **kw)
+    self.attn_vec_einsum = nnx.Einsum(
+        "BTNH,NHD->BTD", (config.num_heads, config.head_dim,
+                          config.embed_dim), **kw)
+
+  def __call__(self, x):
+    config = self.config
+    query, key, value = self.qkv_einsum(x)
+    query = query * config.head_dim**-0.5
+    logits = jnp.einsum("BTNH,BSNH->BTNS", query, key)
+    if config.attn_logits_soft_cap is not None:
+      logits = jnp.tanh(logits / config.attn_logits_soft_cap)
+      logits = logits * config.attn_logits_soft_cap
+    length = x.shape[1]
+    mask = jnp.tril(jnp.ones((length, length), bool))[None, :, None, :]
+    logits = jnp.where(mask, logits, -2.3819763e38)
+    probs = jax.nn.softmax(logits, axis=-1).astype(key.dtype)
+    encoded = jnp.einsum("BTNS,BSNH->BTNH", probs, value)
+    return self.attn_vec_einsum(encoded)
+
+
+class GemmaMLP(nnx.Module):
+  def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
+    kw = dict(use_bias=False, dtype=config.dtype,
+              param_dtype=config.param_dtype, rngs=rngs)
+    self.gate = nnx.Linear(config.embed_dim, config.hidden_dim, **kw)
+    self.up = nnx.Linear(config.embed_dim, config.hidden_dim, **kw)
+    self.down = nnx.Linear(config.hidden_dim, config.embed_dim, **kw)
+
+  def __call__(self, x):
+    return self.down(nnx.gelu(self.gate(x)) * self.up(x))
+
+
+class GemmaBlock(nnx.Module):
+  def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
+    self.pre_attention_norm = GemmaRMSNorm(config.embed_dim,
+                                           param_dtype=config.param_dtype)
+    self.attn = GemmaAttention(config, rngs=rngs)
+    self.pre_ffw_norm = GemmaRMSNorm(config.embed_dim,
+                                     param_dtype=config.param_dtype)
+    self.mlp = GemmaMLP(config, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.pre_attention_norm(x))
+    return x + self.mlp(self.pre_ffw_norm(x))
+
+
+class GemmaLM(nnx.Module):
+  """A decoder with tied embeddings: the logits are ``embedder.attend``."""
+
+  def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embedder = nnx.Embed(config.vocab_size, config.embed_dim,
+                              dtype=config.dtype,
+                              param_dtype=config.param_dtype, rngs=rngs)
+    self.layers = nnx.List([GemmaBlock(config, rngs=rngs)
+                            for _ in range(config.num_layers)])
+    self.final_norm = GemmaRMSNorm(config.embed_dim,
+                                   param_dtype=config.param_dtype)
+
+  def __call__(self, tokens):
+    x = self.embedder(tokens) * jnp.sqrt(self.config.embed_dim)
+    for layer in self.layers:
+      x = layer(x)
+    return self.embedder.attend(self.final_norm(x))
+
+
+# ---------------------------------------------------------------------------
+# Equinox, applied per example with jax.vmap.
+# ---------------------------------------------------------------------------
+
+
+class EqxBlock(eqx.Module):
+  norm1: eqx.nn.LayerNorm
+  attention: eqx.nn.MultiheadAttention
+  norm2: eqx.nn.LayerNorm
+  mlp_in: eqx.nn.Linear
+  mlp_out: eqx.nn.Linear
+
+  def __init__(self, dim: int, heads: int, hidden: int, *, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    self.norm1 = eqx.nn.LayerNorm(dim)
+    self.attention = eqx.nn.MultiheadAttention(heads, dim, key=k1)
+    self.norm2 = eqx.nn.LayerNorm(dim)
+    self.mlp_in = eqx.nn.Linear(dim, hidden, key=k2)
+    self.mlp_out = eqx.nn.Linear(hidden, dim, key=k3)
+
+  def __call__(self, x, mask):
+    h = jax.vmap(self.norm1)(x)
+    x = x + self.attention(h, h, h, mask=mask)
+    h = jax.vmap(self.norm2)(x)
+    return x + jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
+
+
+class EqxTransformer(eqx.Module):
+  """A decoder-only byte LM from eqx.nn layers; ``model(tokens)`` takes one
+  ``(T,)`` sequence (``jax.vmap`` it over a batch)."""
+
+  embedding: eqx.nn.Embedding
+  positions: jax.Array
+  blocks: list
+  norm: eqx.nn.LayerNorm
+  head: eqx.nn.Linear
+
+  def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4,
+               hidden: int = 128, layers: int = 2, max_len: int = 128, *,
+               key):
+    keys = jax.random.split(key, layers + 3)
+    self.embedding = eqx.nn.Embedding(vocab, dim, key=keys[0])
+    self.positions = 0.02 * jax.random.normal(keys[1], (max_len, dim))
+    self.blocks = [EqxBlock(dim, heads, hidden, key=k) for k in keys[3:]]
+    self.norm = eqx.nn.LayerNorm(dim)
+    self.head = eqx.nn.Linear(dim, vocab, key=keys[2])
+
+  def __call__(self, tokens):
+    length = tokens.shape[0]
+    x = jax.vmap(self.embedding)(tokens) + self.positions[:length]
+    mask = jnp.tril(jnp.ones((length, length), bool))
+    for block in self.blocks:
+      x = block(x, mask)
+    return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+# ---------------------------------------------------------------------------
+# Data already on the machine.
+# ---------------------------------------------------------------------------
+
+
+def digits(split: str = "train", seed: int = 0):
+  """scikit-learn's 8x8 handwritten digits as (N, 8, 8, 1) fp32 in [0, 1]
+  and int32 labels; a fixed 80/20 split."""
+  from sklearn.datasets import load_digits  # the examples extra ships it
+  data = load_digits()
+  images = (data.images / 16.0).astype(np.float32)[..., None]
+  labels = data.target.astype(np.int32)
+  order = np.random.default_rng(seed).permutation(len(labels))
+  cut = int(0.8 * len(labels))
+  chosen = order[:cut] if split == "train" else order[cut:]
+  return images[chosen], labels[chosen]
+
+
+def stdlib_bytes(limit: int = 1 << 20) -> np.ndarray:
+  """The first ``limit`` bytes of the Python standard library's ``*.py``
+  sources, in sorted order, as uint8 (the char-transformer example's
+  default data)."""
+  root = sysconfig.get_paths()["stdlib"]
+  chunks, total = [], 0
+  for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+    with open(path, "rb") as f:
+      chunk = f.read()
+    chunks.append(chunk)
+    total += len(chunk)
+    if total >= limit:
+      break
+  return np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
+
+
+def text_batches(data: np.ndarray, batch: int, length: int, seed: int = 0):
+  """Endless random (batch, length + 1) windows of ``data`` as int32."""
+  rng = np.random.default_rng(seed)
+  while True:
+    starts = rng.integers(0, len(data) - length - 1, size=batch)
+    yield np.stack([data[s:s + length + 1] for s in starts]).astype(np.int32)
