@@ -12,9 +12,8 @@ computes, with each op's precision decided by a rule, as
   Flax layer with ``dtype=jnp.float32`` does). The result is in the compute
   dtype. Tensor cores accumulate it in fp32; XLA:CPU does too. Its gradients
   are half-precision GEMMs too. Integer and fp8 matmuls are left alone.
-* **Sensitive ops in fp32** (:data:`FP32_OPS`: exp, log, log1p, expm1, pow
-  and square, rsqrt, the sum and product reductions, cumsum and
-  cumlogsumexp...). Half inputs are cast to fp32 first. This covers softmax
+* **Sensitive ops in fp32** (:data:`FP32_OPS`: exp, log, log1p, expm1,
+  pow, rsqrt, the sum and product reductions, cumsum and cumlogsumexp...). Half inputs are cast to fp32 first. This covers softmax
   and its sum, logsumexp, the mean and variance reductions of norms written
   inline, and losses built from log-softmax. An fp32 result stays fp32 until
   a matmul (which casts it to the compute dtype), a control-flow boundary or
@@ -124,13 +123,14 @@ PolicySpec = Union[Policy, str]
 MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated"})
 
 #: Primitives that run in fp32 from half inputs (torch.autocast's fp32 list,
-#: as JAX primitives): exponentials and logarithms, powers, rsqrt, the
+#: as JAX primitives): exponentials and logarithms, ``pow``, rsqrt, the
 #: inverse trigonometric and hyperbolic functions torch lists, and the sum,
 #: product and cumulative reductions. Softmax, logsumexp, norms written
-#: inline and losses are built from these.
+#: inline and losses are built from these. ``x ** 2`` and ``x ** 3``
+#: (``integer_pow``, ``square``) are not: jax.nn.gelu computes ``x ** 3``,
+#: and torch runs GELU in its input's dtype.
 FP32_OPS = frozenset({
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square",
-    "rsqrt", "tan", "asin", "acos", "sinh", "cosh", "erf_inv",
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "tan", "asin", "acos", "sinh", "cosh", "erf_inv",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
 })
 
@@ -350,6 +350,9 @@ def apply_rules(fn: Callable[..., Any], rules: Rules, *,
     context = _Context(rules, _scope_names(_source_info.current_name_stack()),
                        transposable=True, report=_Report())
     results, _ = _eval_jaxpr(jaxpr, consts, values, context)
+    # An output the trace folded to a literal comes back as an array.
+    results = [x if _is_array(x) else jnp.asarray(x, v.aval.dtype)
+               for x, v in zip(results, jaxpr.outvars)]
     context.report.warn()
     if output_dtype is not None:
       results = [_cast(x, output_dtype) if _is_floating(_dtype_of(x)) else x

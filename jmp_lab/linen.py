@@ -70,8 +70,10 @@ import optax
 
 from jmp_lab import fp8
 from jmp_lab import reduce as reduce_lib
+from jmp_lab.autocast import apply_rules, make_rules, policy_cast_scope
+from jmp_lab.autocast import scope as autocast_scope
 from jmp_lab.policy import (Policy, cast_floating, get_policy,
-                            resolve_overrides)
+                            is_norm_class, layer_dtype, resolve_overrides)
 
 DEFAULT_FP32_MODULES: tuple[type, ...] = (
     nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm)
@@ -87,6 +89,14 @@ def fp32_island(policy: Policy) -> Policy:
   around it stay half precision.
   """
   return Policy(policy.param_dtype, jnp.float32, policy.compute_dtype,
+                policy.reduce_dtype)
+
+
+def layer_island(policy: Policy, dtype: Any) -> Policy:
+  """The policy of a layer that keeps its own ``dtype`` (``with_policy(...,
+  keep_layer_dtypes=True)``): it computes in ``dtype`` and hands its output
+  back in the compute dtype."""
+  return Policy(policy.param_dtype, dtype, policy.compute_dtype,
                 policy.reduce_dtype)
 
 
@@ -125,6 +135,10 @@ class PolicyModule:
   class_overrides: tuple[tuple[type, Policy], ...]
   path_overrides: tuple[tuple[re.Pattern, Policy], ...]
   fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH
+  # The fp32 island of a module whose class name ends in "Norm" (None:
+  # fp32_norms=False).
+  norm_island: Optional[Policy] = None
+  keep_layer_dtypes: bool = False
   # Which module owns which param depends only on the shapes of what goes
   # in, so the abstract trace is memoized on them (see _module_policies).
   _traced: dict = dataclasses.field(default_factory=dict, compare=False,
@@ -133,7 +147,9 @@ class PolicyModule:
   # ---- which policy applies where ------------------------------------------
 
   def module_policy(self, module: nn.Module) -> Optional[Policy]:
-    """The override for ``module`` itself or its nearest overridden parent."""
+    """The override for ``module`` itself or its nearest overridden parent:
+    a path pattern, a class, a norm by its class name, or (with
+    ``keep_layer_dtypes``) the layer's own ``dtype``."""
     while isinstance(module, nn.Module):
       path = "/".join(module.path)
       for pattern, policy in self.path_overrides:
@@ -142,6 +158,10 @@ class PolicyModule:
       for cls, policy in self.class_overrides:
         if isinstance(module, cls):
           return policy
+      if self.norm_island is not None and is_norm_class(type(module)):
+        return self.norm_island
+      if self.keep_layer_dtypes and layer_dtype(module) is not None:
+        return layer_island(self.policy, layer_dtype(module))
       module = module.parent
     return None
 
@@ -189,9 +209,14 @@ class PolicyModule:
           variables["params"], leaf_policies,
           is_leaf=lambda x: isinstance(x, Policy))
       variables["params"] = _detach(variables["params"], attach, attached)
+    # Every matmul under the rules (jmp_lab.autocast): the interceptor
+    # marks each module call with its compute dtype, so a layer's own
+    # dtype=float32 (or a custom module's fp32 code) cannot take its
+    # matmuls out of the compute dtype.
+    run = apply_rules(self.module.apply, make_rules(self.policy.compute_dtype))
     with nn.intercept_methods(self._interceptor(attached)):
-      return self.module.apply(variables, *args, rngs=rngs, mutable=mutable,
-                               method=method, **kwargs)
+      return run(variables, *args, rngs=rngs, mutable=mutable, method=method,
+                 **kwargs)
 
   def __call__(self, variables, *args, **kwargs):
     return self.apply(variables, *args, **kwargs)
@@ -258,19 +283,31 @@ class PolicyModule:
         output = override.output_dtype
       else:
         output = self.policy.compute_dtype
-      args, kwargs = cast_floating((args, kwargs), compute)
+      with policy_cast_scope():
+        args, kwargs = cast_floating((args, kwargs), compute)
+      module = context.module
       depth[0] += 1
       try:
-        with _matmul_override(context.module, policy,
-                              self.fp8_history_length) as finish:
-          out = finish(next_fun(*args, **kwargs))
+        if name == "attend" and _reduced_attend(module, policy):
+          # The tied logits GEMM in the model's compute dtype, its table
+          # gradient summed in the reduce dtype.
+          with autocast_scope(self.policy.compute_dtype):
+            out = reduce_lib.embed_attend(args[0], module.embedding,
+                                          self.policy.compute_dtype,
+                                          policy.reduce_dtype)
+        else:
+          with autocast_scope(compute), _matmul_override(
+              module, policy, self.fp8_history_length) as finish, \
+              _fp32_softmax_attention(module):
+            out = finish(next_fun(*args, **kwargs))
       finally:
         depth[0] -= 1
-      params = attached.get(tuple(context.module.path))
+      params = attached.get(tuple(module.path))
       if params and name == "__call__":
-        out = _attach_gradients(context.module, out, params, args, kwargs,
+        out = _attach_gradients(module, out, params, args, kwargs,
                                 policy.reduce_dtype)
-      return cast_floating(out, output)
+      with policy_cast_scope():
+        return cast_floating(out, output)
 
     return intercept
 
@@ -384,11 +421,30 @@ def _is_exactly(module: nn.Module, cls: type) -> bool:
 def _set_for_one_call(module: nn.Module, attribute: str, value: Any):
   # Flax modules are frozen dataclasses built inside the user's code, so
   # the attribute is set on the instance and restored afterwards.
+  before = getattr(module, attribute)
   object.__setattr__(module, attribute, value)
   try:
     yield
   finally:
-    object.__setattr__(module, attribute, None)
+    object.__setattr__(module, attribute, before)
+
+
+_ATTENTION_MODULES = (nn.MultiHeadDotProductAttention,)  # SelfAttention too
+
+
+def _fp32_softmax_attention(module: nn.Module):
+  """For one call: a flax attention module that uses flax's default
+  ``attention_fn`` gets :data:`dot_product_attention` (fp32 softmax)."""
+  if (isinstance(module, _ATTENTION_MODULES)
+      and module.attention_fn is nn.dot_product_attention):
+    return _set_for_one_call(module, "attention_fn", dot_product_attention)
+  return contextlib.nullcontext()
+
+
+def _reduced_attend(module: nn.Module, policy: Policy) -> bool:
+  """``Embed.attend`` (flax's own) under a reduce dtype."""
+  return (policy.reduce_dtype is not None and isinstance(module, nn.Embed)
+          and type(module).attend is nn.Embed.attend)
 
 
 @contextlib.contextmanager
@@ -489,6 +545,7 @@ def with_policy(
     path_overrides: Optional[Mapping[str, PolicySpec]] = None,
     fp32_norms: bool = True,
     fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
+    keep_layer_dtypes: bool = False,
 ) -> PolicyModule:
   """Applies ``policy`` to a linen module.
 
@@ -501,10 +558,30 @@ def with_policy(
     path_overrides: ``{regex: policy}`` matched with ``re.search`` against
       module paths (``"Block_0/Dense_1"``) and param paths
       (``"Block_0/Dense_1/kernel"``); these take precedence over classes.
-    fp32_norms: compute LayerNorm, RMSNorm, BatchNorm and GroupNorm in fp32
-      (see :func:`fp32_island`).
+    fp32_norms: compute norms in fp32 (see :func:`fp32_island`): flax's
+      LayerNorm, RMSNorm, BatchNorm and GroupNorm, and every module whose
+      class name ends in ``Norm`` (a model's own ``RMSNorm``; flax's
+      ``WeightNorm`` and ``SpectralNorm`` wrappers excepted). A class
+      override takes a norm class back (``{MyNorm: policy}``).
     fp8_history_length: the amax history of delayed fp8 scaling
       (``matmul="fp8"``).
+    keep_layer_dtypes: a layer that sets its own ``dtype``
+      (``nn.Dense(..., dtype=jnp.float32)``) computes in it, as without a
+      policy. By default the policy wins: public model code passes a
+      config's fp32 ``dtype`` to every layer, which would otherwise keep
+      every matmul in fp32. To keep one layer in fp32 (an fp32 head), give
+      it a path or class override instead.
+
+  **How precision is decided.** Per module, by the policy and the
+  overrides: a module's floating inputs and params are cast to its compute
+  dtype and its outputs to the compute dtype (the model's own outputs to
+  ``output_dtype``). Per op, by :func:`jmp_lab.autocast`'s rules inside
+  every module call: each ``dot_general`` and convolution runs with operands
+  in the module's compute dtype, even where a layer or a custom module
+  casts them to fp32 first; exp, log, softmax's and the norms' reductions
+  run in fp32 from half inputs. ``nn.MultiHeadDotProductAttention`` (and
+  ``nn.SelfAttention``) with flax's default ``attention_fn`` gets
+  :data:`dot_product_attention` (fp32 softmax).
 
   With ``matmul="fp8"`` (``"mixed_fp8"``) or ``"fp8_current"`` in
   ``policy``, Dense and DenseGeneral (so flax's attention projections too)
@@ -541,7 +618,13 @@ def with_policy(
   if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
     raise ValueError(f"fp8_history_length must be a positive int, got "
                      f"{fp8_history_length!r}")
-  return PolicyModule(module, policy, classes, patterns, fp8_history_length)
+  for name, flag in (("fp32_norms", fp32_norms),
+                     ("keep_layer_dtypes", keep_layer_dtypes)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be a bool, got {flag!r}")
+  return PolicyModule(module, policy, classes, patterns, fp8_history_length,
+                      norm_island=fp32_island(policy) if fp32_norms else None,
+                      keep_layer_dtypes=keep_layer_dtypes)
 
 
 # --------------------------------------------------------------------------

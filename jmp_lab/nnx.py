@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
@@ -83,12 +84,16 @@ from flax import nnx
 
 from jmp_lab import _checks, _tree, fp8
 from jmp_lab import reduce as reduce_lib
+from jmp_lab.autocast import (apply_rules, is_tracing, make_rules,
+                              policy_cast_scope)
+from jmp_lab.autocast import scope as autocast_scope
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.linen import (fp32_island, log_softmax, reduce_island, softmax,
+from jmp_lab.linen import (fp32_island, layer_island, log_softmax,
+                           reduce_island, softmax,
                            softmax_cross_entropy_with_integer_labels)
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import (Policy, cast_floating, get_policy,
-                            resolve_overrides)
+                            is_norm_class, layer_dtype, resolve_overrides)
 from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,
                            last_step_applied, master_params, skipped_steps)
 from jmp_lab.training import UPDATE_SCOPE, scaled_value_and_grad
@@ -108,9 +113,26 @@ PolicySpec = Union[Policy, str]
 _DETACHED: set = set()
 
 
+# How many policed module calls are running on this thread: a param is read
+# in its compute dtype inside one, and as stored outside (nnx.state,
+# nnx.to_pure_dict, checkpoints, your own code between calls).
+_calls = threading.local()
+
+
+@contextlib.contextmanager
+def _in_module_call():
+  _calls.depth = getattr(_calls, "depth", 0) + 1
+  try:
+    yield
+  finally:
+    _calls.depth -= 1
+
+
 def _read_in_compute_dtype(variable_class: type) -> Callable:
   def get_value(self, **kwargs):
     value = variable_class.get_value(self, **kwargs)
+    if getattr(_calls, "depth", 0) == 0:
+      return value
     dtype = self.get_metadata("compute_dtype", None)
     value = value if dtype is None else cast_floating(value, dtype)
     return jax.lax.stop_gradient(value) if id(self) in _DETACHED else value
@@ -154,11 +176,14 @@ def _bias_broadcast(module: nnx.Module, bias_shape, args, kwargs) -> tuple:
 
 
 class PolicyParam(nnx.Param):
-  """An ``nnx.Param`` read in its module's compute dtype.
+  """An ``nnx.Param`` read in its module's compute dtype inside a call.
 
-  ``param[...]`` (and every other read) returns the value cast to the
-  ``compute_dtype`` metadata; ``param.get_raw_value()`` is the stored value,
-  in the policy's ``param_dtype``. :func:`with_policy` makes them.
+  Inside a policed module's call, ``param[...]`` (and every other read)
+  returns the value cast to the ``compute_dtype`` metadata. Outside one
+  (``nnx.state``, ``nnx.to_pure_dict``, Flax's and orbax's checkpoint
+  routes, your own code between calls) it is the stored value, in the
+  policy's ``param_dtype``, as is ``param.get_raw_value()`` anywhere.
+  :func:`with_policy` makes them.
   """
 
   get_value = _read_in_compute_dtype(nnx.Param)
@@ -200,18 +225,59 @@ class Fp8Meta(nnx.Variable):
   optimizer (``wrt=nnx.Param`` leaves it out)."""
 
 
+def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
+                 args: tuple, kwargs: dict) -> Any:
+  """``module.<method>(*args, **kwargs)`` under jmp_lab.autocast's rules.
+
+  The engine traces a pure function, so the module graph (and any NNX
+  object among the arguments, such as an ``nnx.Rngs``) is split, merged
+  inside, and its new state (batch statistics, RNG counts) put back after:
+  the pattern of NNX's own transforms.
+  """
+  nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs),
+                                                is_leaf=_is_nnx_object)
+           if _is_nnx_object(x)]
+  arrays = jax.tree_util.tree_map(
+      lambda x: None if _is_nnx_object(x) else x, (args, kwargs),
+      is_leaf=_is_nnx_object)
+  graphdef, state = nnx.split((module, *nodes))
+
+  def pure(state, arrays):
+    merged = nnx.merge(graphdef, state)
+    replaced = iter(merged[1:])
+    call_args, call_kwargs = jax.tree_util.tree_map(
+        lambda x, a: next(replaced) if _is_nnx_object(x) else a,
+        (args, kwargs), arrays, is_leaf=_is_nnx_object)
+    out = getattr(merged[0], method)(*call_args, **call_kwargs)
+    return out, nnx.state(merged)
+
+  out, new_state = apply_rules(pure, make_rules(compute))(state, arrays)
+  nnx.update((module, *nodes), new_state)
+  return out
+
+
 @functools.lru_cache(maxsize=None)
 def _policy_class(base: type, compute: np.dtype, output: np.dtype,
                   fp8_delayed: bool = False,
-                  reduce_bias: Optional[np.dtype] = None) -> type:
+                  reduce_bias: Optional[np.dtype] = None,
+                  attend: Optional[tuple[np.dtype, np.dtype]] = None) -> type:
   """``base`` whose ``__call__`` runs in ``compute`` and returns ``output``
   (with ``fp8_delayed``, its matmul in fp8 scaled by its :class:`Fp8Meta`;
-  with ``reduce_bias``, its bias gradient summed in that dtype)."""
+  with ``reduce_bias``, its bias gradient summed in that dtype). Its
+  matmuls run under jmp_lab.autocast's rules, in ``compute``. An ``Embed``'s
+  ``attend`` does too; with ``attend=(compute dtype, reduce dtype)`` its
+  GEMM runs in that compute dtype with the table's gradient summed in the
+  reduce dtype."""
 
   def __call__(self, *args, **kwargs):
-    args, kwargs = _cast_arrays((args, kwargs), compute)
+    if not is_tracing():  # the outermost policed call: it runs the engine
+      return _under_rules(self, "__call__", compute, args, kwargs)
+    with policy_cast_scope():
+      args, kwargs = _cast_arrays((args, kwargs), compute)
     bias = None
     with contextlib.ExitStack() as stack:
+      stack.enter_context(autocast_scope(compute))
+      stack.enter_context(_in_module_call())
       if fp8_delayed:
         # The layer calls its matmul attribute: for this call, the fp8
         # matmul that reads (and, differentiated, updates) its scaling state.
@@ -226,14 +292,41 @@ def _policy_class(base: type, compute: np.dtype, output: np.dtype,
       out = reduce_lib.with_param_gradient(
           lambda g, _: reduce_lib.bias_gradient(g, broadcast, reduce_bias),
           out, bias, ())
-    return _cast_arrays(out, output)
+    with policy_cast_scope():
+      return _cast_arrays(out, output)
 
+  methods = {"__call__": __call__}
+  if hasattr(base, "attend"):
+    methods["attend"] = _attend_method(base, compute, output, attend)
   # A plain subclass, no slots or mixins: instances keep their layout, so
   # their class can be swapped in place.
   return type(base.__name__, (base,), {
       "__module__": base.__module__, "__qualname__": base.__qualname__,
-      "__call__": __call__, "_jmp_lab_base": base,
+      **methods, "_jmp_lab_base": base,
       "_jmp_lab_dtypes": (compute, output)})
+
+
+def _attend_method(base: type, compute: np.dtype, output: np.dtype,
+                   reduced: Optional[tuple[np.dtype, np.dtype]]) -> Callable:
+  """``Embed.attend`` (the logits GEMM of tied embeddings) under the rules,
+  as ``__call__``."""
+  gemm_dtype = compute if reduced is None else reduced[0]
+
+  def attend(self, query, *args, **kwargs):
+    if not is_tracing():
+      return _under_rules(self, "attend", gemm_dtype, (query, *args), kwargs)
+    with policy_cast_scope():
+      query = cast_floating(query, gemm_dtype)
+    with autocast_scope(gemm_dtype), _in_module_call():
+      if reduced is not None and base.attend is nnx.Embed.attend:
+        out = reduce_lib.embed_attend(query, self.embedding.get_raw_value(),
+                                      *reduced)
+      else:
+        out = base.attend(self, query, *args, **kwargs)
+    with policy_cast_scope():
+      return _cast_arrays(out, output)
+
+  return attend
 
 
 @contextlib.contextmanager
@@ -343,6 +436,7 @@ def with_policy(
     path_overrides: Optional[Mapping[str, PolicySpec]] = None,
     fp32_norms: bool = True,
     fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
+    keep_layer_dtypes: bool = False,
 ) -> nnx.Module:
   """Applies ``policy`` to an NNX module graph, in place; returns ``model``.
 
@@ -355,9 +449,23 @@ def with_policy(
     path_overrides: ``{regex: policy}`` matched with ``re.search`` against
       module paths (``"blocks/0/mlp"``) and param paths
       (``"blocks/0/mlp/kernel"``); these take precedence over classes.
-    fp32_norms: compute LayerNorm, RMSNorm, BatchNorm and GroupNorm in fp32
-      (:func:`jmp_lab.linen.fp32_island`).
+    fp32_norms: compute norms in fp32 (:func:`jmp_lab.linen.fp32_island`):
+      flax's LayerNorm, RMSNorm, BatchNorm and GroupNorm, and every module
+      whose class name ends in ``Norm`` (a model's own ``RMSNorm``; flax's
+      ``WeightNorm`` and ``SpectralNorm`` excepted). A class override takes
+      a norm class back.
     fp8_history_length: the amax history of delayed fp8 scaling.
+    keep_layer_dtypes: a layer that sets its own ``dtype`` computes in it.
+      By default the policy wins over a layer's ``dtype`` (public model
+      code passes ``dtype=jnp.float32`` to every layer); give an fp32 head
+      a path or class override instead.
+
+  **How precision is decided:** as in :func:`jmp_lab.linen.with_policy`,
+  per module (policy, overrides) and per op: every module call runs under
+  :func:`jmp_lab.autocast`'s rules in its compute dtype, so Flax's layers
+  with ``dtype=jnp.float32``, ``Embed.attend`` and your own modules'
+  matmuls all run in the compute dtype, and their exp, log and reductions
+  in fp32.
 
   With ``matmul="fp8"`` (``"mixed_fp8"``) in ``policy``, every Linear and
   LinearGeneral (so the attention projections too) runs its matmul as an
@@ -382,6 +490,10 @@ def with_policy(
   if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
     raise ValueError(f"fp8_history_length must be a positive int, got "
                      f"{fp8_history_length!r}")
+  for name, flag in (("fp32_norms", fp32_norms),
+                     ("keep_layer_dtypes", keep_layer_dtypes)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be a bool, got {flag!r}")
   defaults: dict[type, Policy] = {}
   if fp32_norms:
     defaults.update((cls, fp32_island(policy)) for cls in DEFAULT_FP32_MODULES)
@@ -405,6 +517,10 @@ def with_policy(
         for cls, override in classes:
           if issubclass(base, cls):
             return override
+        if fp32_norms and is_norm_class(base):
+          return fp32_island(policy)
+        if keep_layer_dtypes and layer_dtype(modules[prefix]) is not None:
+          return layer_island(policy, layer_dtype(modules[prefix]))
     return None
 
   effective: dict[tuple, Policy] = {}
@@ -421,9 +537,13 @@ def with_policy(
     _set_reduce_dtype(module, None)  # what an earlier policy gave, back
     fp8_mode = _fp8_mode(module, effective[path])
     _set_fp8_state(module, fp8_mode, fp8_history_length)
+    attend = None
+    if (isinstance(module, nnx.Embed)
+        and effective[path].reduce_dtype is not None):
+      attend = (policy.compute_dtype, effective[path].reduce_dtype)
     module.__class__ = _policy_class(
         _base_class(module), compute, output, fp8_mode == "fp8",
-        _reduced_bias(module, effective[path]))
+        _reduced_bias(module, effective[path]), attend)
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention

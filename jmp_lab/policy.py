@@ -352,6 +352,33 @@ def _parse_matmul(value: str, spec: str) -> str:
   return mode
 
 
+# Classes whose names end in "Norm" but are wrappers, not normalisation
+# layers (flax's reparametrisations of the layer they wrap).
+_NOT_NORMS = ("WeightNorm", "SpectralNorm")
+
+
+def is_norm_class(cls: type) -> bool:
+  """Whether a module class is a normalisation layer by its name: it ends
+  in ``Norm`` (``LayerNorm``, ``RMSNorm``, ``GroupNorm``, a model's own
+  ``ScaleNorm``...), flax's ``WeightNorm`` and ``SpectralNorm`` wrappers
+  excepted. The front ends keep such modules in fp32 by default."""
+  name = cls.__name__
+  return name.endswith("Norm") and name not in _NOT_NORMS
+
+
+def layer_dtype(module: Any) -> Optional[np.dtype]:
+  """The floating ``dtype`` a layer sets for its own computation (flax's
+  ``dtype`` attribute), or None."""
+  dtype = getattr(module, "dtype", None)
+  if dtype is None:
+    return None
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    return None
+  return dtype if jnp.issubdtype(dtype, jnp.floating) else None
+
+
 def resolve_overrides(
     class_overrides: Optional[Mapping[type, Union[Policy, str]]],
     path_overrides: Optional[Mapping[str, Union[Policy, str]]],

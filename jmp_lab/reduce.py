@@ -359,6 +359,25 @@ def einsum(reduce_dtype: Any) -> Callable[..., jax.Array]:
   return einsum_fn
 
 
+def embed_attend(query, embedding, compute_dtype: Any, reduce_dtype: Any
+                 ) -> jax.Array:
+  """``Embed.attend`` (the logits of a tied embedding: ``query @
+  embedding.T``) with both operands in ``compute_dtype`` and the table's
+  gradient accumulated and returned in ``reduce_dtype``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> table = jnp.ones((5, 4))
+  >>> loss = lambda t: embed_attend(jnp.ones((2, 4)), t, jnp.bfloat16,
+  ...                               jnp.float32).astype(jnp.float32).sum()
+  >>> jax.grad(loss)(table).dtype, float(jax.grad(loss)(table)[0, 0])
+  (dtype('float32'), 2.0)
+  """
+  query = query.astype(compute_dtype)
+  embedding = embedding.astype(compute_dtype)
+  dims = (((query.ndim - 1,), (1,)), ((), ()))
+  return dot_general(reduce_dtype)(query, embedding, dims)
+
+
 def bias_gradient(g, broadcast_shape: Sequence[int], reduce_dtype: Any
                   ) -> jax.Array:
   """The gradient of a bias added as ``y + bias.reshape(broadcast_shape)``:

@@ -159,12 +159,24 @@ def _walk(jaxpr, times, records, casts):
         casts[f"{np.dtype(src).name}->{np.dtype(dst).name}"] = casts.get(
             f"{np.dtype(src).name}->{np.dtype(dst).name}", 0) + times
     inner_times = times * (eqn.params.get("length", 1) if name == "scan" else 1)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None:
-          _walk(inner if hasattr(inner, "eqns") else inner.jaxpr,
-                inner_times, records, casts)
+    for inner in sub_jaxprs(eqn.params):
+      _walk(inner, inner_times, records, casts)
+
+
+def sub_jaxprs(params: dict):
+  """Every jaxpr among an equation's params, closed or open.
+
+  The bodies of ``jax.checkpoint`` (``nn.remat``) and ``shard_map`` are open
+  jaxprs; ``scan``, ``cond``, ``jit`` and custom derivatives hold closed
+  ones, whose ``.jaxpr`` is the body (jax 0.11 merges the two kinds). A walk
+  that follows ``.jaxpr`` alone misses the open ones.
+  """
+  for param in params.values():
+    for sub in param if isinstance(param, (list, tuple)) else (param,):
+      if hasattr(sub, "eqns"):
+        yield sub
+      elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+        yield sub.jaxpr
 
 
 @dataclasses.dataclass
