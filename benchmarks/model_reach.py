@@ -43,14 +43,24 @@ from benchmarks import real_models as rm
 @dataclasses.dataclass
 class Case:
   """One model under one policy: ``step(state, batch) -> (state, metrics)``
-  is pure (jit it, audit it, compile it), ``state`` its first state and
-  ``batches`` real data."""
+  is pure (jit it, audit it, compile it), ``state`` its first state,
+  ``batches`` real data and ``forward(state, batch)`` the loss alone."""
 
   name: str
   policy: str
   step: Callable[[Any, Any], tuple[Any, dict]]
   state: Any
   batches: Iterator[Any]
+  forward: Callable[[Any, Any], Any]
+
+
+def _linen_case(name, policy, loss_fn, state, batches) -> Case:
+  def forward(state, batch):
+    out = loss_fn(state.params, state, batch)
+    return out[0] if isinstance(out, tuple) else out
+  return Case(name, policy, functools.partial(jmp_lab.train_step,
+                                              loss_fn=loss_fn),
+              state, batches, forward)
 
 
 def _optimizer(policy: str, learning_rate: float):
@@ -73,7 +83,8 @@ def _text_batches(batch: int, length: int, seed: int = 0) -> Iterator[Any]:
   return rm.text_batches(rm.stdlib_bytes(), batch, length, seed)
 
 
-def resnet_case(policy: str, *, batch: int = 32, **model_kw) -> Case:
+def resnet_case(policy: str, *, batch: int = 32, seed: int = 0,
+                **model_kw) -> Case:
   model = jl.with_policy(rm.ResNet(**model_kw), policy)
   variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
   state = jmp_lab.TrainState.create(
@@ -89,9 +100,8 @@ def resnet_case(policy: str, *, batch: int = 32, **model_kw) -> Case:
         logits, batch["y"]).mean()
     return loss, {"model_state": updates}
 
-  return Case("ResNet (linen, BatchNorm)", policy,
-              functools.partial(jmp_lab.train_step, loss_fn=loss_fn), state,
-              _digit_batches(batch))
+  return _linen_case("ResNet (linen, BatchNorm)", policy, loss_fn, state,
+                     _digit_batches(batch, seed))
 
 
 def _lm_loss(logits_fn):
@@ -103,7 +113,8 @@ def _lm_loss(logits_fn):
 
 
 def linen_lm_case(policy: str, *, batch: int = 8, length: int = 64,
-                  name: Optional[str] = None, **config_kw) -> Case:
+                  seed: int = 0, name: Optional[str] = None,
+                  **config_kw) -> Case:
   config = rm.TransformerConfig(max_len=length, **config_kw)
   model = jl.with_policy(rm.TransformerLM(config), policy)
   params = model.init(jax.random.key(0),
@@ -113,13 +124,12 @@ def linen_lm_case(policy: str, *, batch: int = 8, length: int = 64,
                                     policy=policy)
   loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(
       {"params": params}, tokens))
-  return Case(name or "Transformer LM (linen)", policy,
-              functools.partial(jmp_lab.train_step, loss_fn=loss_fn), state,
-              _text_batches(batch, length))
+  return _linen_case(name or "Transformer LM (linen)", policy, loss_fn,
+                     state, _text_batches(batch, length, seed))
 
 
 def gemma_case(policy: str, *, batch: int = 8, length: int = 64,
-               **config_kw) -> Case:
+               seed: int = 0, **config_kw) -> Case:
   config = rm.GemmaConfig(**config_kw)
   model = jmp_lab.nnx.with_policy(rm.GemmaLM(config, rngs=nnx.Rngs(0)),
                                   policy)
@@ -132,12 +142,18 @@ def gemma_case(policy: str, *, batch: int = 8, length: int = 64,
         logits, tokens[:, 1:]).mean()
 
   step, state = jmp_lab.nnx.split_train_step(loss_fn, model, optimizer)
+  graphdef, _ = nnx.split((model, optimizer))
+
+  def forward(state, tokens):
+    model, _ = nnx.merge(graphdef, state)
+    return loss_fn(model, tokens)
+
   return Case("Gemma-style LM (NNX)", policy, step, state,
-              _text_batches(batch, length))
+              _text_batches(batch, length, seed), forward)
 
 
 def equinox_case(policy: str, *, batch: int = 8, length: int = 64,
-                 **model_kw) -> Case:
+                 seed: int = 0, **model_kw) -> Case:
   import equinox as eqx
   model = rm.EqxTransformer(max_len=length, key=jax.random.key(0),
                             **model_kw)
@@ -151,9 +167,8 @@ def equinox_case(policy: str, *, batch: int = 8, length: int = 64,
       tx=_optimizer(policy, 3e-3), policy=policy)
   loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(params,
                                                                   tokens))
-  return Case("Transformer LM (Equinox, autocast)", policy,
-              functools.partial(jmp_lab.train_step, loss_fn=loss_fn), state,
-              _text_batches(batch, length))
+  return _linen_case("Transformer LM (Equinox, autocast)", policy, loss_fn,
+                     state, _text_batches(batch, length, seed))
 
 
 CASES: dict[str, Callable[..., Case]] = {
@@ -187,13 +202,14 @@ def compiled(case: Case, target: str) -> dict[str, Any]:
 
 
 def train(case: Case, steps: int) -> float:
-  """The mean loss of the last tenth of ``steps`` steps."""
+  """The mean training loss over the last quarter of ``steps`` steps (the
+  batches are the same for every policy: the data seeds are fixed)."""
   step = jax.jit(case.step)
   state, losses = case.state, []
   for _ in range(steps):
     state, metrics = step(state, next(case.batches))
     losses.append(metrics["loss"])
-  tail = max(1, steps // 10)
+  tail = max(1, steps // 4)
   return float(np.mean(jax.device_get(losses[-tail:])))
 
 
@@ -206,6 +222,8 @@ def main(argv=None) -> list[dict[str, Any]]:
                       help="also compile each step for this GPU (h100, h200)")
   parser.add_argument("--steps", type=int, default=0,
                       help="also train this many steps, and fp32 beside it")
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="with --steps: data seeds to average the loss over")
   args = parser.parse_args(argv)
   names = [n.strip() for n in args.cases.split(",") if n.strip()]
   unknown = [n for n in names if n not in CASES]
@@ -218,8 +236,10 @@ def main(argv=None) -> list[dict[str, Any]]:
     if args.target:
       row.update(compiled(case, args.target))
     if args.steps:
-      row["loss"] = train(case, args.steps)
-      row["fp32_loss"] = train(CASES[name]("float32"), args.steps)
+      row["loss"], row["fp32_loss"] = (float(np.mean([
+          train(CASES[name](policy, seed=seed), args.steps)
+          for seed in range(args.seeds)])) for policy in (args.policy,
+                                                          "float32"))
     rows.append(row)
     print(_row_text(row, args), flush=True)
   print()
@@ -239,7 +259,9 @@ def table(rows, args) -> str:
     head += f" GEMMs/convolutions with an f32 operand ({args.target}) |"
     rule += "---|"
   if args.steps:
-    head += f" loss after {args.steps} steps | fp32 loss | ratio |"
+    head += (f" loss, last quarter of {args.steps} steps"
+             f"{f' (mean of {args.seeds} seeds)' if args.seeds > 1 else ''}"
+             f" | fp32 | ratio |")
     rule += "---|---|---|"
   lines = [head, rule]
   for row in rows:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +103,38 @@ def checked_metrics(metrics: Any, contract: str) -> dict:
   if not isinstance(metrics, Mapping):
     raise TypeError(f"{contract}; got metrics of type {type(metrics).__name__}")
   return dict(metrics)
+
+
+def optimizer_policy(tx: Any) -> Optional[Policy]:
+  """The policy a jmp_lab optimizer (``mixed_precision``, ``fused_adamw``)
+  was built with; None for any other transformation."""
+  policy = getattr(getattr(tx, "update", None), "policy", None)
+  return policy if isinstance(policy, Policy) else None
+
+
+def model_policy(apply_fn: Any) -> Optional[Policy]:
+  """The policy of a model's apply function: ``jmp_lab.linen.with_policy(
+  ...).apply`` or a :func:`jmp_lab.autocast` function; None otherwise."""
+  for owner in (getattr(apply_fn, "__self__", None), apply_fn):
+    policy = getattr(owner, "policy", None)
+    if isinstance(policy, Policy):
+      return policy
+  return None
+
+
+def check_policies_agree(policies: Sequence[tuple[str, Optional[Policy]]],
+                         where: str) -> None:
+  """Raises ValueError, naming both, when two of the named policies differ
+  in their param or compute dtype (None: unknown, not checked)."""
+  known = [(name, p) for name, p in policies if p is not None]
+  for name, policy in known[1:]:
+    first_name, first = known[0]
+    if (policy.param_dtype, policy.compute_dtype) != (
+        first.param_dtype, first.compute_dtype):
+      raise ValueError(
+          f"{where}: {first_name} policy ({first}) and {name} policy "
+          f"({policy}) disagree; give every one the same policy (e.g. one "
+          f"jmp_lab.get_policy(...) object)")
 
 
 def keeps_master_copy(policy: Policy) -> bool:

@@ -140,6 +140,7 @@ FP32_OPS = frozenset({
 _FOLLOW_OPS = frozenset({
     "add", "sub", "mul", "div", "rem", "max", "min", "neg", "sign", "abs",
     "floor", "ceil", "round", "nextafter", "sqrt", "cbrt", "tanh", "logistic",
+    "square", "integer_pow",
     "sin", "cos", "atan", "atan2", "asinh", "acosh", "atanh", "erf", "erfc",
     "lgamma", "digamma", "is_finite", "eq", "ne", "lt", "le", "gt", "ge",
     "select_n", "clamp", "stop_gradient", "copy", "copy_p", "reduce_max",
@@ -366,6 +367,85 @@ def apply_rules(fn: Callable[..., Any], rules: Rules, *,
   return wrapped
 
 
+class PrecisionWarning(UserWarning):
+  """A policy asks for half precision where the computation does not run in
+  it (see :func:`warn_unless_half`)."""
+
+
+@dataclasses.dataclass
+class MatmulCount:
+  """Matmuls the rules ran (see :func:`recording`): ``half`` with half (or
+  fp8) operands, ``full`` left with a wider floating operand."""
+
+  half: int = 0
+  full: int = 0
+
+
+@contextlib.contextmanager
+def recording():
+  """Counts the matmuls the rules run while the block traces.
+
+  >>> import jax, jax.numpy as jnp, jmp_lab
+  >>> from jmp_lab.autocast import recording
+  >>> with recording() as count:
+  ...   _ = jmp_lab.autocast(jnp.matmul, "mixed_bfloat16")(jnp.ones((2, 2)),
+  ...                                                      jnp.ones((2, 2)))
+  >>> count
+  MatmulCount(half=1, full=0)
+  """
+  count = MatmulCount()
+  stack = _local.__dict__.setdefault("recorders", [])
+  stack.append(count)
+  try:
+    yield count
+  finally:
+    stack.remove(count)
+
+
+def _note_matmul(operand_dtypes) -> None:
+  floating = [d for d in operand_dtypes if _is_floating(d)]
+  if len(floating) < 2:
+    return
+  half = all(d.itemsize <= 2 for d in floating)
+  for count in getattr(_local, "recorders", ()):
+    if half:
+      count.half += 1
+    else:
+      count.full += 1
+
+
+def warn_unless_half(policy: Policy, count: MatmulCount,
+                     trace: Callable[[], Any], where: str) -> None:
+  """Warns (:class:`PrecisionWarning`) when ``policy`` computes in half
+  precision but no matmul of the model does.
+
+  ``count`` holds what the rules ran while the loss was traced. When they
+  did not run at all (the model is not wrapped by a front end or
+  :func:`autocast`), ``trace()`` gives the loss's jaxpr, whose matmuls are
+  read instead: a model that casts by hand is not warned about.
+  """
+  if policy.compute_dtype not in _HALF:
+    return
+  if count.half or count.full:
+    if not count.half:
+      warnings.warn(
+          f"{where}: the policy ({policy}) computes in "
+          f"{policy.compute_dtype.name}, but every matmul of the model runs "
+          f"in fp32: the policy's overrides (keep_layer_dtypes=True, or "
+          f"class/path overrides) keep them there", PrecisionWarning,
+          stacklevel=4)
+    return
+  from jmp_lab.diagnostics.audit import matmul_records  # no import cycle
+  records = matmul_records(trace())
+  if records and not any(r.half for r in records):
+    warnings.warn(
+        f"{where}: the policy ({policy}) computes in "
+        f"{policy.compute_dtype.name}, but every matmul of the loss runs in "
+        f"fp32: wrap the model with jmp_lab.linen.with_policy, "
+        f"jmp_lab.nnx.with_policy or jmp_lab.autocast", PrecisionWarning,
+        stacklevel=4)
+
+
 # Whether user code is being traced by apply_rules on this thread (the NNX
 # front end asks, to run a model's own call only once under the rules).
 _local = threading.local()
@@ -440,7 +520,8 @@ def _eval_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any],
   def read(atom):
     return atom.val if isinstance(atom, jex_core.Literal) else env[atom]
 
-  for eqn in jaxpr.eqns:
+  pulled = _pulled_into_fp32(jaxpr, context.rules.fp32_ops)
+  for index, eqn in enumerate(jaxpr.eqns):
     path = context.base + _scope_names(eqn.source_info.name_stack)
     invals = [read(v) for v in eqn.invars]
     in_wide = [not isinstance(v, jex_core.Literal) and v in wide
@@ -449,7 +530,8 @@ def _eval_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any],
                   + eqn.source_info.name_stack)
     with _source_info.user_context(eqn.source_info.traceback,
                                    name_stack=name_stack), eqn.ctx.manager:
-      outs, out_wide = _eval_eqn(eqn, invals, in_wide, path, context)
+      outs, out_wide = _eval_eqn(eqn, invals, in_wide, path, context,
+                                 index in pulled)
     for var, value, is_wide in zip(eqn.outvars, outs, out_wide):
       env[var] = value
       if is_wide:
@@ -459,7 +541,50 @@ def _eval_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any],
            for v in jaxpr.outvars])
 
 
-def _eval_eqn(eqn, invals, in_wide, path, context):
+def _pulled_into_fp32(jaxpr, fp32_ops: frozenset) -> set[int]:
+  """The equations that only feed fp32 ops: they run in fp32 too.
+
+  ``jax.nn.softmax(x)`` is ``exp(x - max(x)) / sum(...)``. Run as written
+  from bf16 ``x``, ``x - max(x)`` would be rounded to bf16 before ``exp``
+  saw it. An op (elementwise, a layout change or a cast) whose every result
+  is used only by fp32 ops, or by ops pulled in this way, runs in fp32 from
+  its half inputs, so the whole softmax, logsumexp or norm statistic is
+  computed in fp32, as torch computes its fused ops. A value that is also
+  used elsewhere (a residual stream) keeps its dtype: only the fp32 ops
+  see it upcast.
+  """
+  uses: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for var in eqn.invars:
+      if not isinstance(var, jex_core.Literal):
+        uses.setdefault(var, []).append(i)
+  for var in jaxpr.outvars:
+    if not isinstance(var, jex_core.Literal):
+      uses.setdefault(var, []).append(-1)
+  pulled: set = set()
+
+  def feeds_fp32(var) -> bool:
+    if isinstance(var, jex_core.DropVar):
+      return True
+    users = uses.get(var, ())
+    return bool(users) and all(
+        i >= 0 and (i in pulled or jaxpr.eqns[i].primitive.name in fp32_ops)
+        for i in users)
+
+  for i in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[i]
+    name = eqn.primitive.name
+    if name in fp32_ops or not (name in _FOLLOW_OPS
+                                or name == "convert_element_type"):
+      continue
+    floating = [v for v in eqn.outvars
+                if _is_floating(getattr(v.aval, "dtype", None))]
+    if floating and all(feeds_fp32(v) for v in floating):
+      pulled.add(i)
+  return pulled
+
+
+def _eval_eqn(eqn, invals, in_wide, path, context, pulled=False):
   name = eqn.primitive.name
   compute = context.rules.compute_for(path)
   if name in _INLINED_CALLS and _inlinable(eqn):
@@ -474,10 +599,14 @@ def _eval_eqn(eqn, invals, in_wide, path, context):
     return _shard_map(eqn, invals, path, context)
   if name not in _OPAQUE and _has_subjaxprs(eqn):
     return _rewritten(eqn, invals, path, context, _subjaxpr_params)
+  if name in MATMUL_OPS and compute is None:
+    _note_matmul([np.dtype(v.aval.dtype) for v in eqn.invars[:2]])
   if compute is None or name in _OPAQUE:
     return _as_written(eqn, invals)
   if name in MATMUL_OPS:
     return _matmul(eqn, invals, compute, context)
+  if pulled:
+    return _in_fp32(eqn, invals, in_wide)
   if name == "convert_element_type":
     return _convert(eqn, invals, in_wide, path)
   if name in context.rules.fp32_ops:
@@ -494,7 +623,9 @@ def _matmul(eqn, invals, compute, context):
   written = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
   actual = [_dtype_of(x, v) for x, v in zip(invals, eqn.invars)]
   if not all(_is_floating(d) and d.itemsize > 1 for d in actual[:2]):
+    _note_matmul(written)
     return _as_written(eqn, invals)  # integer or fp8: not ours to change
+  _note_matmul([compute, compute])
   operands = [_cast(x, compute) for x in invals[:2]]
   params = dict(eqn.params)
   if (written != [compute, compute] and context.transposable
@@ -522,6 +653,22 @@ def _fp32_op(eqn, invals, in_wide):
   upcast = [_cast(x, _F32) if f and _dtype_of(x, v) in _HALF else x
             for f, x, v in zip(floating, invals, eqn.invars)]
   outs = _bind(eqn, upcast)
+  return outs, [_is_floating(_dtype_of(o)) for o in outs]
+
+
+def _in_fp32(eqn, invals, in_wide):
+  """An op pulled into fp32 (:func:`_pulled_into_fp32`): half inputs are
+  cast to fp32; a cast to half precision keeps fp32."""
+  if eqn.primitive.name == "convert_element_type":
+    target = jnp.promote_types(_F32, eqn.params["new_dtype"])
+    return [_cast(invals[0], target)], [True]
+  floating = [_is_floating(np.dtype(v.aval.dtype)) for v in eqn.invars]
+  upcast = [_cast(x, _F32) if f and _dtype_of(x, v) in _HALF else x
+            for f, x, v in zip(floating, invals, eqn.invars)]
+  try:
+    outs = _bind(eqn, upcast)
+  except (TypeError, ValueError):
+    return _follow(eqn, invals, in_wide)
   return outs, [_is_floating(_dtype_of(o)) for o in outs]
 
 
@@ -822,5 +969,6 @@ def _restore(value, var):
 autocast.scope = scope
 autocast.FP32_OPS = FP32_OPS
 
-__all__ = ["FP32_OPS", "MATMUL_OPS", "Rules", "apply_rules", "autocast",
-           "is_tracing", "make_rules", "policy_cast_scope", "scope"]
+__all__ = ["FP32_OPS", "MATMUL_OPS", "MatmulCount", "PrecisionWarning",
+           "Rules", "apply_rules", "autocast", "is_tracing", "make_rules",
+           "policy_cast_scope", "recording", "scope", "warn_unless_half"]

@@ -555,5 +555,6 @@ def fused_adamw(
 
   # TrainState.apply_gradients takes the new params this way when it can.
   update_fn.new_params = new_params_fn
+  update_fn.policy = policy  # read by TrainState.create's agreement check
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -85,7 +85,7 @@ from flax import nnx
 from jmp_lab import _checks, _tree, fp8
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.autocast import (apply_rules, is_tracing, make_rules,
-                              policy_cast_scope)
+                              policy_cast_scope, recording, warn_unless_half)
 from jmp_lab.autocast import scope as autocast_scope
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.linen import (fp32_island, layer_island, log_softmax,
@@ -252,8 +252,25 @@ def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
     return out, nnx.state(merged)
 
   out, new_state = apply_rules(pure, make_rules(compute))(state, arrays)
-  nnx.update((module, *nodes), new_state)
+  changed = _changed_variables(state, new_state)
+  if changed is None:  # the call made new variables: put back everything
+    nnx.update((module, *nodes), new_state)
+  elif changed:
+    nnx.update((module, *nodes), nnx.from_flat_state(changed))
   return out
+
+
+def _changed_variables(before: Any, after: Any) -> Optional[list]:
+  """The ``(path, variable)`` pairs of ``after`` whose value is not the one
+  in ``before`` (None if the two differ in their paths). Only these are put
+  back: a plain forward pass writes nothing, so it may run inside
+  ``jax.jit`` on a model made outside it, as a plain NNX module may."""
+  old, new = list(nnx.to_flat_state(before)), list(nnx.to_flat_state(after))
+  if [path for path, _ in old] != [path for path, _ in new]:
+    return None
+  raw = lambda v: v.get_raw_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
+  return [(path, n) for (path, o), (_, n) in zip(old, new)
+          if raw(n) is not raw(o)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -682,6 +699,7 @@ class Optimizer(nnx.Optimizer):
       raise ValueError(
           "jmp_lab.nnx.Optimizer needs fused_adamw's tree layout (the NNX "
           "model owns its params as a tree); got layout='flat'")
+    _check_model_agrees(model, _checks.optimizer_policy(tx))
     self.graph = None
     self.step = nnx.training.optimizer.OptState(jnp.zeros((), jnp.uint32))
     self.tx = tx
@@ -728,6 +746,18 @@ class Optimizer(nnx.Optimizer):
     nnx.update(self.opt_state, nnx.state(
         nnx.training.optimizer.to_opt_state(new_opt_state)))
     self.step[...] += last_step_applied(new_opt_state).astype(jnp.uint32)
+
+
+def _check_model_agrees(model: nnx.Module, policy: Optional[Policy]) -> None:
+  """Refuses an optimizer whose policy computes in another dtype than the
+  model's (``with_policy``), naming both."""
+  dtypes = policy_dtypes(model)
+  if policy is None or dtypes is None or dtypes[0] == policy.compute_dtype:
+    return
+  raise ValueError(
+      f"jmp_lab.nnx.Optimizer: the model computes in {dtypes[0].name} "
+      f"(jmp_lab.nnx.with_policy) but the optimizer's policy ({policy}) "
+      f"computes in {policy.compute_dtype.name}; give both the same policy")
 
 
 def _pure_params(model: nnx.Module, wrt: Any) -> Any:
@@ -781,9 +811,15 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
 
   # The fp8 scaling state is differentiated too: its gradient is its new
   # value (overwrite-with-gradient); it never reaches the optimizer.
-  (loss, metrics), grads = scaled_value_and_grad(
-      forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
-      argnums=nnx.DiffState(0, nnx.Any(optimizer.wrt, Fp8Meta)))(model)
+  with recording() as matmuls:
+    (loss, metrics), grads = scaled_value_and_grad(
+        forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
+        argnums=nnx.DiffState(0, nnx.Any(optimizer.wrt, Fp8Meta)))(model)
+  policy = _checks.optimizer_policy(optimizer.tx)
+  if policy is not None:
+    warn_unless_half(policy, matmuls, lambda: _loss_jaxpr(loss_fn, model,
+                                                          batch),
+                     "jmp_lab.nnx.train_step")
   scaled_grads, new_fp8_meta = nnx.split_state(grads, optimizer.wrt, ...)
   if new_fp8_meta:
     scaled_grads = fp8.skip_unless_finite(scaled_grads, new_fp8_meta)
@@ -801,6 +837,14 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   metrics.update(loss=loss, loss_scale=loss_scale.loss_scale,
                  grads_finite=applied, skipped_steps=optimizer.skipped_steps)
   return metrics
+
+
+def _loss_jaxpr(loss_fn: LossFn, model: nnx.Module, batch: Any):
+  """The jaxpr of ``loss_fn`` on a copy of ``model`` (its state updates,
+  such as batch statistics, are dropped)."""
+  graphdef, state = nnx.split(model)
+  return jax.make_jaxpr(
+      lambda state: loss_fn(nnx.merge(graphdef, state), batch))(state)
 
 
 def make_train_step(loss_fn: LossFn, *, donate: bool = True

@@ -261,4 +261,5 @@ def mixed_precision(
           new_master, state.master_remainder, is_leaf=lambda x: x is None))
     return updates, new_state._replace(master_params=new_master)
 
+  update_fn.policy = policy  # read by TrainState.create's agreement check
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lab import _checks, _tree, fp8, fused
+from jmp_lab.autocast import recording, warn_unless_half
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,
@@ -152,13 +153,20 @@ class TrainState(flax.struct.PyTreeNode):
       TypeError: if ``tx`` is not an optax transformation, ``apply_fn`` is
         not callable, or ``tx`` is not a jmp_lab optimizer (``fused_adamw``
         with ``flat_params``).
-      ValueError: with ``flat_params``, if ``tx`` keeps the tree layout.
+      ValueError: with ``flat_params``, if ``tx`` keeps the tree layout;
+        if the model's policy (``with_policy(...).apply``, an ``autocast``
+        function), the optimizer's and ``policy`` differ in their param or
+        compute dtype.
     """
     _checks.check_transformation(tx, "TrainState.create's tx")
     if not callable(apply_fn):
       raise TypeError(f"apply_fn must be callable, got "
                       f"{type(apply_fn).__name__} {apply_fn!r}")
     policy = get_policy(policy)
+    _checks.check_policies_agree(
+        [("the model's (apply_fn)", _checks.model_policy(apply_fn)),
+         ("the optimizer's (tx)", _checks.optimizer_policy(tx)),
+         ("TrainState.create's", policy)], "TrainState.create")
     params = _owned(params, policy.cast_to_param(params))
     model_state = _owned(model_state, model_state) if model_state else {}
     opt_state = tx.init(params)
@@ -322,10 +330,16 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
       params = fused.unflatten_params(state.opt_state, params)
     return _split_loss_output(loss_fn(params, state, batch), state)
 
-  (loss, (model_state, metrics)), (scaled_grads, new_fp8_meta) = (
-      scaled_value_and_grad(normalized, loss_scale, has_aux=True,
-                            argnums=(0, 1))(state.params, fp8_meta, state,
-                                            batch))
+  with recording() as matmuls:
+    (loss, (model_state, metrics)), (scaled_grads, new_fp8_meta) = (
+        scaled_value_and_grad(normalized, loss_scale, has_aux=True,
+                              argnums=(0, 1))(state.params, fp8_meta, state,
+                                              batch))
+  # A policy that computes in half while every matmul runs in fp32 is a
+  # silent mistake (a model not wrapped, a layer dtype kept): say so once,
+  # at trace time.
+  warn_unless_half(state.policy, matmuls, lambda: jax.make_jaxpr(normalized)(
+      state.params, fp8_meta, state, batch), "jmp_lab.train_step")
   if fp8_meta is not None:
     model_state = {**state.model_state, **model_state,
                    fp8.COLLECTION: new_fp8_meta}

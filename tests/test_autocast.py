@@ -69,7 +69,7 @@ class PlainJaxTest(chex.TestCase):
     got = self.variant(jax.value_and_grad(loss(fast)))(params, x)
     want = self.variant(jax.value_and_grad(loss(mlp_by_hand)))(params, x)
     chex.assert_trees_all_equal(got, want)
-    chex.assert_type(got[1], F32)  # params keep their dtype: so do grads
+    chex.assert_type(jax.tree_util.tree_leaves(got[1]), jnp.float32)  # as params
     assert audit_step(jax.grad(loss(fast)), params, x).half_flop_share == 1.0
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -239,7 +239,7 @@ def _clipped_fwd(x, w):
 
 def _clipped_bwd(residuals, g):
   x, w = residuals
-  g = jnp.clip(g, -0.01, 0.01)  # a custom gradient autodiff would not give
+  g = jnp.clip(g, -0.5, 0.5)  # a custom gradient autodiff would not give
   return g @ w.T, x.T @ g
 
 
@@ -277,10 +277,6 @@ def test_grad_vmap_scan_remat_cond_jit_and_custom_rules_compose():
   got = jax.jit(jax.grad(fast))(w, x)
   want = jax.grad(stack)(w, x)
   chex.assert_trees_all_close(got, want, rtol=0.05, atol=0.05)
-  # The custom rules are kept: without them the gradient would differ.
-  plain = lambda w, x: stack.__wrapped__(w, x) if hasattr(  # noqa: E731
-      stack, "__wrapped__") else None
-  del plain
   batched = jax.vmap(fast, in_axes=(None, 0))(w, jnp.stack([x, -x]))
   chex.assert_shape(batched, (2,))
   assert set(operand_dtypes(jax.vmap(fast, in_axes=(None, 0)), w,
@@ -292,7 +288,7 @@ def test_custom_vjp_and_custom_jvp_rules_still_decide_the_gradient():
   x = jnp.ones((2, 4))
   clipped = jmp_lab.autocast(lambda w: clipped_matmul(x, w).sum(),
                              "mixed_bfloat16")
-  chex.assert_trees_all_equal(jax.grad(clipped)(w), jnp.full((4, 4), 0.02))
+  chex.assert_trees_all_equal(jax.grad(clipped)(w), jnp.full((4, 4), 1.0))
   jvp = jmp_lab.autocast(lambda x: soft_sign(x).sum(), "mixed_bfloat16")
   chex.assert_trees_all_equal(jax.grad(jvp)(jnp.ones(3)), jnp.full(3, 7.0))
 
@@ -333,8 +329,9 @@ def test_shard_map_bodies_are_reached():
   x = jax.random.normal(jax.random.key(1), (4, 8))
   fast = jmp_lab.autocast(data_parallel, "mixed_bfloat16")
   assert set(operand_dtypes(jax.grad(fast), w, x)) == {(BF16, BF16)}
-  chex.assert_trees_all_close(jax.jit(jax.grad(fast))(w, x),
-                              jax.grad(data_parallel)(w, x), rtol=0.05)
+  want = jax.grad(data_parallel)(w, x)
+  chex.assert_trees_all_close(jax.jit(jax.grad(fast))(w, x), want,
+                              atol=0.02 * float(jnp.abs(want).max()))
 
 
 def test_a_function_that_differentiates_inside_is_reached_too():

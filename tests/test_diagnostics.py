@@ -12,6 +12,8 @@ import pytest
 import jmp_lab
 from jmp_lab import diagnostics as dg
 from jmp_lab import linen as jl
+from jmp_lab.diagnostics import audit_step
+from jax.sharding import PartitionSpec as P
 
 
 # --- gradient histogram ----------------------------------------------------
@@ -212,3 +214,39 @@ def test_every_report_prints_its_table():
   audit = dg.audit_step(lambda a, b: a @ b, jnp.ones((8, 8)), jnp.ones((8, 8)))
   assert str(audit) == audit.table() and "FLOP %" in audit.table()
   assert str(dg.memory_report([])).startswith("| config |")
+
+
+class RematScanned(nn.Module):
+  """Two Dense layers under nn.remat, scanned three times with nn.scan."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    block = nn.remat(lambda mdl, h: nn.Dense(8)(nn.Dense(8)(h)))
+    return block(self, x), None
+
+
+@pytest.mark.parametrize("where", ["jax.checkpoint", "nn.remat+nn.scan",
+                                   "shard_map"])
+def test_audit_counts_the_matmuls_inside_checkpoint_scan_and_shard_map(where):
+  """jax 0.10's checkpoint and shard_map hold open jaxprs (no .jaxpr)."""
+  x = jnp.ones((4, 8), jnp.bfloat16)
+  if where == "jax.checkpoint":
+    w = jnp.ones((8, 8), jnp.bfloat16)
+    fn, args, expected = jax.checkpoint(lambda w, x: (x @ w) @ w), (w, x), 2
+  elif where == "nn.remat+nn.scan":
+    model = nn.scan(RematScanned, variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=3)()
+    x = x.astype(jnp.float32)  # the carry keeps the params' dtype
+    params = model.init(jax.random.key(0), x, None)
+    fn, args, expected = (lambda p, x: model.apply(p, x, None)[0]), (
+        params, x), 2
+  else:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    w = jnp.ones((8, 8), jnp.bfloat16)
+    fn = jax.shard_map(lambda w, x: x @ w, mesh=mesh,
+                       in_specs=(P(), P("d")), out_specs=P("d"))
+    args, expected = (w, x), 1
+  report = audit_step(fn, *args)
+  assert len(report.matmuls) == expected
+  if where == "nn.remat+nn.scan":
+    assert {r.times for r in report.matmuls} == {3}

@@ -81,3 +81,13 @@ def test_char_transformer_nnx_example_smoke_with_remainder_and_resume(tmp_path):
   optimizer = resumed["optimizer"]
   assert int(optimizer.step[...]) + int(optimizer.skipped_steps) == 5
   assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0
+
+
+def test_autocast_equinox_example_smoke(tmp_path):
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+  result = run_example("autocast_equinox.py", "--data", str(text), "--steps",
+                       "3", "--batch-size", "4", "--seq-len", "32",
+                       "--no-progress")
+  assert result["half_flop_share"] == 1.0
+  assert np.isfinite(result["valid_loss"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jmp_lab
+from jmp_lab.diagnostics.audit import sub_jaxprs
 from jmp_lab import linen as jl
 
 F32 = np.dtype(jnp.float32)
@@ -36,12 +37,8 @@ def primitive_operand_dtypes(jaxpr, names):
     if eqn.primitive.name in names:
       found.append((eqn.primitive.name,
                     tuple(np.dtype(v.aval.dtype) for v in eqn.invars)))
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (list, tuple)) else [param]):
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None:
-          found += primitive_operand_dtypes(
-              inner if hasattr(inner, "eqns") else inner.jaxpr, names)
+    for inner in sub_jaxprs(eqn.params):
+      found += primitive_operand_dtypes(inner, names)
   return found
 
 

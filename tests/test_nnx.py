@@ -12,6 +12,7 @@ from absl.testing import parameterized
 from flax import nnx
 
 import jmp_lab
+from jmp_lab.diagnostics.audit import sub_jaxprs
 from jmp_lab import nnx as jnnx
 
 from conftest import tree_bits_equal
@@ -49,12 +50,8 @@ def primitive_dtypes(jaxpr, names):
       found.append((eqn.primitive.name,
                     tuple(np.dtype(v.aval.dtype) for v in eqn.invars),
                     tuple(np.dtype(v.aval.dtype) for v in eqn.outvars)))
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (list, tuple)) else [param]):
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None:
-          found += primitive_dtypes(
-              inner if hasattr(inner, "eqns") else inner.jaxpr, names)
+    for inner in sub_jaxprs(eqn.params):
+      found += primitive_dtypes(inner, names)
   return found
 
 

@@ -202,7 +202,8 @@ class TrainingTest(chex.TestCase):
     model_state = {"count": jnp.zeros(())}
 
     def loss_fn(p, state, batch):
-      out = batch @ p["w"].astype(jnp.float32) + p["b"].astype(jnp.float32)
+      c = policy.compute_dtype  # a matmul cast by hand: no PrecisionWarning
+      out = (batch.astype(c) @ p["w"].astype(c)).astype(jnp.float32) + p["b"]
       new_model_state = {"count": state.model_state["count"] + 1}
       return jnp.mean(out**2), {"model_state": new_model_state}
 

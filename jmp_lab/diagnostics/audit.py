@@ -179,6 +179,15 @@ def sub_jaxprs(params: dict):
         yield sub.jaxpr
 
 
+def matmul_records(closed_jaxpr: Any) -> list[MatmulRecord]:
+  """Every matmul and convolution of a (closed) jaxpr, sub-jaxprs included:
+  the records :func:`audit_step` reports, without lowering."""
+  jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+  records: list[MatmulRecord] = []
+  _walk(jaxpr, 1, records, {})
+  return records
+
+
 @dataclasses.dataclass
 class AuditReport:
   """The matmuls and casts of one traced function (see :func:`audit_step`).
