@@ -117,13 +117,16 @@ def linen_lm_case(policy: str, *, batch: int = 8, length: int = 64,
                   **config_kw) -> Case:
   config = rm.TransformerConfig(max_len=length, **config_kw)
   model = jl.with_policy(rm.TransformerLM(config), policy)
-  params = model.init(jax.random.key(0),
-                      jnp.zeros((1, length), jnp.int32))["params"]
+  variables = dict(model.init(jax.random.key(0),
+                              jnp.zeros((1, length), jnp.int32)))
+  params = variables.pop("params")
+  # Under an fp8 policy the rest is the fp8 scaling state.
   state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                    model_state=variables,
                                     tx=_optimizer(policy, 3e-3),
                                     policy=policy)
   loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(
-      {"params": params}, tokens))
+      {"params": params, **state.model_state}, tokens))
   return _linen_case(name or "Transformer LM (linen)", policy, loss_fn,
                      state, _text_batches(batch, length, seed))
 

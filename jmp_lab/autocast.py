@@ -477,7 +477,8 @@ class _Report:
   unreached: dict = dataclasses.field(default_factory=dict)
 
   def add(self, primitive: str, path: tuple[str, ...], why: str) -> None:
-    self.unreached.setdefault((primitive, "/".join(path) or "<top>"), why)
+    path = "/".join(n for n in path if not n.startswith(_SCOPE_PREFIX))
+    self.unreached.setdefault((primitive, path or "<top>"), why)
 
   def warn(self) -> None:
     for (primitive, path), why in self.unreached.items():
@@ -718,7 +719,13 @@ def _rewritten(eqn, invals, path, context, make_params):
   try:
     params = make_params(eqn, context.inside(path))
   except _CannotRewrite as e:
-    context.report.add(eqn.primitive.name, path, str(e))
+    inside = sorted({"/".join(
+        n for n in _scope_names(m.source_info.name_stack)
+        if not n.startswith(_SCOPE_PREFIX)) for m in _matmuls_in(eqn.params)}
+                    - {""})
+    context.report.add(eqn.primitive.name, path, str(e) + (
+        f"; its matmuls under {', '.join(map(repr, inside))} stay as written"
+        if inside else ""))
     params = eqn.params
   outs = _bind(eqn, args, params)
   return outs, [False] * len(outs)
@@ -726,6 +733,20 @@ def _rewritten(eqn, invals, path, context, make_params):
 
 class _CannotRewrite(Exception):
   pass
+
+
+def _matmuls_in(params) -> list:
+  """The matmul equations inside an equation's sub-jaxprs (for warnings)."""
+  found = []
+  for value in params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      if _is_jaxpr(sub):
+        jaxpr, _ = _open(sub)
+        for eqn in jaxpr.eqns:
+          if eqn.primitive.name in MATMUL_OPS:
+            found.append(eqn)
+          found += _matmuls_in(eqn.params)
+  return found
 
 
 def _subjaxpr_params(eqn, context):

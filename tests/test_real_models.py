@@ -89,6 +89,20 @@ def test_compiled_for_an_h100_no_gemm_or_convolution_has_an_f32_operand(name):
           ] == []
 
 
+@pytest.mark.parametrize("name", ["linen_lm", "gemma"])
+def test_fp8_reaches_layers_with_their_own_float32_dtype(name):
+  """XLA rewrites quantize-dequantize into an fp8 GEMM only around a half
+  GEMM: the operands are quantized from the compute dtype, not fp32."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  case = mr.CASES[name]("mixed_fp8")
+  batch = next(case.batches)
+  audit = audit_step(case.step, case.state, batch)
+  report = jmp_lab.diagnostics.compiled_report(
+      case.step, case.state, batch, target="h100", fail_on_spill=False)
+  assert audit.fp8_flop_share > 0.6
+  assert report.gemm_flop_share("fp8") == pytest.approx(audit.fp8_flop_share)
+
+
 @pytest.mark.parametrize("name, steps, seeds", [
     ("resnet", 100, 4),   # its small loss is noisy from seed to seed
     ("linen_lm", 60, 1), ("linen_lm_custom", 60, 1), ("gemma", 60, 1),
@@ -390,3 +404,42 @@ def test_flax_pure_dict_checkpoint_route_restores_the_fp32_master_exactly(
           nnx.state(fresh, nnx.Param))), stored)
   tokens = next(batches)[:, :-1]
   chex.assert_trees_all_equal(fresh(tokens), model(tokens))
+
+
+def test_nnx_keep_layer_dtypes_keeps_fp32_layers_in_fp32():
+  case = mr.gemma_case("mixed_bfloat16")
+  assert audit_step(case.forward, case.state,
+                    next(case.batches)).half_flop_share == 1.0
+  model = jmp_lab.nnx.with_policy(rm.GemmaLM(rm.GemmaConfig(num_layers=1),
+                                             rngs=nnx.Rngs(0)),
+                                  "mixed_bfloat16", keep_layer_dtypes=True)
+  graphdef, state = nnx.split(model)
+  tokens = jnp.ones((2, 8), jnp.int32)
+  report = audit_step(lambda s: nnx.merge(graphdef, s)(tokens), state)
+  # The einsums of its own attention (no dtype of their own) stay in bf16.
+  assert 0.0 < report.half_flop_share < 0.5
+
+
+class Remat(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(nn.Dense)(4, name="inner")(x)
+
+
+def test_a_layer_the_rules_cannot_reach_is_named_in_one_warning(monkeypatch):
+  engine = sys.modules["jmp_lab.autocast"]  # jmp_lab.autocast is its function
+
+  def cannot(eqn, context):
+    raise engine._CannotRewrite("for this test")
+
+  monkeypatch.setattr(engine, "_subjaxpr_params", cannot)
+  monkeypatch.setattr(engine, "_WARNED", set())
+  model = jl.with_policy(Remat(), "mixed_bfloat16")
+  x = jnp.ones((2, 3))
+  params = model.init(jax.random.key(0), x)
+  with pytest.warns(UserWarning, match=r"the remat2 at 'Remat' runs as "
+                    r"written \(for this test; its matmuls under "
+                    r"'inner' stay as written\)") as record:
+    model.apply(params, x)
+    model.apply(params, x)
+  assert len([w for w in record if "runs as written" in str(w.message)]) == 1
