@@ -14,7 +14,10 @@
 #   train_step    benchmarks/train_step.py on GPT-2-small, with the torch AMP
 #                 peer (eager and torch.compile) and a plot: issue 7's targets;
 #   fp8           GPT-2-small's step with fp8 matmuls (delayed and current
-#                 scaling) against bf16: issue 16's item 5.
+#                 scaling) against bf16: issue 16's item 5;
+#   lean          GPT-2-small's lean step (cuDNN's fused attention and the
+#                 blockwise loss) against bf16, and the largest batch of each:
+#                 issue 25's step time.
 #
 # e.g. three calls: `... "$OUT" kernels fused_update`, `... "$OUT" train_step`,
 # `... "$OUT" fp8`. OUTPUT_DIR defaults to $OUT, else gpu_results/.
@@ -27,7 +30,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_results}}"
 shift || true
-all_parts=(kernels fused_update train_step fp8)
+all_parts=(kernels fused_update train_step fp8 lean)
 parts=("$@")
 [ "${#parts[@]}" -gt 0 ] || parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
@@ -65,6 +68,8 @@ for part in "${parts[@]}"; do
     train_step) run train_step 570 python3 benchmarks/train_step.py --plot "$out/train_step.png" ;;
     fp8) run fp8 570 python3 benchmarks/train_step.py --configs bf16,bf16-fp8,bf16-fp8-current \
            --no-torch --no-batch-search ;;
+    lean) run lean 570 python3 benchmarks/train_step.py --configs bf16,bf16-lean \
+           --no-torch --batch-search-configs bf16,bf16-lean ;;
   esac
 done
 

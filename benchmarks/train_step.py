@@ -39,6 +39,7 @@ On a CPU the figures are a smoke test of the harness, not speed claims.
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import statistics
 import time
@@ -69,12 +70,18 @@ SMALL = ModelSize(layers=2, width=64, heads=2, seq_len=64, vocab=512, batch=4)
 
 class Block(nn.Module):
   heads: int
+  lean: bool = False
 
   @nn.compact
   def __call__(self, x, mask):
     h = nn.LayerNorm()(x)
+    if self.lean:  # the fp32 softmax inside a fused kernel: no mask
+      attention_fn, mask = functools.partial(jl.dot_product_attention,
+                                             causal=True), None
+    else:
+      attention_fn = jl.dot_product_attention
     h = nn.MultiHeadDotProductAttention(
-        num_heads=self.heads, attention_fn=jl.dot_product_attention)(h, h, mask=mask)
+        num_heads=self.heads, attention_fn=attention_fn)(h, h, mask=mask)
     x = x + h
     h = nn.LayerNorm()(x)
     h = nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4 * x.shape[-1])(h)))
@@ -83,9 +90,13 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
   size: ModelSize
+  # The lean step: fused attention and jmp_lab.losses.linear_cross_entropy;
+  # called with targets, the model returns the per-token loss (the logits
+  # are never stored).
+  lean: bool = False
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, targets=None):
     s = self.size
     # Positions looked up per example, as Hugging Face's GPT-2 does: the
     # position table's gradient is then a scatter-add over the batch in the
@@ -96,8 +107,17 @@ class GPT(nn.Module):
         positions)
     mask = nn.make_causal_mask(tokens)
     for _ in range(s.layers):
-      x = Block(s.heads)(x, mask)
-    return nn.Dense(s.vocab, use_bias=False)(nn.LayerNorm()(x))
+      x = Block(s.heads, self.lean)(x, mask)
+    x = nn.LayerNorm()(x)
+    if not self.lean:
+      return nn.Dense(s.vocab, use_bias=False)(x)
+    # Kept as vocabulary rows, as an embedding table is: the loss reads its
+    # blocks of rows, and kernel = head.T costs no transpose.
+    head = self.param("lm_head", nn.initializers.lecun_normal(),
+                      (s.vocab, s.width))
+    if targets is None:
+      return x @ head.T
+    return jmp_lab.losses.linear_cross_entropy(x, head.T, targets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +132,7 @@ class Config:
   rounding: str = "nearest"
   mu_dtype: Optional[str] = None  # optax.adamw / fused_adamw(mu_dtype=...)
   nu_dtype: Optional[str] = None  # fused_adamw only (optax has none)
+  lean: bool = False       # fused attention + linear_cross_entropy (issue 25)
 
 
 CONFIGS = [
@@ -131,6 +152,17 @@ def loss_fn(params, state, batch):
   logits = state.apply_fn({"params": params, **state.model_state}, batch[:, :-1])
   loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
   return loss
+
+
+def lean_loss_fn(params, state, batch):
+  """The lean step's loss: the model computes it from its last hidden
+  states (``jmp_lab.losses.linear_cross_entropy``)."""
+  return state.apply_fn({"params": params, **state.model_state},
+                        batch[:, :-1], batch[:, 1:]).mean()
+
+
+def loss_fn_of(config) -> Callable:
+  return lean_loss_fn if config.lean else loss_fn
 
 
 # The fused update with the params kept flat (issue 12's candidate):
@@ -172,13 +204,18 @@ FP8_CONFIGS = [
     Config("bf16-fp8", "mixed_fp8", "none"),
     Config("bf16-fp8-current", "mixed_bfloat16,matmul=fp8_current", "none"),
 ]
+# The lean step (issue 25): cuDNN's fused attention on CUDA and the loss over
+# vocabulary blocks; no stored (heads, T, T) scores or (tokens, vocab) logits.
+LEAN_STEP_CONFIGS = [
+    Config("bf16-lean", "mixed_bfloat16", "none", lean=True),
+]
 ALL_CONFIGS = (CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS + REDUCE_CONFIGS
-               + FP8_CONFIGS)
+               + FP8_CONFIGS + LEAN_STEP_CONFIGS)
 
 
 def make_state(config: Config, size: ModelSize):
   policy = jmp_lab.get_policy(config.policy)
-  model = jl.with_policy(GPT(size), policy)
+  model = jl.with_policy(GPT(size, lean=config.lean), policy)
   # jit: one compile, where an eager init compiles each of its ~200 ops.
   variables = jax.jit(model.init)(jax.random.key(0),
                                   jnp.zeros((1, size.seq_len), jnp.int32))
@@ -219,13 +256,13 @@ def compiled_step_report(config: Config, size: ModelSize, target: str,
     batch = jax.ShapeDtypeStruct((size.batch * devices, size.seq_len + 1),
                                  jnp.int32)
     if not zero1:
-      return compiled_report(jmp_lab.make_train_step(loss_fn), state, batch,
-                             target=target, devices=devices,
+      return compiled_report(jmp_lab.make_train_step(loss_fn_of(config)),
+                             state, batch, target=target, devices=devices,
                              in_specs=(P(), P("data")))
     mesh = compiled.gpu_mesh(target, devices)
     layout = jmp_lab.sharding.state_shardings(state, mesh)
     step = jmp_lab.make_train_step(
-        loss_fn, state_sharding=layout,
+        loss_fn_of(config), state_sharding=layout,
         batch_sharding=NamedSharding(mesh, P("data")))
     specs = jax.tree_util.tree_map(lambda s: s.spec, layout)
     return compiled_report(step, state, batch, target=target, devices=devices,
@@ -299,7 +336,7 @@ def device_memory_limit() -> Optional[int]:
 def run_jax(config: Config, size: ModelSize, *, warmup: int, steps: int) -> dict:
   with jax.default_matmul_precision(config.precision or "default"):
     state = make_state(config, size)
-    step = jmp_lab.make_train_step(loss_fn)
+    step = jmp_lab.make_train_step(loss_fn_of(config))
     batches = random_batches(size, size.batch, 4)
     flops = jmp_lab.diagnostics.audit_step(step, state, batches[0]).total_flops
     peak_estimate = compiled_peak_bytes(step, state, batches[0])
@@ -322,7 +359,7 @@ def largest_batch(config: Config, size: ModelSize, limit: int,
   """The largest batch whose compiled step fits in ``limit`` bytes (bisection)."""
   with jax.default_matmul_precision(config.precision or "default"):
     state = make_state(config, size)
-    step = jmp_lab.make_train_step(loss_fn)
+    step = jmp_lab.make_train_step(loss_fn_of(config))
 
     def fits(batch):
       tokens = jax.ShapeDtypeStruct((batch, size.seq_len + 1), jnp.int32)
@@ -458,6 +495,9 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=30 if on_gpu else 3)
   parser.add_argument("--configs", default=",".join(c.name for c in CONFIGS))
   parser.add_argument("--no-batch-search", action="store_true")
+  parser.add_argument("--batch-search-configs", default="fp32-tf32,bf16",
+                      help="on a GPU: the configs whose largest batch that "
+                           "fits is searched")
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--plot", default=None)
   parser.add_argument("--target", choices=["h100", "h200"],
@@ -501,8 +541,8 @@ def main(argv=None):
   print(table(rows, size, peak))
   limit = device_memory_limit()
   if limit and not args.no_batch_search:
-    for name in ("fp32-tf32", "bf16"):
-      config = next(c for c in CONFIGS if c.name == name)
+    for name in args.batch_search_configs.split(","):
+      config = next(c for c in ALL_CONFIGS if c.name == name)
       print(f"largest batch that fits, {name}: {largest_batch(config, size, limit)}")
   if args.plot:
     plot(rows, args.plot)

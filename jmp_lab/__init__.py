@@ -16,6 +16,10 @@ The public API lives here; each concept has its own module:
 * :mod:`jmp_lab.autocast` -- ``autocast(fn, policy)``: torch.autocast's
   per-op precision rules for any JAX function (the engine the Flax front
   ends use for their matmuls);
+* :mod:`jmp_lab.attention` -- attention with the fp32 softmax inside a
+  fused kernel (cuDNN, Pallas), chosen by the platform compiled for;
+* :mod:`jmp_lab.losses` -- fp32 losses, and ``linear_cross_entropy``, which
+  never stores the logits;
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
 * :mod:`jmp_lab.nnx` -- policies applied to Flax NNX module graphs, and the
   NNX optimizer and train step;
@@ -26,7 +30,8 @@ The public API lives here; each concept has its own module:
   ``from jmp_lab import jmp``.
 """
 
-from jmp_lab import diagnostics, fp8, kernels, linen, nnx, sharding
+from jmp_lab import (attention, diagnostics, fp8, kernels, linen, losses, nnx,
+                     sharding)
 from jmp_lab.autocast import autocast
 from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
 from jmp_lab.loss_scale import (
@@ -73,6 +78,7 @@ __all__ = [
     "StaticLossScale",
     "TrainState",
     "all_finite",
+    "attention",
     "autocast",
     "cast_floating",
     "current_loss_scale",
@@ -85,6 +91,7 @@ __all__ = [
     "kernels",
     "last_step_applied",
     "linen",
+    "losses",
     "make_train_step",
     "master_params",
     "mixed_precision",

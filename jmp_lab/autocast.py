@@ -194,6 +194,19 @@ def scope(dtype: Any) -> contextlib.AbstractContextManager:
                          + _canonicalize_dtype(dtype, what="scope dtype").name)
 
 
+def current_compute_dtype() -> Optional[np.dtype]:
+  """The compute dtype of the innermost :func:`scope` around the code being
+  traced (a policed module's call), or None outside one.
+
+  Code that must pick a half dtype itself, such as a fused attention kernel
+  inside a layer that was given ``dtype=jnp.float32``, asks this.
+  """
+  for name in reversed(_scope_names(_source_info.current_name_stack())):
+    if name.startswith(_SCOPE_PREFIX) and name != _CAST_SCOPE:
+      return np.dtype(name[len(_SCOPE_PREFIX):])
+  return None
+
+
 def policy_cast_scope() -> contextlib.AbstractContextManager:
   """Casts traced inside are policy decisions and are always kept, even of
   an fp32 value (a cast a front end makes at a module boundary)."""
@@ -991,5 +1004,6 @@ autocast.scope = scope
 autocast.FP32_OPS = FP32_OPS
 
 __all__ = ["FP32_OPS", "MATMUL_OPS", "MatmulCount", "PrecisionWarning",
-           "Rules", "apply_rules", "autocast", "is_tracing", "make_rules",
+           "Rules", "apply_rules", "autocast", "current_compute_dtype",
+           "is_tracing", "make_rules",
            "policy_cast_scope", "recording", "scope", "warn_unless_half"]

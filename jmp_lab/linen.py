@@ -68,9 +68,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lab import fp8
+from jmp_lab import attention as attention_lib
+from jmp_lab import fp8, losses
 from jmp_lab import reduce as reduce_lib
-from jmp_lab.autocast import apply_rules, make_rules, policy_cast_scope
+from jmp_lab.autocast import (apply_rules, current_compute_dtype, make_rules,
+                              policy_cast_scope)
 from jmp_lab.autocast import scope as autocast_scope
 from jmp_lab.policy import (Policy, cast_floating, get_policy,
                             is_norm_class, layer_dtype, resolve_overrides)
@@ -257,7 +259,10 @@ class PolicyModule:
       names = _attached_params(context.module, policy or self.policy)
       if names:
         attach[path] = names
-      return next_fun(*call_args, **call_kwargs)
+      # Marked as apply marks it: code that asks for the compute dtype
+      # (a fused attention) sees the same answer.
+      with autocast_scope((policy or self.policy).compute_dtype):
+        return next_fun(*call_args, **call_kwargs)
 
     def run(variables):
       with nn.intercept_methods(record):
@@ -628,28 +633,64 @@ def with_policy(
 
 
 # --------------------------------------------------------------------------
-# fp32 helpers for the numerically sensitive ops.
+# fp32 helpers for the numerically sensitive ops (jmp_lab.losses keeps them;
+# these names stay for the code that imports them from here).
 # --------------------------------------------------------------------------
 
-
-def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-  """Softmax computed in fp32, returned in ``x``'s dtype."""
-  return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
-
-
-def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-  """Log-softmax computed and returned in fp32."""
-  return jax.nn.log_softmax(x.astype(jnp.float32), axis=axis)
+softmax = losses.softmax
+log_softmax = losses.log_softmax
+softmax_cross_entropy_with_integer_labels = (
+    losses.softmax_cross_entropy_with_integer_labels)
 
 
-def softmax_cross_entropy_with_integer_labels(logits: jax.Array,
-                                              labels: jax.Array) -> jax.Array:
-  """Per-example cross-entropy, computed and returned in fp32."""
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), labels)
+def dot_product_attention(query, key, value, bias=None, mask=None,
+                          broadcast_dropout: bool = True, dropout_rng=None,
+                          dropout_rate: float = 0.0,
+                          deterministic: bool = False, dtype=None,
+                          precision=None, module=None, *,
+                          causal: bool = False, segment_ids=None,
+                          implementation: str = "auto"):
+  """``attention_fn`` for ``nn.MultiHeadDotProductAttention`` (and
+  ``nn.SelfAttention``) with an fp32 softmax.
+
+  With ``causal=True`` or ``segment_ids`` and no mask, bias, dropout or
+  sown weights, it runs :func:`jmp_lab.attention.dot_product_attention`:
+  a fused kernel on CUDA, with the softmax statistics in fp32 and no stored
+  scores, and the materialized fp32-softmax path elsewhere. Its operands go
+  in the compute dtype of the policy around it, even from a layer given
+  ``dtype=jnp.float32``. Otherwise it is flax's ``nn.dot_product_attention``
+  with ``force_fp32_for_softmax=True``, the causal and segment masks folded
+  into ``mask``. :func:`with_policy` gives it to flax's attention modules
+  that use flax's default ``attention_fn``.
+
+  Example::
+
+    >>> import functools, flax.linen as nn, jmp_lab.linen as jl
+    >>> attention = nn.SelfAttention(num_heads=4, attention_fn=functools.partial(
+    ...     jl.dot_product_attention, causal=True))   # call it without a mask
+  """
+  fusable = (mask is None and bias is None and module is None
+             and (deterministic or dropout_rate == 0.0)
+             and (causal or segment_ids is not None))
+  if fusable:
+    half = kernel_dtype(dtype, query)
+    query, key, value = (x.astype(half) for x in (query, key, value))
+    return attention_lib.dot_product_attention(
+        query, key, value, causal=causal, segment_ids=segment_ids,
+        implementation=implementation)
+  mask = attention_lib.combined_mask(mask, query, key, causal, segment_ids)
+  return nn.dot_product_attention(
+      query, key, value, bias=bias, mask=mask,
+      broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+      dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
+      precision=precision, module=module, force_fp32_for_softmax=True)
 
 
-# ``attention_fn`` for nn.MultiHeadDotProductAttention / nn.SelfAttention:
-# flax computes the attention softmax in the input dtype unless told not to.
-dot_product_attention = functools.partial(
-    nn.dot_product_attention, force_fp32_for_softmax=True)
+def kernel_dtype(dtype, query) -> np.dtype:
+  """The dtype a fused attention kernel runs in: the layer's own if half,
+  else the compute dtype of the policy around the call, else the query's."""
+  for candidate in (dtype, current_compute_dtype(), query.dtype):
+    if candidate is not None and np.dtype(candidate) in (
+        np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+      return np.dtype(candidate)
+  return np.dtype(query.dtype)

@@ -83,14 +83,15 @@ import optax
 from flax import nnx
 
 from jmp_lab import _checks, _tree, fp8
+from jmp_lab import attention as attention_lib
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.autocast import (apply_rules, is_tracing, make_rules,
                               policy_cast_scope, recording, warn_unless_half)
 from jmp_lab.autocast import scope as autocast_scope
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.linen import (fp32_island, layer_island, log_softmax,
-                           reduce_island, softmax,
-                           softmax_cross_entropy_with_integer_labels)
+from jmp_lab.linen import fp32_island, kernel_dtype, layer_island, reduce_island
+from jmp_lab.losses import (log_softmax, softmax,
+                            softmax_cross_entropy_with_integer_labels)
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import (Policy, cast_floating, get_policy,
                             is_norm_class, layer_dtype, resolve_overrides)
@@ -623,17 +624,43 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                           dropout_rate: float = 0.0,
                           deterministic: bool = False, dtype=None,
                           precision=None, module=None,
-                          promote_dtype=None, is_causal: bool = False):
+                          promote_dtype=None, is_causal: bool = False, *,
+                          causal: bool = False, segment_ids=None,
+                          implementation: str = "auto"):
   """``nnx.dot_product_attention`` with the softmax in fp32.
 
-  The two matmuls (and their gradients) run in the inputs' dtype; the mask,
-  softmax and dropout are fp32, like linen's ``force_fp32_for_softmax``; the
-  weights are cast back for the second matmul. Flax's own computes the
-  softmax in the input dtype. :func:`with_policy` gives it to every ``nnx.MultiHeadAttention``
-  that uses Flax's default. ``promote_dtype`` is accepted and unused (the
-  policy has cast the inputs).
+  With ``causal=True`` (or flax's ``is_causal``) or ``segment_ids`` and no
+  mask, bias, dropout or sown weights, it runs
+  :func:`jmp_lab.attention.dot_product_attention`: a fused kernel on CUDA
+  (fp32 softmax statistics, no stored scores) and the materialized path
+  elsewhere, in the compute dtype of the policy around it. Otherwise the
+  scores are materialized: the two matmuls (and their gradients) run in the
+  inputs' dtype, and the mask, softmax and dropout are fp32, like linen's
+  ``force_fp32_for_softmax``. The weights are cast back for the second
+  matmul. Flax's own computes the softmax in the input dtype.
+  :func:`with_policy` gives it to every ``nnx.MultiHeadAttention`` that uses
+  Flax's default. ``promote_dtype`` is accepted and unused (the policy has
+  cast the inputs).
+
+  Example::
+
+    >>> import functools, jmp_lab
+    >>> from flax import nnx
+    >>> attention = nnx.MultiHeadAttention(
+    ...     num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0),
+    ...     attention_fn=functools.partial(jmp_lab.nnx.dot_product_attention,
+    ...                                    causal=True))  # call it without a mask
   """
   del promote_dtype
+  causal = causal or is_causal
+  if (mask is None and bias is None and module is None
+      and (deterministic or dropout_rate == 0.0)
+      and (causal or segment_ids is not None)):
+    half = kernel_dtype(dtype, query)
+    query, key, value = (x.astype(half) for x in (query, key, value))
+    return attention_lib.dot_product_attention(
+        query, key, value, causal=causal, segment_ids=segment_ids,
+        implementation=implementation)
   if query.shape[-2] != key.shape[-2]:
     raise ValueError(
         f"jmp_lab.nnx.dot_product_attention: query has {query.shape[-2]} "
@@ -649,9 +676,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                       precision=precision).astype(jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
-  if is_causal:
-    causal = jnp.tril(jnp.ones(logits.shape[-2:], bool))
-    mask = causal if mask is None else jnp.logical_and(mask, causal)
+  mask = attention_lib.combined_mask(mask, query, key, causal, segment_ids)
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(logits, axis=-1)

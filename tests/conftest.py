@@ -101,7 +101,8 @@ def scaled_grads(params, loss_scale, step, poison=False):
 # ---------------------------------------------------------------------------
 
 LONGEST_FIRST = (
-    "test_compiled_gpt2.py", "test_docs_and_examples.py", "test_distributed.py",
+    "test_compiled_gpt2.py", "test_real_models.py", "test_docs_and_examples.py",
+    "test_distributed.py",
     "test_fused.py", "test_lean.py", "test_reduce.py", "test_compiled.py",
     "test_sharding.py", "test_kernels.py", "test_nnx.py", "test_fp8.py",
     "test_training.py", "test_benchmarks.py",

@@ -149,6 +149,20 @@ def test_byte_model_of_one_elementwise_kernel_is_exact():
   assert report.roofline_seconds()["memory"] == pytest.approx(8 * 2**20 / 3.35232e12)
 
 
+@pytest.mark.parametrize("trips", [1, 2, 10])
+def test_byte_model_counts_every_trip_of_a_loop(trips):
+  """XLA's cost analysis counts a while body once (2 and 10 trips gave the
+  same bytes); each trip reads and writes the 4 MiB carry."""
+  def scanned(x):
+    return jax.lax.scan(lambda c, _: (jnp.sin(c) * 2.0, None), x, None,
+                        length=trips)[0]
+
+  report = compiled.compiled_report(scanned, SDS((1024, 1024), jnp.float32))
+  assert report.bytes_accessed >= trips * 8 * 2**20
+  assert report.bytes_accessed == pytest.approx(report.kernel_io_bytes,
+                                                rel=0.01)
+
+
 def test_host_launches_count_a_cuda_graph_once():
   """Twelve small kernels in a row, then a cuBLAS GEMM and its epilogue:
   XLA records the run of twelve into one command buffer (a CUDA graph, one

@@ -325,7 +325,10 @@ class CompiledReport:
   """What a step compiled for a GPU target does (see :func:`compiled_report`).
 
   Byte figures are per step. ``bytes_accessed`` is XLA's cost model plus the
-  custom calls' operand and result bytes; ``kernel_io_bytes`` counts every
+  custom calls' operand and result bytes, plus ``loop_trip_bytes``: XLA's
+  cost analysis counts a while loop's body once, whatever its trip count,
+  so the kernels of a loop body are added for the other trips (their
+  kernel-boundary bytes). ``kernel_io_bytes`` counts every
   kernel's operands (an operand read only through slices, as those slices)
   and results once (an upper bound where a kernel updates
   a buffer in place, a lower bound where it re-reads an operand).
@@ -346,12 +349,13 @@ class CompiledReport:
   hlo_text: str = dataclasses.field(repr=False)
   thunks: list[ThunkRecord] = dataclasses.field(default_factory=list,
                                                 repr=False)
+  loop_trip_bytes: int = 0
 
   @property
   def bytes_accessed(self) -> Optional[float]:
     if self.cost_model_bytes is None:
       return None
-    return self.cost_model_bytes + self.custom_call_bytes
+    return self.cost_model_bytes + self.custom_call_bytes + self.loop_trip_bytes
 
   @property
   def gemm_flops(self) -> float:
@@ -448,8 +452,9 @@ class CompiledReport:
         f"{gib(m.get('temp', 0))}; peak {gib(m.get('peak', 0))}",
         f"bytes per step: {gb(self.bytes_accessed)} (cost model "
         f"{gb(self.cost_model_bytes)} + custom calls "
-        f"{gb(self.custom_call_bytes)}); kernel boundaries "
-        f"{gb(self.kernel_io_bytes)}",
+        f"{gb(self.custom_call_bytes)}"
+        + (f" + loop trips {gb(self.loop_trip_bytes)}" if self.loop_trip_bytes
+           else "") + f"); kernel boundaries {gb(self.kernel_io_bytes)}",
         f"kernels launched per step: {self.kernels}; host launches "
         f"{self.host_launches()} (kernels in a CUDA graph launched at once)",
         f"GEMM FLOPs: {self.gemm_flops / 1e9:.1f} GFLOP; roofline (model): "
@@ -495,6 +500,7 @@ class _Walker:
     self.kernels = 0
     self.kernel_io_bytes = 0
     self.custom_call_bytes = 0
+    self.loop_trip_bytes = 0  # what XLA's cost model misses in while loops
     self.gemms: list[GemmRecord] = []
     self.collectives: list[CollectiveRecord] = []
     self.pallas: list[tuple[str, str]] = []
@@ -535,6 +541,8 @@ class _Walker:
     self.kernels += times
     io = self.io_bytes(inst)
     self.kernel_io_bytes += io * times
+    if op != "custom-call":  # custom calls are counted with their trips
+      self.loop_trip_bytes += io * (times - 1)
     self.records.append(KernelRecord(inst.name, op, inst.op_name, io, times))
     kind = op[:-len("-start")] if op.endswith("-start") else op
     if kind in _COLLECTIVES:
@@ -781,7 +789,7 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
       kernel_io_bytes=walker.kernel_io_bytes, kernels=walker.kernels,
       gemms=walker.gemms, collectives=walker.collectives,
       pallas_kernels=pallas, kernel_records=walker.records, hlo_text=text,
-      thunks=thunks)
+      thunks=thunks, loop_trip_bytes=walker.loop_trip_bytes)
 
 
 __all__ = ["CollectiveRecord", "CompiledReport", "GemmRecord", "GpuTarget",

@@ -1,0 +1,274 @@
+"""Losses computed in fp32, including one that never stores the logits.
+
+* :func:`softmax`, :func:`log_softmax` and
+  :func:`softmax_cross_entropy_with_integer_labels` compute in fp32 from
+  logits of any dtype. They are the helpers :mod:`jmp_lab.linen` and
+  :mod:`jmp_lab.nnx` have exported, and keep those names there.
+* :func:`linear_cross_entropy` is the cross-entropy of ``hidden @ kernel``
+  (a language model's head and its loss) computed over vocabulary blocks.
+  The log-sum-exp is taken in fp32 and the correct-class logit gathered per
+  block. The backward pass recomputes each block (a ``custom_vjp``). The
+  ``(tokens, vocabulary)`` logits are never stored, in any dtype: at
+  GPT-2's 50,304 words and 8,192 tokens a step, they are 0.8 GB in bf16 and
+  1.6 GB in fp32, read and written several times; at a 262k vocabulary,
+  8.6 GB in fp32. The design is that of Apple's Cut Cross-Entropy and
+  Liger's FusedLinearCrossEntropy, written in JAX (as Levanter's blockwise
+  cross-entropy is) so that XLA compiles it for any target.
+
+Example::
+
+  >>> import jax, jax.numpy as jnp, jmp_lab
+  >>> hidden = jax.random.normal(jax.random.key(0), (2, 8, 16), jnp.bfloat16)
+  >>> table = jax.random.normal(jax.random.key(1), (100, 16))  # tied embedding
+  >>> labels = jnp.zeros((2, 8), jnp.int32)
+  >>> loss = jmp_lab.losses.linear_cross_entropy(hidden, table.T, labels,
+  ...                                             block_size=32)
+  >>> loss.shape, loss.dtype
+  ((2, 8), dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# The widest vocabulary block by default: its logits (tokens x block, in the
+# hidden's dtype) are the largest temporary. Compiled for an H100 with
+# GPT-2's shapes (8,192 tokens, 50,304 words), blocks of 8,384 move 8.30 GB
+# with 0.17 GiB of temporaries, 16,768 move 8.08 GB with 0.66 GiB, and the
+# stored logits 13.11 GB with 2.3 GiB (benchmarks/RESULTS.md).
+DEFAULT_BLOCK = 8192
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Softmax computed in fp32, returned in ``x``'s dtype."""
+  return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
+
+
+def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Log-softmax computed and returned in fp32."""
+  return jax.nn.log_softmax(x.astype(jnp.float32), axis=axis)
+
+
+def softmax_cross_entropy_with_integer_labels(logits: jax.Array,
+                                              labels: jax.Array) -> jax.Array:
+  """Per-example cross-entropy, computed and returned in fp32."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels)
+
+
+def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
+                         labels: jax.Array, *,
+                         where: Optional[jax.Array] = None,
+                         block_size: Optional[int] = None,
+                         logit_soft_cap: Optional[float] = None) -> jax.Array:
+  """Per-token fp32 cross-entropy of ``hidden @ kernel``, logits never stored.
+
+  Args:
+    hidden: ``(..., D)`` the final hidden states (bf16 under a half policy).
+    kernel: ``(D, V)`` the output projection; for tied embeddings the table
+      transposed (``embedding.T``). It is cast to ``hidden``'s dtype: the
+      matmuls run in that dtype with fp32 accumulation, and the kernel's
+      gradient is accumulated in fp32 and returned in the kernel's dtype.
+    labels: ``(...)`` int labels in ``[0, V)`` where ``where`` is True.
+    where: ``(...)`` bool; False tokens (padding, ignored labels such as
+      -100) get loss 0 and no gradient.
+    block_size: vocabulary columns per block (default: up to
+      :data:`DEFAULT_BLOCK`; one that divides the vocabulary if there is a
+      multiple of 64 that does, else balanced blocks). A ragged last block is
+      padded and masked.
+    logit_soft_cap: if set, logits become ``cap * tanh(logits / cap)``
+      (Gemma 2's soft cap) before the softmax.
+
+  Returns:
+    ``(...)`` the loss of each token, fp32.
+
+  Raises:
+    ValueError, TypeError: for shapes, dtypes or arguments that do not fit,
+      naming the argument.
+  """
+  hidden, kernel, labels, where = _checked(hidden, kernel, labels, where,
+                                           block_size, logit_soft_cap)
+  vocab = kernel.shape[1]
+  block = _block_size(vocab, block_size)
+  flat = hidden.reshape(-1, hidden.shape[-1])
+  losses = _linear_cross_entropy(
+      flat, kernel, labels.reshape(-1).astype(jnp.int32),
+      where.reshape(-1), block,
+      None if logit_soft_cap is None else float(logit_soft_cap))
+  return losses.reshape(hidden.shape[:-1])
+
+
+def _checked(hidden, kernel, labels, where, block_size, logit_soft_cap):
+  hidden, kernel, labels = (jnp.asarray(x) for x in (hidden, kernel, labels))
+  if not jnp.issubdtype(hidden.dtype, jnp.floating) or hidden.ndim < 1:
+    raise TypeError(f"linear_cross_entropy's hidden must be a floating "
+                    f"array (..., D), got {hidden.dtype}{list(hidden.shape)}")
+  if kernel.ndim != 2 or kernel.shape[0] != hidden.shape[-1]:
+    raise ValueError(
+        f"linear_cross_entropy's kernel must be (D, V) with D = "
+        f"{hidden.shape[-1]} (hidden's last dim; for tied embeddings pass "
+        f"the table transposed, embedding.T), got {list(kernel.shape)}")
+  if not jnp.issubdtype(kernel.dtype, jnp.floating):
+    raise TypeError(f"linear_cross_entropy's kernel must be floating, got "
+                    f"{kernel.dtype}")
+  if tuple(labels.shape) != tuple(hidden.shape[:-1]) or not jnp.issubdtype(
+      labels.dtype, jnp.integer):
+    raise ValueError(
+        f"linear_cross_entropy's labels must be integers of shape "
+        f"{list(hidden.shape[:-1])} (hidden's without D), got "
+        f"{labels.dtype}{list(labels.shape)}")
+  if where is None:
+    where = jnp.ones(labels.shape, bool)
+  else:
+    where = jnp.asarray(where)
+    if tuple(where.shape) != tuple(labels.shape) or where.dtype != bool:
+      raise ValueError(
+          f"linear_cross_entropy's where must be bool of shape "
+          f"{list(labels.shape)}, got {where.dtype}{list(where.shape)}")
+  if block_size is not None and (not isinstance(block_size, int)
+                                 or isinstance(block_size, bool)
+                                 or block_size < 1):
+    raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+  if logit_soft_cap is not None and not (
+      isinstance(logit_soft_cap, (int, float)) and logit_soft_cap > 0):
+    raise ValueError(f"logit_soft_cap must be a positive number or None, "
+                     f"got {logit_soft_cap!r}")
+  return hidden, kernel, labels, where
+
+
+def _block_size(vocab: int, block_size: Optional[int]) -> int:
+  if block_size is not None:
+    return min(block_size, vocab)
+  if vocab <= DEFAULT_BLOCK:
+    return vocab
+  # A block that divides the vocabulary needs no padded copy of the kernel:
+  # the largest multiple of 64 that does, if it is not much smaller.
+  for block in range(DEFAULT_BLOCK * 5 // 4 // 64 * 64, DEFAULT_BLOCK // 2,
+                     -64):
+    if vocab % block == 0:
+      return block
+  # Otherwise balanced blocks, a multiple of 128 (the GEMM's tile).
+  blocks = math.ceil(vocab / DEFAULT_BLOCK)
+  return -(-math.ceil(vocab / blocks) // 128) * 128
+
+
+def _rows(kernel, hidden_dtype, block: int):
+  """The kernel as vocabulary rows ``(V', D)`` in the hidden's dtype, padded
+  to whole blocks, and the number of blocks. A tied embedding's kernel is
+  ``table.T``, so its rows are the table itself: the transposes cancel."""
+  rows = kernel.astype(hidden_dtype).T
+  vocab = rows.shape[0]
+  blocks = math.ceil(vocab / block)
+  if blocks * block != vocab:
+    rows = jnp.pad(rows, ((0, blocks * block - vocab), (0, 0)))
+  return rows, blocks
+
+
+def _block_logits(hidden, rows, start, block: int, vocab: int, cap):
+  """One block's logits in fp32 (soft-capped), the padding at -inf, its
+  rows, and ``tanh`` of the cap (None without one) for the backward pass."""
+  block_rows = jax.lax.dynamic_slice_in_dim(rows, start, block, axis=0)
+  # The GEMM in the hidden's dtype (its result too, as a bf16 LM head's
+  # is); the softmax in fp32.
+  logits = jax.lax.dot_general(hidden, block_rows,
+                               (((1,), (1,)), ((), ()))).astype(jnp.float32)
+  capped = None
+  if cap is not None:
+    capped = jnp.tanh(logits / cap)
+    logits = cap * capped
+  ids = start + jnp.arange(block)
+  logits = jnp.where(ids < vocab, logits, -jnp.inf)
+  return logits, ids, block_rows, capped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _linear_cross_entropy(hidden, kernel, labels, where, block, cap):
+  return _forward(hidden, kernel, labels, where, block, cap)[0]
+
+
+
+def _forward(hidden, kernel, labels, where, block, cap):
+  vocab = kernel.shape[1]
+  rows, blocks = _rows(kernel, hidden.dtype, block)
+  tokens = hidden.shape[0]
+
+  def step(carry, i):
+    running_max, running_sum, label_logit = carry
+    logits, ids, _, _ = _block_logits(hidden, rows, i * block, block, vocab,
+                                      cap)
+    new_max = jnp.maximum(running_max, logits.max(axis=1))
+    running_sum = (running_sum * jnp.exp(running_max - new_max)
+                   + jnp.exp(logits - new_max[:, None]).sum(axis=1))
+    label_logit = label_logit + jnp.where(
+        ids[None, :] == labels[:, None], logits, 0.0).sum(axis=1)
+    return (new_max, running_sum, label_logit), None
+
+  carry = (jnp.full((tokens,), -jnp.inf), jnp.zeros((tokens,)),
+           jnp.zeros((tokens,)))
+  for i in range(blocks):  # unrolled: see _backward_rule
+    carry, _ = step(carry, i)
+    if i + 1 < blocks:  # one block's logits alive at a time
+      hidden, carry = jax.lax.optimization_barrier((hidden, carry))
+  maximum, total, label_logit = carry
+  lse = maximum + jnp.log(total)
+  losses = jnp.where(where, lse - label_logit, 0.0)
+  return losses, (hidden, kernel, labels, where, lse)
+
+
+def _forward_rule(hidden, kernel, labels, where, block, cap):
+  return _forward(hidden, kernel, labels, where, block, cap)
+
+
+def _backward_rule(block, cap, residuals, g):
+  hidden, kernel, labels, where, lse = residuals
+  vocab = kernel.shape[1]
+  # The barrier keeps XLA from merging the recomputed logits with the
+  # forward pass's (which would keep every block alive until here).
+  hidden, kernel = jax.lax.optimization_barrier((hidden, kernel))
+  rows, blocks = _rows(kernel, hidden.dtype, block)
+  g = jnp.where(where, g, 0.0).astype(jnp.float32)
+
+  def step(d_hidden, i):
+    logits, ids, block_rows, capped = _block_logits(hidden, rows, i * block,
+                                                    block, vocab, cap)
+    probs = jnp.exp(logits - lse[:, None])
+    d_logits = (probs - (ids[None, :] == labels[:, None])) * g[:, None]
+    if capped is not None:
+      d_logits = d_logits * (1.0 - capped * capped)
+    # Both gradient GEMMs over half operands, accumulated in fp32. Each
+    # block's rows of the kernel gradient are complete: they leave the scan
+    # as its outputs, stacked (no running copy of the whole gradient).
+    d_logits = d_logits.astype(hidden.dtype)
+    d_hidden = d_hidden + jnp.dot(d_logits, block_rows,
+                                  preferred_element_type=jnp.float32)
+    d_rows = jax.lax.dot_general(d_logits, hidden, (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    return d_hidden, d_rows.astype(kernel.dtype)
+
+  # Unrolled, not a loop: XLA's cost model counts a loop's body once, so a
+  # loop would hide the blocks' bytes from compiled reports; and the rows of
+  # the kernel gradient are simply concatenated.
+  d_hidden, d_rows = jnp.zeros(hidden.shape, jnp.float32), []
+  for i in range(blocks):
+    d_hidden, rows_i = step(d_hidden, i)
+    d_rows.append(rows_i)
+    if i + 1 < blocks:  # the next block waits: one block alive at a time
+      hidden, d_hidden = jax.lax.optimization_barrier((hidden, d_hidden))
+  d_kernel = jnp.concatenate(d_rows)[:vocab].T
+  return (d_hidden.astype(hidden.dtype), d_kernel,
+          np.zeros(labels.shape, jax.dtypes.float0),
+          np.zeros(where.shape, jax.dtypes.float0))
+
+
+_linear_cross_entropy.defvjp(_forward_rule, _backward_rule)
+
+
+__all__ = ["DEFAULT_BLOCK", "linear_cross_entropy", "log_softmax", "softmax",
+           "softmax_cross_entropy_with_integer_labels"]

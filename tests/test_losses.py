@@ -1,0 +1,195 @@
+"""Tests for jmp_lab.losses: fp32 losses, and the cross-entropy of a linear
+layer over vocabulary blocks that never stores the logits."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jmp_lab
+from jmp_lab import linen as jl
+from jmp_lab import losses
+from jmp_lab.diagnostics.audit import sub_jaxprs
+
+TOKENS, WIDTH, VOCAB = 48, 32, 1000
+
+
+def problem(dtype=jnp.float32, vocab=VOCAB, key=0):
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(key), 4)
+  hidden = jax.random.normal(k1, (2, TOKENS // 2, WIDTH)).astype(dtype)
+  kernel = jax.random.normal(k2, (WIDTH, vocab)) * 0.3
+  labels = jax.random.randint(k3, (2, TOKENS // 2), 0, vocab)
+  where = jax.random.bernoulli(k4, 0.8, labels.shape)
+  return hidden, kernel, labels, where
+
+
+def stored(hidden, kernel, labels, where=None, cap=None):
+  """The stored-logits reference: the head in the hidden's dtype, the loss
+  in fp32."""
+  logits = (hidden @ kernel.astype(hidden.dtype)).astype(jnp.float32)
+  if cap is not None:
+    logits = cap * jnp.tanh(logits / cap)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  return loss if where is None else jnp.where(where, loss, 0.0)
+
+
+def value_and_grads(fn, hidden, kernel):
+  return jax.value_and_grad(lambda h, k: fn(h, k).sum(), argnums=(0, 1))(
+      hidden, kernel)
+
+
+@pytest.mark.parametrize("block", [VOCAB, 256, 300, 64],
+                         ids=["one block", "ragged last block", "uneven",
+                              "many blocks"])
+@pytest.mark.parametrize("cap", [None, 8.0], ids=["no cap", "soft cap"])
+def test_fp32_equals_the_stored_logits_loss_and_gradients(block, cap):
+  hidden, kernel, labels, where = problem()
+  got = value_and_grads(lambda h, k: losses.linear_cross_entropy(
+      h, k, labels, where=where, block_size=block, logit_soft_cap=cap),
+                        hidden, kernel)
+  want = value_and_grads(lambda h, k: stored(h, k, labels, where, cap),
+                         hidden, kernel)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_per_token_losses_masked_tokens_and_ignored_labels():
+  hidden, kernel, labels, where = problem()
+  labels = jnp.where(where, labels, -100)   # ignored labels, out of range
+  got = losses.linear_cross_entropy(hidden, kernel, labels, where=where,
+                                    block_size=128)
+  chex.assert_shape(got, labels.shape)
+  chex.assert_type(got, jnp.float32)
+  assert float(jnp.abs(jnp.where(where, 0.0, got)).max()) == 0.0
+  chex.assert_trees_all_close(got, stored(hidden, kernel,
+                                          jnp.where(where, labels, 0), where),
+                              rtol=1e-5, atol=1e-6)
+  d_hidden = jax.grad(lambda h: losses.linear_cross_entropy(
+      h, kernel, labels, where=where).sum())(hidden)
+  assert float(jnp.abs(jnp.where(where[..., None], 0.0, d_hidden)).max()) == 0
+
+
+def test_bf16_is_as_close_to_fp32_as_the_stored_bf16_path_is():
+  hidden, kernel, labels, _ = problem()
+  exact = value_and_grads(lambda h, k: stored(h, k, labels), hidden, kernel)
+  half = hidden.astype(jnp.bfloat16)
+
+  def distance(result):
+    (loss, (dh, dk)), (loss0, (dh0, dk0)) = result, exact
+    return [float(jnp.abs(loss - loss0) / jnp.abs(loss0)),
+            float(jnp.abs(dh.astype(jnp.float32) - dh0).max()
+                  / jnp.abs(dh0).max()),
+            float(jnp.abs(dk - dk0).max() / jnp.abs(dk0).max())]
+
+  blocked = distance(value_and_grads(lambda h, k: losses.linear_cross_entropy(
+      h, k, labels, block_size=256), half, kernel))
+  materialized = distance(value_and_grads(
+      lambda h, k: stored(h, k, labels), half, kernel))
+  for got, reference in zip(blocked, materialized):
+    assert got <= 1.5 * reference + 1e-6, (blocked, materialized)
+
+
+def test_no_stored_logits_and_half_gemms():
+  """No intermediate of the whole (tokens, vocab) shape, in any dtype; every
+  GEMM over bf16 operands."""
+  hidden, kernel, labels, _ = problem(jnp.bfloat16)
+  fn = jax.grad(lambda h, k: losses.linear_cross_entropy(
+      h, k, labels, block_size=256).sum(), argnums=(0, 1))
+  jaxpr = jax.make_jaxpr(fn)(hidden, kernel).jaxpr
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      yield eqn
+      for inner in sub_jaxprs(eqn.params):
+        yield from walk(inner)
+
+  eqns = list(walk(jaxpr))
+  shapes = {tuple(v.aval.shape) for e in eqns for v in e.outvars
+            if hasattr(v.aval, "shape")}
+  assert not any(s[-1:] == (VOCAB,) and np.prod(s) >= TOKENS * VOCAB
+                 for s in shapes), shapes
+  gemms = [e for e in eqns if e.primitive.name == "dot_general"]
+  assert gemms and all(
+      np.dtype(v.aval.dtype) == np.dtype(jnp.bfloat16)
+      for e in gemms for v in e.invars)
+
+
+def test_tied_embedding_gradient_reaches_the_table():
+  hidden, _, labels, _ = problem()
+  table = jax.random.normal(jax.random.key(5), (VOCAB, WIDTH)) * 0.3
+
+  def tied(table):
+    return losses.linear_cross_entropy(hidden, table.T, labels,
+                                       block_size=300).mean()
+
+  want = jax.grad(lambda t: stored(hidden, t.T, labels).mean())(table)
+  chex.assert_trees_all_close(jax.grad(tied)(table), want, rtol=1e-5,
+                              atol=1e-7)
+
+
+class JitAndShardedTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_under_jit_and_grad(self):
+    hidden, kernel, labels, where = problem()
+    fn = self.variant(functools.partial(value_and_grads, lambda h, k: (
+        losses.linear_cross_entropy(h, k, labels, where=where,
+                                    block_size=200))))
+    chex.assert_trees_all_close(
+        fn(hidden, kernel),
+        value_and_grads(lambda h, k: stored(h, k, labels, where), hidden,
+                        kernel), rtol=1e-5, atol=1e-6)
+
+  def test_data_parallel_batch_matches_one_device(self):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    hidden, kernel, labels, where = problem()
+    shard = lambda x: jax.device_put(  # noqa: E731
+        x, NamedSharding(mesh, P("data")))
+    fn = jax.jit(functools.partial(value_and_grads, lambda h, k: (
+        losses.linear_cross_entropy(h, k, labels, where=where,
+                                    block_size=256))))
+    got = fn(shard(hidden), kernel)
+    want = fn(hidden, kernel)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_policy_with_a_reduce_dtype_keeps_the_kernel_gradient_fp32():
+  """Its GEMM accumulates in fp32 and the gradient comes back in the
+  kernel's dtype: an fp32 kernel's gradient is summed across devices in fp32."""
+  hidden, kernel, labels, _ = problem(jnp.bfloat16)
+  grad = jax.grad(lambda k: losses.linear_cross_entropy(
+      hidden, k, labels, block_size=256).sum())
+  jaxpr = jax.make_jaxpr(grad)(kernel).jaxpr
+  weight_gemms = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"
+                  and e.outvars[0].aval.shape[-1] == WIDTH]
+  assert weight_gemms and all(
+      np.dtype(e.params["preferred_element_type"]) == np.dtype(jnp.float32)
+      for e in weight_gemms)
+  chex.assert_type(grad(kernel), jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"kernel": jnp.ones((WIDTH + 1, 10))}, ValueError, r"kernel must be \(D, V\)"),
+    ({"labels": jnp.zeros((3,), jnp.int32)}, ValueError, "labels must be integers"),
+    ({"where": jnp.ones((2, TOKENS // 2))}, ValueError, "where must be bool"),
+    ({"block_size": 0}, ValueError, "block_size must be a positive int"),
+    ({"logit_soft_cap": -1.0}, ValueError, "logit_soft_cap must be a positive"),
+    ({"hidden": jnp.ones((2, 3), jnp.int32)}, TypeError, "hidden must be a floating"),
+])
+def test_bad_input_names_the_argument(kwargs, error, match):
+  hidden, kernel, labels, _ = problem()
+  args = {"hidden": hidden, "kernel": kernel, "labels": labels, **kwargs}
+  with pytest.raises(error, match=match):
+    losses.linear_cross_entropy(args.pop("hidden"), args.pop("kernel"),
+                                args.pop("labels"), **args)
+
+
+def test_the_old_helper_names_stay():
+  assert jl.softmax_cross_entropy_with_integer_labels is (
+      losses.softmax_cross_entropy_with_integer_labels)
+  assert jmp_lab.nnx.log_softmax is losses.log_softmax
+  chex.assert_type(jl.softmax(jnp.ones(3, jnp.bfloat16)), jnp.bfloat16)
