@@ -318,6 +318,11 @@ def main(argv=None):
                       help="compile for this GPU (no GPU needed) and print "
                            "the compiled tables instead of timing")
   parser.add_argument("--leaves", type=int, default=16)
+  parser.add_argument("--no-torch", action="store_true",
+                      help="time jax only")
+  parser.add_argument("--torch-only", action="store_true",
+                      help="time torch's fused AdamW only (the GPU script "
+                           "runs it in a process of its own)")
   args = parser.parse_args(argv)
   if args.target:
     if argv is None and "--sizes" not in sys.argv:
@@ -338,6 +343,13 @@ def main(argv=None):
       print(f"| {size:,} | skipped: does not fit in device memory | | | | | |")
       continue
     timing = dict(warmup=args.warmup, repeats=args.repeats)
+    if args.torch_only:
+      torch_s = time_torch(size, **timing)
+      if torch_s is not None:
+        print(f"| {size:,} | torch AdamW(fused) + GradScaler | "
+              f"{torch_s * 1e3:.3f} | {TORCH_BYTES} | "
+              f"{TORCH_BYTES * size / torch_s / 1e9:.1f} | | |")
+      continue
     params = make_params(size, dtype)
     grads = jax.tree_util.tree_map(lambda p: (p * 1024).astype(dtype), params)
     loss_scale = jmp_lab.StaticLossScale(1024.0)
@@ -362,7 +374,8 @@ def main(argv=None):
         ("unfused mixed_precision(adamw)",
          time_optimizer(unfused, params, grads, **timing), UNFUSED_BYTES_MIN),
     ]
-    torch_s = time_torch(size, **timing) if on_gpu else None
+    torch_s = (time_torch(size, **timing) if on_gpu and not args.no_torch
+               else None)
     if torch_s is not None:
       rows.append(("torch AdamW(fused) + GradScaler", torch_s, TORCH_BYTES))
     rows.append(("copy (x + 1, fp32)", copy_s, 8))

@@ -26,6 +26,15 @@
 # benchmarks/RESULTS.md under a dated heading (and a copy of RESULTS.md is
 # written to OUTPUT_DIR, for machines whose working tree is thrown away).
 # Run from source: nothing is installed. Never changes the GPU's settings.
+#
+# jax and torch do not share a process: jax's allocator keeps what it once
+# held, so torch would get what is left. Each benchmark runs twice, jax
+# (--no-torch) then torch (--torch-only), in processes of their own. jax
+# allocates on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) and may grow to
+# 95% of the card (XLA_PYTHON_CLIENT_MEM_FRACTION): its largest batch is the
+# model's, not a preallocation's. Each reports its peak from its own
+# allocator. GPU_RUN_DRY=1 prints the commands and their environment instead
+# of running them (tests/test_benchmarks.py checks them on a CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_results}}"
@@ -42,8 +51,10 @@ for part in "${parts[@]}"; do
 done
 mkdir -p "$out"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+dry="${GPU_RUN_DRY:-}"
 
-{
+[ -n "$dry" ] || {
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
   python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1
@@ -54,6 +65,11 @@ status=0
 run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on failure
   local name=$1 limit=$2
   shift 2
+  if [ -n "$dry" ]; then
+    echo "$name: XLA_PYTHON_CLIENT_PREALLOCATE=$XLA_PYTHON_CLIENT_PREALLOCATE" \
+         "XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION $*"
+    return
+  fi
   echo "== $name: $*" | tee "$out/$name.log"
   timeout "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
   local rc=${PIPESTATUS[0]}
@@ -61,11 +77,14 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on fail
   [ "$rc" -eq 0 ] || status=1
 }
 
+[ -z "$dry" ] || echo "dry run: the commands, not run"
 for part in "${parts[@]}"; do
   case "$part" in
     kernels) run kernels 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs ;;
-    fused_update) run fused_update 280 python3 benchmarks/fused_update.py ;;
-    train_step) run train_step 570 python3 benchmarks/train_step.py --plot "$out/train_step.png" ;;
+    fused_update) run fused_update 250 python3 benchmarks/fused_update.py --no-torch
+                  run fused_update_torch 100 python3 benchmarks/fused_update.py --torch-only ;;
+    train_step) run train_step 420 python3 benchmarks/train_step.py --no-torch --plot "$out/train_step.png"
+                run train_step_torch 150 python3 benchmarks/train_step.py --torch-only ;;
     fp8) run fp8 570 python3 benchmarks/train_step.py --configs bf16,bf16-fp8,bf16-fp8-current \
            --no-torch --no-batch-search ;;
     lean) run lean 570 python3 benchmarks/train_step.py --configs bf16,bf16-lean \
@@ -73,6 +92,7 @@ for part in "${parts[@]}"; do
   esac
 done
 
+[ -z "$dry" ] || exit 0
 {
   echo
   echo "## GPU run of $(date -u +%Y-%m-%d) (\`bash benchmarks/gpu_run.sh OUTPUT_DIR ${parts[*]}\`)"
@@ -85,7 +105,10 @@ done
     echo "### $name"
     echo
     # Tables and the lines that describe them; logs stay in the output folder.
-    grep -E '^(\||# |largest batch|[0-9]+ (passed|failed)|FAILED|SKIPPED|== )' "$out/$name.log" || true
+    for log in "$out/$name.log" "$out/${name}_torch.log"; do
+      [ -f "$log" ] || continue
+      grep -E '^(\||# |largest batch|[0-9]+ (passed|failed)|FAILED|SKIPPED|== )' "$log" || true
+    done
   done
 } >> benchmarks/RESULTS.md
 cp benchmarks/RESULTS.md "$out/RESULTS.md"

@@ -95,7 +95,7 @@ def mosaic_probe_update(g, p, mu, nu, hyper, flags, leaf_decays):
   """
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jmp_lab.kernels.mosaic import sqrt_via_rsqrt
+  from jmp_lab.kernels.mosaic import COMPILER_PARAMS, load, sqrt_via_rsqrt
   n = len(g)
   rows = [x.size // LANES for x in p]
 
@@ -109,16 +109,13 @@ def mosaic_probe_update(g, p, mu, nu, hyper, flags, leaf_decays):
       blocks = rows[i] // block
       layout = plgpu.Layout.WG_STRIDED((block, LANES), vec_size=2)
 
-      def load(ref, layout=layout):
-        return plgpu.load(ref, (), layout=layout, optimized=False)
-
       def step(_, g_s, p_s, mu_s, nu_s, p_o, mu_o, nu_o, half_o, i=i,
-               load=load):
-        old = load(p_s), load(mu_s), load(nu_s)
+               layout=layout):
+        old = tuple(load(ref, layout) for ref in (p_s, mu_s, nu_s))
 
         @pl.when(finite)
         def _update():
-          out = adamw_elementwise(CONFIG, load(g_s), *old,
+          out = adamw_elementwise(CONFIG, load(g_s, layout), *old,
                                   jnp.bool_(leaf_decays[i]), *scalars,
                                   sqrt=sqrt_via_rsqrt)
           for ref, value in zip((p_o, mu_o, nu_o, half_o), out):
@@ -144,7 +141,8 @@ def mosaic_probe_update(g, p, mu, nu, hyper, flags, leaf_decays):
   out_type = tuple(SDS(s, jnp.float32) for _ in range(3) for s in shapes) + \
       tuple(SDS(s, CONFIG.half_dtype) for s in shapes)
   return plgpu.kernel(body, out_type=out_type, grid=(PROGRAMS,),
-                      grid_names=("program",))(
+                      grid_names=("program",),
+                      compiler_params=COMPILER_PARAMS)(
       hyper, flags,
       *[x.reshape(-1, LANES) for group in (g, p, mu, nu) for x in group])
 

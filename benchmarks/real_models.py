@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
-import os
-import sysconfig
 from typing import Any, Callable, Optional, Sequence
 
 import equinox as eqx
@@ -46,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax import struct
+
+from examples.common import stdlib_text
 
 # ---------------------------------------------------------------------------
 # Linen ResNet, as flax/examples/imagenet/models.py writes it.
@@ -443,19 +442,9 @@ def digits(split: str = "train", seed: int = 0):
 
 
 def stdlib_bytes(limit: int = 1 << 20) -> np.ndarray:
-  """The first ``limit`` bytes of the Python standard library's ``*.py``
-  sources, in sorted order, as uint8 (the char-transformer example's
-  default data)."""
-  root = sysconfig.get_paths()["stdlib"]
-  chunks, total = [], 0
-  for path in sorted(glob.glob(os.path.join(root, "*.py"))):
-    with open(path, "rb") as f:
-      chunk = f.read()
-    chunks.append(chunk)
-    total += len(chunk)
-    if total >= limit:
-      break
-  return np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
+  """The char-transformer example's default text (the standard library's
+  sources), its first ``limit`` bytes as uint8."""
+  return np.frombuffer(stdlib_text(limit), dtype=np.uint8)
 
 
 def text_batches(data: np.ndarray, batch: int, length: int, seed: int = 0):

@@ -445,12 +445,23 @@ def run_torch(size: ModelSize, *, dtype_name: str, compiled: bool,
           "peak_source": "device"}
 
 
+def model_flops(size: ModelSize) -> float:
+  """The train step's matmul FLOPs, from the traced bf16 step (shapes only:
+  nothing is allocated, so the torch-only process can ask)."""
+  config = next(c for c in CONFIGS if c.name == "bf16")
+  state = jax.eval_shape(lambda: make_state(config, size))
+  batch = jax.ShapeDtypeStruct((size.batch, size.seq_len + 1), jnp.int32)
+  return jmp_lab.diagnostics.audit_step(jmp_lab.make_train_step(loss_fn),
+                                        state, batch).total_flops
+
+
 def table(rows, size: ModelSize, peak_flops: float) -> str:
   tokens = size.batch * size.seq_len
   by_name = {r["name"]: r for r in rows}
   torch_bf16 = [r for r in rows if r["name"].startswith("torch bf16")]
   best_torch = min(torch_bf16, key=lambda r: r["seconds"]) if torch_bf16 else None
-  jax_flops = next(r["flops"] for r in rows if r["flops"])
+  jax_flops = next((r["flops"] for r in rows if r["flops"]), None) or (
+      model_flops(size))
   lines = ["| config | median step ms | tokens/s | MFU | peak MiB | loss "
            "| vs fp32-highest | vs TF32 | vs torch bf16 |", "|" + "---|" * 9]
   for r in rows:
@@ -498,7 +509,12 @@ def main(argv=None):
   parser.add_argument("--batch-search-configs", default="fp32-tf32,bf16",
                       help="on a GPU: the configs whose largest batch that "
                            "fits is searched")
-  parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--no-torch", action="store_true",
+                      help="time jax only")
+  parser.add_argument("--torch-only", action="store_true",
+                      help="time the torch peers only (the GPU script runs "
+                           "them in a process of their own, so that jax's "
+                           "allocator does not hold memory torch needs)")
   parser.add_argument("--plot", default=None)
   parser.add_argument("--target", choices=["h100", "h200"],
                       help="compile for this GPU (no GPU needed) and print "
@@ -530,7 +546,8 @@ def main(argv=None):
   peak = bf16_matmul_peak(8192 if on_gpu else 512)
   print(f"# {device.device_kind}; jax {jax.__version__}; model {size}; "
         f"measured bf16 matmul peak {peak / 1e12:.1f} TFLOP/s")
-  rows = [run_jax(c, size, warmup=args.warmup, steps=args.steps) for c in chosen]
+  rows = [] if args.torch_only else [
+      run_jax(c, size, warmup=args.warmup, steps=args.steps) for c in chosen]
   if on_gpu and not args.no_torch:
     for dtype_name in ("bf16", "fp16"):
       for compiled in (False, True):
@@ -540,7 +557,7 @@ def main(argv=None):
           rows.append(row)
   print(table(rows, size, peak))
   limit = device_memory_limit()
-  if limit and not args.no_batch_search:
+  if limit and not args.no_batch_search and not args.torch_only:
     for name in args.batch_search_configs.split(","):
       config = next(c for c in ALL_CONFIGS if c.name == name)
       print(f"largest batch that fits, {name}: {largest_batch(config, size, limit)}")

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 import jmp_lab
 from char_transformer import load_tokens, validation_batch
+from common import POLICY_HELP, policy_spec
 
 
 class Block(eqx.Module):
@@ -86,18 +87,21 @@ class CharTransformer(eqx.Module):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--policy", default="mixed_bfloat16",
-                      type=jmp_lab.get_policy)
-  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--policy", default="mixed_bfloat16", type=policy_spec,
+                      help=POLICY_HELP)
+  parser.add_argument("--steps", type=int, default=300, help="train steps")
   parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--seq-len", type=int, default=128)
-  parser.add_argument("--lr", type=float, default=2e-3)
+  parser.add_argument("--seq-len", type=int, default=128,
+                      help="context length in bytes")
+  parser.add_argument("--lr", type=float, default=2e-3, help="learning rate")
   parser.add_argument("--data", default=None,
                       help="a text file (default: the standard library)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="the init and batch seed")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar")
   args = parser.parse_args(argv)
-  policy = args.policy
+  policy = jmp_lab.get_policy(args.policy)
 
   tokens = load_tokens(args.data)
   cut = int(0.95 * len(tokens))
@@ -131,12 +135,14 @@ def main(argv=None):
   print(f"policy: {policy}; {sum(x.size for x in jax.tree.leaves(params)):,} "
         f"params")
   start, losses = None, []
+  recorder = jmp_lab.diagnostics.TrainingRecorder()
   for step in tqdm(range(1, args.steps + 1), disable=args.no_progress):
     starts = rng.integers(0, len(train_tokens) - args.seq_len - 1,
                           args.batch_size)
     batch = np.stack([train_tokens[s:s + args.seq_len + 1] for s in starts])
     state, metrics = train_step(state, batch)
     losses.append(metrics["loss"])
+    recorder.record(metrics)  # device arrays: no sync
     if step == 1:
       jax.block_until_ready(metrics["loss"])
       start = time.perf_counter()  # after the compile
@@ -146,6 +152,7 @@ def main(argv=None):
                               validation_batch(valid_tokens, args.seq_len)))
   audit = jmp_lab.diagnostics.audit_step(train_step, state, batch,
                                          policy=policy)
+  print(recorder.describe())
   print(f"final train loss {float(losses[-1]):.3f}  valid loss "
         f"{valid_loss:.3f} nats/char  loss scale "
         f"{float(metrics['loss_scale']):.0f}  skipped "

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import os
-import sysconfig
 import time
 
 import flax.linen as nn
@@ -43,27 +41,14 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 import jmp_lab
+from common import POLICY_HELP, policy_spec, stdlib_text
 from jmp_lab import linen as jl
-
-
-def default_text(max_bytes: int = 4_000_000) -> bytes:
-  """The standard library's Python sources, in a fixed order."""
-  stdlib = sysconfig.get_paths()["stdlib"]
-  chunks, total = [], 0
-  for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
-    with open(path, "rb") as f:
-      chunk = f.read()
-    chunks.append(chunk)
-    total += len(chunk)
-    if total >= max_bytes:
-      break
-  return b"".join(chunks)[:max_bytes]
 
 
 def load_tokens(path: str | None) -> np.ndarray:
   """Bytes as tokens (vocabulary 256): character-level for ASCII text."""
   if path is None:
-    data = default_text()
+    data = stdlib_text()
   else:
     with open(path, "rb") as f:
       data = f.read()
@@ -174,10 +159,11 @@ def make_parser(description: str, ckpt_dir: str) -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--data", default=None,
                       help="a text file (default: the stdlib's own sources)")
-  parser.add_argument("--policy", default="mixed_bfloat16",
-                      help="a preset (float32, mixed_bfloat16, mixed_float16, "
-                           "mixed_fp8) or a spec such as p=bf16,c=bf16,o=f32")
-  parser.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"])
+  parser.add_argument("--policy", default="mixed_bfloat16", type=policy_spec,
+                      help=POLICY_HELP)
+  parser.add_argument("--loss-scale", default="dynamic",
+                      choices=["dynamic", "none"],
+                      help="dynamic (torch GradScaler's rules) or none")
   parser.add_argument("--fused", action="store_true", help="use jmp_lab.fused_adamw")
   parser.add_argument("--clip", type=float, default=1.0, help="global-norm clip")
   parser.add_argument("--master", default="float32",
@@ -191,18 +177,31 @@ def make_parser(description: str, ckpt_dir: str) -> argparse.ArgumentParser:
                       help="dtype of Adam's first moment (optax mu_dtype)")
   parser.add_argument("--nu-dtype", default=None, choices=["bfloat16"],
                       help="dtype of Adam's second moment (--fused only)")
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--seq-len", type=int, default=128)
-  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--steps", type=int, default=300,
+                      help="steps to train in this run; with --resume, steps "
+                           "after the checkpoint's (a resumed run of 100 "
+                           "from step 300 ends at step 400)")
+  parser.add_argument("--batch-size", type=int, default=32,
+                      help="sequences per step")
+  parser.add_argument("--seq-len", type=int, default=128,
+                      help="context length in bytes")
+  parser.add_argument("--lr", type=float, default=3e-3,
+                      help="peak learning rate (warmup, cosine decay)")
   parser.add_argument("--seed", type=int, default=0,
                       help="init seed (dropout uses seed + 1)")
-  parser.add_argument("--ckpt-dir", default=os.path.join("examples", "out", ckpt_dir))
-  parser.add_argument("--ckpt-every", type=int, default=100)
+  parser.add_argument("--ckpt-dir",
+                      default=os.path.join("examples", "out", ckpt_dir),
+                      help="where orbax keeps the last two checkpoints")
+  parser.add_argument("--ckpt-every", type=int, default=100,
+                      help="steps between checkpoints (and one at the end)")
   parser.add_argument("--resume", action="store_true",
-                      help="continue from the latest checkpoint in --ckpt-dir")
-  parser.add_argument("--sample-len", type=int, default=300)
-  parser.add_argument("--no-progress", action="store_true")
+                      help="continue from the latest checkpoint in "
+                           "--ckpt-dir, for --steps more steps (the options a "
+                           "checkpoint depends on must match)")
+  parser.add_argument("--sample-len", type=int, default=300,
+                      help="bytes of text to generate at the end (0: none)")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar")
   return parser
 
 
@@ -281,6 +280,7 @@ def main(argv=None):
       {"params": state.params, **state.model_state}, valid[:, :-1],
       targets=valid[:, 1:]).mean())
   train_losses, valid_curve = [], []
+  recorder = jmp_lab.diagnostics.TrainingRecorder()
   rng = np.random.default_rng(start_step)  # a resumed run draws new batches
   bar = tqdm(range(start_step, start_step + args.steps), disable=args.no_progress)
   metrics, timed_from, timed_steps = None, None, 0
@@ -290,6 +290,7 @@ def main(argv=None):
              "rng": jax.random.fold_in(jax.random.key(args.seed + 1), step)}
     state, metrics = step_fn(state, batch)
     train_losses.append(metrics["loss"])  # a device array: no sync
+    recorder.record(metrics)
     if args.eval_every and (step + 1) % args.eval_every == 0:
       valid_curve.append((step + 1, valid_loss_of(state)))
     if timed_from is None:  # exclude compilation from tokens/s
@@ -314,6 +315,7 @@ def main(argv=None):
   print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
         f"{valid_loss:.3f} nats/char, loss scale {float(state.loss_scale.loss_scale):g}, "
         f"skipped {int(state.skipped_steps)}, {tokens_per_s:,.0f} tokens/s")
+  print(f"this run: {recorder.describe()}")
   text = sample(model, {"params": state.params, **state.model_state}, b"def ",
                 args.sample_len, args.seq_len, jax.random.key(7))
   print("--- sample ---")

@@ -149,6 +149,7 @@ def main(argv=None):
   valid = jnp.asarray(validation_batch(valid_tokens, args.seq_len))
   rng = np.random.default_rng(start_step)  # the linen example's batches
   train_losses = []
+  recorder = jmp_lab.diagnostics.TrainingRecorder()
   bar = tqdm(range(start_step, start_step + args.steps), disable=args.no_progress)
   metrics, timed_from, timed_steps = None, None, 0
   for step in bar:
@@ -156,6 +157,7 @@ def main(argv=None):
     batch = jnp.asarray(np.stack([train_tokens[s:s + window] for s in starts]))
     metrics = step_fn(model, optimizer, batch)
     train_losses.append(metrics["loss"])  # a device array: no sync
+    recorder.record(metrics)
     if timed_from is None:  # exclude compilation from tokens/s
       jax.block_until_ready(metrics)
       timed_from = time.perf_counter()
@@ -181,6 +183,7 @@ def main(argv=None):
         f"{valid_loss:.3f} nats/char, loss scale "
         f"{float(optimizer.loss_scale.loss_scale):g}, skipped "
         f"{int(optimizer.skipped_steps)}, {tokens_per_s:,.0f} tokens/s")
+  print(f"this run: {recorder.describe()}")
   text = sample(model, b"def ", args.sample_len, args.seq_len, jax.random.key(7))
   print("--- sample ---")
   print("def " + text.decode("utf-8", errors="replace"))

@@ -31,6 +31,7 @@ from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 import jmp_lab
+from common import POLICY_HELP, policy_spec
 from jmp_lab import linen as jl
 
 COMPARE_RUNS = [("float32", "none"), ("mixed_bfloat16", "dynamic"),
@@ -217,15 +218,22 @@ def plot(results, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
-  for r in results:
+  # Distinct styles: runs whose curves coincide (every scale of 1 without
+  # scaling) stay visible under each other.
+  styles = ["-", "--", "-.", ":", (0, (5, 1))]
+  for i, r in enumerate(results):
     label = f"{r['policy']} / {r['loss_scale']}"
-    ax_loss.plot(r["losses"], label=label, lw=1)
-    ax_scale.plot(r["scales"], label=label, lw=1)
+    style = styles[i % len(styles)]
+    ax_loss.plot(r["losses"], label=label, lw=1, ls=style)
+    ax_scale.step(np.arange(len(r["scales"])), r["scales"], label=label,
+                  lw=1.5, ls=style, where="post")
   ax_loss.set(xlabel="step", ylabel="training loss", yscale="log",
               title="SimpleCNN on scikit-learn digits")
-  ax_scale.set(xlabel="step", ylabel="loss scale", yscale="log",
-               title="loss-scale trace")
+  ax_scale.set_yscale("log", base=2)
+  ax_scale.set(xlabel="step", ylabel="loss scale",
+               title="loss-scale trace (a halving is a skipped step)")
   ax_loss.legend(fontsize=8)
+  ax_scale.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -234,18 +242,21 @@ def plot(results, path: str) -> None:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--policy", default="mixed_float16",
-                      help="a preset (float32, mixed_bfloat16, mixed_float16) "
-                           "or a spec such as p=bf16,c=bf16,o=f32")
+  parser.add_argument("--policy", default="mixed_float16", type=policy_spec,
+                      help=POLICY_HELP)
   parser.add_argument("--loss-scale", default="dynamic",
-                      choices=["dynamic", "static", "none"])
+                      choices=["dynamic", "static", "none"],
+                      help="dynamic (torch GradScaler's rules), a static "
+                           "scale of 1024, or none")
   parser.add_argument("--compare", action="store_true",
-                      help="run every policy (and fp16 without scaling)")
-  parser.add_argument("--epochs", type=int, default=6)
+                      help="run every policy (and fp16 without scaling) and "
+                           "write digits_cnn_compare.png")
+  parser.add_argument("--epochs", type=int, default=6,
+                      help="passes over the 1,437 training images")
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--optimizer", default="fused", choices=["fused", "optax"],
                       help="jmp_lab.fused_adamw or mixed_precision(optax.adam)")
-  parser.add_argument("--lr", type=float, default=1e-3)
+  parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
   parser.add_argument("--master", default=None,
                       choices=["float32", "remainder", "none"],
                       help="how the fp32 master is kept (bf16 params for "
@@ -253,11 +264,15 @@ def main(argv=None):
   parser.add_argument("--rounding", default=None,
                       choices=["nearest", "stochastic"],
                       help="rounding of the params with --master none")
-  parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"])
+  parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"],
+                      help="Adam's first moment in bf16")
   parser.add_argument("--nu-dtype", default=None, choices=["bfloat16"],
-                      help="the fused optimizer only")
-  parser.add_argument("--out-dir", default=os.path.join("examples", "out"))
-  parser.add_argument("--no-progress", action="store_true")
+                      help="Adam's second moment in bf16 (the fused "
+                           "optimizer only)")
+  parser.add_argument("--out-dir", default=os.path.join("examples", "out"),
+                      help="where the plots go")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar")
   args = parser.parse_args(argv)
 
   runs = COMPARE_RUNS if args.compare else [(args.policy, args.loss_scale)]
@@ -270,8 +285,14 @@ def main(argv=None):
   print(f"# SimpleCNN, scikit-learn digits (28x28), {args.epochs} epochs, batch "
         f"{args.batch_size}, optimizer {args.optimizer}, {jax.devices()[0].device_kind}")
   print_table(results)
+  for r in results:
+    print(f"{r['policy']} / {r['loss_scale']}: {r['recorder'].describe()}")
   os.makedirs(args.out_dir, exist_ok=True)
-  plot(results, os.path.join(args.out_dir, "digits_cnn.png"))
+  # One file per mode: a single run does not overwrite --compare's plot.
+  name = ("digits_cnn_compare" if args.compare else
+          f"digits_cnn_{args.policy}_{args.loss_scale}".replace(",", "_")
+          .replace("=", "-"))
+  plot(results, os.path.join(args.out_dir, name + ".png"))
   half = [r for r in results if r["policy"] != "float32"] or results
   diagnose(half[0], *data[0], args.out_dir)
   return results

@@ -21,6 +21,7 @@ import optax
 from sklearn.datasets import load_digits
 
 import jmp_lab
+from common import POLICY_HELP, policy_spec
 from jmp_lab import linen as jl
 
 
@@ -52,8 +53,9 @@ def loss_fn(params, state, batch):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--policy", default="mixed_float16")
-  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--policy", default="mixed_float16", type=policy_spec,
+                      help=POLICY_HELP)
+  parser.add_argument("--steps", type=int, default=300, help="train steps")
   parser.add_argument("--batch-size", type=int, default=128)
   args = parser.parse_args(argv)
 

@@ -137,6 +137,20 @@ def check_policies_agree(policies: Sequence[tuple[str, Optional[Policy]]],
           f"jmp_lab.get_policy(...) object)")
 
 
+def check_trainable_params(params: Any, policy: Policy) -> None:
+  """Refuses integer or boolean leaves among a train state's params: the
+  step differentiates every param, and jax cannot differentiate those."""
+  for path, leaf in _tree.leaves_with_paths(params):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+          f"TrainState.create's params hold {_tree.leaf_description(leaf)} "
+          f"at {path}: the train step differentiates every param, and "
+          f"integer or boolean leaves cannot be differentiated. Keep them "
+          f"in model_state (a step counter, a mask), or out of the state")
+  del policy
+
+
 def keeps_master_copy(policy: Policy) -> bool:
   """Whether params of ``policy.param_dtype`` need a separate fp32 master."""
   return policy.param_dtype.itemsize < 4

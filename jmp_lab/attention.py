@@ -67,6 +67,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab.kernels import importable, quiet_triton_deprecation
+
 IMPLEMENTATIONS = ("auto", "cudnn", "triton", "mosaic", "xla")
 _HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -186,7 +188,7 @@ def _cudnn_limits(query, key, segment_ids) -> str:
 
 
 def _triton_limits(query, key, segment_ids) -> str:
-  if not _importable("jax.experimental.pallas.ops.gpu.attention"):
+  if not importable("jax.experimental.pallas.ops.gpu.attention"):
     return "jax's Pallas Triton attention cannot be imported"
   if np.dtype(query.dtype) not in _HALF:
     return f"the Triton kernel is used for bf16 or fp16, got {query.dtype}"
@@ -197,7 +199,7 @@ def _triton_limits(query, key, segment_ids) -> str:
 
 
 def _mosaic_limits(query, key, segment_ids) -> str:
-  if not _importable("jax.experimental.pallas.ops.gpu.attention_mgpu"):
+  if not importable("jax.experimental.pallas.ops.gpu.attention_mgpu"):
     return "jax's Mosaic GPU attention cannot be imported"
   if segment_ids is not None:
     return "the Mosaic GPU attention takes no segment_ids"
@@ -219,15 +221,6 @@ def _choose(query, key, segment_ids) -> tuple[Optional[str], str]:
       return name, ""
     reasons.append(why)
   return None, "; ".join(reasons)
-
-
-@functools.lru_cache(maxsize=None)
-def _importable(module: str) -> bool:
-  try:
-    __import__(module)
-    return True
-  except ImportError:
-    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -292,6 +285,7 @@ def _cudnn(query, key, value, causal, segment_ids, scale):
 
 def _triton(query, key, value, causal, segment_ids, scale):
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  quiet_triton_deprecation()
   key, value = _grouped(key, value, query.shape[-2])
   q, batch = _flat_batch(query)
   blocks = pallas_attention.BlockSizes(

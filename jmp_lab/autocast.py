@@ -108,6 +108,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jmp_lab._nesting import Nesting
 from jmp_lab.policy import Policy, get_policy
 
 # jax internals the interpreter needs (see the module doc); each use is
@@ -352,7 +353,7 @@ def apply_rules(fn: Callable[..., Any], rules: Rules, *,
       for i, value in zip(dynamic, values):
         full[i] = value
       call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-      with _tracing():
+      with _TRACING.enter():
         out = fn(*call_args, **call_kwargs)
       out_leaves, out_tree = jax.tree_util.tree_flatten(out)
       outputs["tree"] = out_tree
@@ -459,23 +460,16 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
         stacklevel=4)
 
 
+# Per thread: the recorders collecting what the rules did.
+_local = threading.local()
 # Whether user code is being traced by apply_rules on this thread (the NNX
 # front end asks, to run a model's own call only once under the rules).
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def _tracing():
-  _local.depth = getattr(_local, "depth", 0) + 1
-  try:
-    yield
-  finally:
-    _local.depth -= 1
+_TRACING = Nesting()
 
 
 def is_tracing() -> bool:
   """Whether the calling code is being traced under the rules."""
-  return getattr(_local, "depth", 0) > 0
+  return _TRACING.active
 
 
 # ---------------------------------------------------------------------------

@@ -61,7 +61,7 @@ import optax
 from jmp_lab import _checks, _tree, kernels, rounding as rounding_lib
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels.reference import AdamWConfig, inverse_bias_corrections
-from jmp_lab.loss_scale import LossScale, fresh_copy
+from jmp_lab.loss_scale import LossScale, default_loss_scale, fresh_copy
 from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import FusedAdamWState, find_state
 
@@ -183,7 +183,7 @@ def fused_adamw(
     weight_decay: float = 1e-4,
     *,
     policy: Union[Policy, str],
-    loss_scale: LossScale,
+    loss_scale: Optional[LossScale] = None,
     mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     backend: str = "auto",
     max_grad_norm: Optional[float] = None,
@@ -203,7 +203,10 @@ def fused_adamw(
       skipped steps).
     b1, b2, eps, weight_decay: as ``optax.adamw`` (``eps_root`` is 0).
     policy: the precision policy; params must be in its ``param_dtype``.
-    loss_scale: the initial :class:`~jmp_lab.LossScale`.
+    loss_scale: the initial :class:`~jmp_lab.LossScale`. Omitted, the policy
+      chooses (:func:`jmp_lab.loss_scale.default_loss_scale`): a
+      ``DynamicLossScale()`` for an fp16 compute dtype, none
+      (``NoOpLossScale``) for bf16 and fp32, as ``torch.amp`` does.
     mask: which params are weight-decayed, as ``optax.adamw``'s mask: a tree
       of bools like the params, or a function of the params returning one.
     backend: ``"auto"``, ``"mosaic"``, ``"triton"``, ``"interpret"`` or
@@ -243,10 +246,10 @@ def fused_adamw(
       *own, unreduced* gradients (of its part of the batch), reduce-scatters
       them into its rows (in the policy's reduce dtype, else the param
       dtype) as the mean over devices, updates, and all-gathers the new
-      params. The finite flag and the clip norm are global. With jax 0.10
-      give ``jax.shard_map`` ``check_vma=False``: its ``all_gather`` result
-      cannot be marked replicated (``all_gather_invariant`` is used where
-      jax has it).
+      params. The finite flag and the clip norm are global. Give
+      ``jax.shard_map`` ``check_vma=False``: the gathered params are
+      marked invarying (``all_gather(..., to="invarying")``), but the
+      kernels' custom derivatives are not typed for varying axes.
 
   Raises:
     ValueError: for an unknown backend, layout, master or rounding mode,
@@ -260,6 +263,8 @@ def fused_adamw(
     params)`` takes gradients of the scaled loss in the param dtype.
   """
   policy = get_policy(policy)
+  if loss_scale is None:
+    loss_scale = default_loss_scale(policy)
   _checks.check_loss_scale(loss_scale)
   _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
                          max_grad_norm)
@@ -504,11 +509,11 @@ def fused_adamw(
     out = kernels.fused_update(backend, config, local, local_params, state.mu,
                                state.nu, hyper, flags)
     new_state = next_state(state, finite, out.master, out.mu, out.nu)
-    # all_gather_invariant (newer jax) marks the gathered params replicated,
-    # as they are; with jax 0.10's all_gather, shard_map needs
-    # check_vma=False to return them with out_specs P().
-    all_gather = getattr(jax.lax, "all_gather_invariant", jax.lax.all_gather)
-    gather = lambda x: all_gather(x, axis_name, axis=0, tiled=True)  # noqa: E731
+    # The gathered params are the same on every device: all_gather marks its
+    # result varying over the axis unless told (to="invarying", in jax 0.10
+    # and 0.11 alike; all_gather_invariant is public in neither).
+    gather = lambda x: jax.lax.all_gather(  # noqa: E731
+        x, axis_name, axis=0, tiled=True, to="invarying")
     return out._replace(master=gather(out.master), extra=gather(out.extra)), \
         new_state, flat
 

@@ -472,3 +472,20 @@ def _validated_dynamic_config(*, growth_interval, growth_factor,
         f"min_loss_scale {config['min_loss_scale']} is greater than "
         f"max_loss_scale {config['max_loss_scale']}")
   return config
+
+
+def default_loss_scale(policy: Any) -> "LossScale":
+  """The loss scale a policy gets when none is given: dynamic for an fp16
+  compute dtype, whose gradients underflow without one; none for bf16 (fp32's
+  exponent range) and fp32, as ``torch.amp`` and Keras choose.
+
+  >>> import jmp_lab
+  >>> type(default_loss_scale("mixed_float16")).__name__
+  'DynamicLossScale'
+  >>> type(default_loss_scale("mixed_bfloat16")).__name__
+  'NoOpLossScale'
+  """
+  from jmp_lab.policy import get_policy  # policy imports nothing from here
+  if np.dtype(get_policy(policy).compute_dtype) == np.dtype(jnp.float16):
+    return DynamicLossScale()
+  return NoOpLossScale()

@@ -73,7 +73,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import threading
 from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
@@ -83,6 +82,7 @@ import optax
 from flax import nnx
 
 from jmp_lab import _checks, _tree, fp8
+from jmp_lab._nesting import Nesting
 from jmp_lab import attention as attention_lib
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.autocast import (apply_rules, is_tracing, make_rules,
@@ -117,22 +117,13 @@ _DETACHED: set = set()
 # How many policed module calls are running on this thread: a param is read
 # in its compute dtype inside one, and as stored outside (nnx.state,
 # nnx.to_pure_dict, checkpoints, your own code between calls).
-_calls = threading.local()
-
-
-@contextlib.contextmanager
-def _in_module_call():
-  _calls.depth = getattr(_calls, "depth", 0) + 1
-  try:
-    yield
-  finally:
-    _calls.depth -= 1
+_MODULE_CALLS = Nesting()
 
 
 def _read_in_compute_dtype(variable_class: type) -> Callable:
   def get_value(self, **kwargs):
     value = variable_class.get_value(self, **kwargs)
-    if getattr(_calls, "depth", 0) == 0:
+    if not _MODULE_CALLS.active:
       return value
     dtype = self.get_metadata("compute_dtype", None)
     value = value if dtype is None else cast_floating(value, dtype)
@@ -295,7 +286,7 @@ def _policy_class(base: type, compute: np.dtype, output: np.dtype,
     bias = None
     with contextlib.ExitStack() as stack:
       stack.enter_context(autocast_scope(compute))
-      stack.enter_context(_in_module_call())
+      stack.enter_context(_MODULE_CALLS.enter())
       entry = _fp8_entry(self)
       if fp8_delayed:
         # The layer calls its matmul attribute: for this call, the fp8
@@ -339,7 +330,7 @@ def _attend_method(base: type, compute: np.dtype, output: np.dtype,
       return _under_rules(self, "attend", gemm_dtype, (query, *args), kwargs)
     with policy_cast_scope():
       query = cast_floating(query, gemm_dtype)
-    with autocast_scope(gemm_dtype), _in_module_call():
+    with autocast_scope(gemm_dtype), _MODULE_CALLS.enter():
       if reduced is not None and base.attend is nnx.Embed.attend:
         out = reduce_lib.embed_attend(query, self.embedding.get_raw_value(),
                                       *reduced)
@@ -731,6 +722,11 @@ class Optimizer(nnx.Optimizer):
       raise TypeError(f"jmp_lab.nnx.Optimizer needs a flax.nnx.Module, got "
                       f"{type(model).__name__}")
     params = _pure_params(model, wrt)
+    if not jax.tree_util.tree_leaves(params):
+      raise ValueError(
+          f"jmp_lab.nnx.Optimizer's wrt={wrt!r} selects no variable of the "
+          f"{type(model).__name__}: nothing would be trained. Give the "
+          f"filter of its params (nnx.Param, the default)")
     opt_state = tx.init(params)
     try:
       state = find_state(opt_state)
@@ -846,8 +842,13 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
     and the loss_fn's own metrics (the linen step's metrics).
   """
   if not isinstance(optimizer, Optimizer):
-    raise TypeError(f"optimizer must be a jmp_lab.nnx.Optimizer, got "
-                    f"{type(optimizer).__name__}")
+    got = ("flax.nnx.Optimizer (Flax's own, which keeps no fp32 master, "
+           "loss scale or skipped steps)" if isinstance(optimizer, nnx.Optimizer)
+           else type(optimizer).__name__)
+    raise TypeError(
+        f"optimizer must be a jmp_lab.nnx.Optimizer, got {got}; build "
+        f"jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(optax.adamw"
+        f"(...), policy=...), wrt=nnx.Param)")
   others = nnx.Not(optimizer.wrt)
   before = nnx.as_pure(nnx.state(model, others))  # arrays: a snapshot
   loss_scale = optimizer.loss_scale

@@ -61,7 +61,8 @@ import optax
 
 from jmp_lab import _checks, _exact, _tree, remainder
 from jmp_lab import rounding as rounding_lib
-from jmp_lab.loss_scale import LossScale, fresh_copy, select_tree
+from jmp_lab.loss_scale import (LossScale, default_loss_scale, fresh_copy,
+                                select_tree)
 from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import MixedPrecisionState
 
@@ -123,7 +124,7 @@ def mixed_precision(
     inner: optax.GradientTransformation,
     *,
     policy: Union[Policy, str],
-    loss_scale: LossScale,
+    loss_scale: Optional[LossScale] = None,
     axis_name: Optional[Union[str, Sequence[str]]] = None,
     master: str = "float32",
     rounding: str = "nearest",
@@ -137,7 +138,10 @@ def mixed_precision(
       master params and unscaled fp32 gradients only.
     policy: the precision policy (or its spec); params must be in its
       ``param_dtype``.
-    loss_scale: the initial :class:`~jmp_lab.LossScale`.
+    loss_scale: the initial :class:`~jmp_lab.LossScale`. Omitted, the policy
+      chooses (:func:`jmp_lab.loss_scale.default_loss_scale`): a
+      ``DynamicLossScale()`` for an fp16 compute dtype, none
+      (``NoOpLossScale``) for bf16 and fp32, as ``torch.amp`` does.
     axis_name: inside ``shard_map``, the mapped axis name(s) over which the
       finite check must agree (under plain ``jit`` with sharded arrays the
       check is global already).
@@ -167,6 +171,8 @@ def mixed_precision(
   """
   _checks.check_transformation(inner, "mixed_precision's inner")
   policy = get_policy(policy)
+  if loss_scale is None:
+    loss_scale = default_loss_scale(policy)
   _checks.check_loss_scale(loss_scale)
   inner = optax.with_extra_args_support(inner)
   _checks.check_master_mode(master, rounding, policy)

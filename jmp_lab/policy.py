@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Any, Mapping, Optional, TypeVar, Union
 
@@ -301,10 +302,26 @@ output_dtype=dtype(bfloat16), reduce_dtype=None, matmul=None)
   if comma and preset.strip() in PRESETS:
     # A preset followed by keys that change it: "mixed_bfloat16,reduce=f32".
     return _parse_key_values(rest, base=PRESETS[preset.strip()], spec=spec)
+  if comma and "=" not in preset:
+    raise ValueError(_unknown_name_message(preset.strip()))
   if "=" not in stripped:
+    if stripped.lower() not in _ACCEPTED_DTYPE_NAMES:
+      raise ValueError(_unknown_name_message(stripped))
     dtype = _parse_dtype(stripped, what=f"dtype in policy {spec!r}")
     return Policy(dtype, dtype, dtype)
   return _parse_key_values(spec)
+
+
+def _unknown_name_message(name: str) -> str:
+  """What a policy spec that is neither a preset nor a dtype name gets: the
+  presets, the dtype names, and the closest of them."""
+  candidates = list(PRESETS) + list(_ACCEPTED_DTYPE_NAMES)
+  close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+  return (f"unknown dtype or preset {name!r} in policy"
+          + (f": did you mean {close[0]!r}?" if close else ".")
+          + f" Presets: {', '.join(PRESETS)}; a bare dtype name sets all "
+          f"three dtypes ({', '.join(_ACCEPTED_DTYPE_NAMES)}); or give "
+          f"'params=...,compute=...,output=...'")
 
 
 def _parse_key_values(text: str, base: Optional[Policy] = None,

@@ -134,10 +134,15 @@ class TrainState(flax.struct.PyTreeNode):
 
   @classmethod
   def create(cls, *, apply_fn: Callable[..., Any], params: Any,
-             tx: optax.GradientTransformation, policy: Union[Policy, str],
+             tx: optax.GradientTransformation,
+             policy: Union[Policy, str, None] = None,
              model_state: Optional[Any] = None,
              flat_params: bool = False) -> "TrainState":
     """Casts ``params`` to the policy's param dtype and initialises ``tx``.
+
+    ``policy`` may be left out: it is then the jmp_lab optimizer's (``tx``'s)
+    or, failing that, the model's (``with_policy(...).apply`` or an
+    ``autocast`` function). Given, it must agree with both.
 
     The state owns its arrays: params already in the param dtype, and the
     model state, are copied, so a donated step never deletes arrays the
@@ -162,11 +167,19 @@ class TrainState(flax.struct.PyTreeNode):
     if not callable(apply_fn):
       raise TypeError(f"apply_fn must be callable, got "
                       f"{type(apply_fn).__name__} {apply_fn!r}")
+    known = [("the model's (apply_fn)", _checks.model_policy(apply_fn)),
+             ("the optimizer's (tx)", _checks.optimizer_policy(tx))]
+    if policy is None:
+      policy = known[1][1] or known[0][1]
+      if policy is None:
+        raise TypeError(
+            "TrainState.create needs a policy: give policy=..., or a tx "
+            "built by jmp_lab.mixed_precision / jmp_lab.fused_adamw (whose "
+            "policy it then takes)")
     policy = get_policy(policy)
-    _checks.check_policies_agree(
-        [("the model's (apply_fn)", _checks.model_policy(apply_fn)),
-         ("the optimizer's (tx)", _checks.optimizer_policy(tx)),
-         ("TrainState.create's", policy)], "TrainState.create")
+    _checks.check_policies_agree(known + [("TrainState.create's", policy)],
+                                 "TrainState.create")
+    _checks.check_trainable_params(params, policy)
     params = _owned(params, policy.cast_to_param(params))
     model_state = _owned(model_state, model_state) if model_state else {}
     opt_state = tx.init(params)
@@ -280,10 +293,17 @@ def _split_loss_output(out: Any, state: TrainState
   elif isinstance(aux, tuple) and len(aux) == 2:
     model_state, metrics = aux
   else:
-    raise TypeError(f"{_LOSS_FN_CONTRACT}; got aux of type "
-                    f"{type(aux).__name__}")
+    raise TypeError(f"{_LOSS_FN_CONTRACT}; got aux {_described(aux)}")
   return loss, (model_state, _checks.checked_metrics(metrics,
                                                      _LOSS_FN_CONTRACT))
+
+
+def _described(value: Any) -> str:
+  """``float32[32, 10]`` for an array (a tracer in a traced step too), the
+  type's name otherwise."""
+  if hasattr(value, "shape") and hasattr(value, "dtype"):
+    return f"{value.dtype}{list(value.shape)} (an array)"
+  return f"of type {type(value).__name__}"
 
 
 def _fp8_meta(model_state: Any) -> Any:
@@ -399,7 +419,8 @@ def make_train_step(loss_fn: LossFn, *, donate: bool = True,
   step = functools.partial(train_step, loss_fn=loss_fn)
   donate_argnums = (0,) if donate else ()
   if state_sharding is None and batch_sharding is None:
-    return jax.jit(step, donate_argnums=donate_argnums)
+    return _refusing_donated(jax.jit(step, donate_argnums=donate_argnums),
+                             donate)
   if state_sharding is None or batch_sharding is None:
     raise ValueError(
         "give both state_sharding and batch_sharding (a data-parallel step "
@@ -409,6 +430,33 @@ def make_train_step(loss_fn: LossFn, *, donate: bool = True,
     raise TypeError(f"batch_sharding must be a NamedSharding, got "
                     f"{type(batch_sharding).__name__}")
   metrics = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.jit(step, donate_argnums=donate_argnums,
-                 in_shardings=(state_sharding, batch_sharding),
-                 out_shardings=(state_sharding, metrics))
+  return _refusing_donated(jax.jit(
+      step, donate_argnums=donate_argnums,
+      in_shardings=(state_sharding, batch_sharding),
+      out_shardings=(state_sharding, metrics)), donate)
+
+
+def _refusing_donated(jitted: Callable, donate: bool) -> Callable:
+  """``jitted``, refusing a state an earlier call donated with a message that
+  says what to do (jax's own says only that a buffer was deleted). The jit
+  stages (``lower``, ``trace``) are kept for audits and compiled reports."""
+  if not donate:
+    return jitted
+
+  @functools.wraps(jitted)
+  def step(state, batch):
+    for leaf in jax.tree_util.tree_leaves(state):
+      if isinstance(leaf, jax.Array) and not isinstance(
+          leaf, jax.core.Tracer) and leaf.is_deleted():
+        raise RuntimeError(
+            "the state given to the train step was donated to an earlier "
+            "call of it, which deleted its buffers: pass the state that call "
+            "returned (state, metrics = step(state, batch)), or build the "
+            "step with jmp_lab.make_train_step(loss_fn, donate=False) to "
+            "keep using an old state")
+    return jitted(state, batch)
+
+  for stage in ("lower", "trace", "eval_shape"):
+    if hasattr(jitted, stage):
+      setattr(step, stage, getattr(jitted, stage))
+  return step

@@ -66,7 +66,14 @@ CASES = [
     ("policy-unknown-dtype", lambda: jmp_lab.get_policy("p=f32,c=bf17"),
      ValueError, ["bf17", "accepted names", "bfloat16"]),
     ("policy-almost-dtype", lambda: jmp_lab.get_policy("compute_float16"),
-     ValueError, ["compute_float16", "accepted"]),
+     ValueError, ["compute_float16", "did you mean 'mixed_float16'?",
+                  "Presets: float32, mixed_bfloat16"]),
+    ("policy-typo", lambda: jmp_lab.get_policy("mixed_bf16"),
+     ValueError, ["unknown dtype or preset 'mixed_bf16' in policy: did you "
+                  "mean 'mixed_bfloat16'?", "Presets", "mixed_float16"]),
+    ("policy-typo-before-keys",
+     lambda: jmp_lab.get_policy("mixed_bf16,reduce=float32"),
+     ValueError, ["did you mean 'mixed_bfloat16'?"]),
     ("policy-unknown-key", lambda: jmp_lab.get_policy("p=f32,x=bf16"),
      ValueError, ["'x'", "accepted keys", "params"]),
     ("policy-duplicate-key", lambda: jmp_lab.get_policy("p=f32,params=bf16"),
@@ -242,6 +249,16 @@ CASES = [
      TypeError, ["tx", "GradientTransformation", "'adamw'"]),
     ("train-state-plain-optax", lambda: train_state(tx=optax.adam(1e-3)),
      TypeError, ["tx", "jmp_lab optimizer", "mixed_precision"]),
+    ("train-state-integer-params",
+     lambda: jmp_lab.TrainState.create(
+         apply_fn=lambda *a: None, tx=mixed("float32"),
+         params={"w": jnp.ones(3), "steps": jnp.zeros((), jnp.int32)}),
+     TypeError, ["int32[]", "['steps']", "model_state"]),
+    ("train-state-no-policy-anywhere",
+     lambda: jmp_lab.TrainState.create(apply_fn=lambda *a: None,
+                                       params={"w": jnp.ones(3)},
+                                       tx=optax.adam(1e-3)),
+     TypeError, ["needs a policy", "policy=", "jmp_lab.mixed_precision"]),
     ("train-step-loss-fn-not-callable",
      lambda: jmp_lab.make_train_step("loss"),
      TypeError, ["loss_fn", "callable", "'loss'"]),
@@ -256,6 +273,9 @@ CASES = [
     ("train-step-metrics-not-dict",
      lambda: step_with(lambda loss: (loss, {"metrics": [loss]})),
      TypeError, ["metrics of type list"]),
+    ("train-step-logits-as-aux",
+     lambda: step_with(lambda loss: (loss, jnp.ones((32, 10)))),
+     TypeError, ["got aux float32[32, 10] (an array)"]),
     # --- linen ---------------------------------------------------------------
     ("linen-not-a-module",
      lambda: jl.with_policy(lambda x: x, "mixed_bfloat16"),
@@ -271,6 +291,35 @@ CASES = [
                             path_overrides={"(": "float32"}),
      ValueError, ["path_overrides", "'('"]),
 ]
+
+
+def test_a_donated_state_used_again_says_what_to_do():
+  state = train_state()
+  step = jmp_lab.make_train_step(
+      lambda p, s, b: jnp.mean(s.apply_fn({"params": p}, b) ** 2))
+  new_state, _ = step(state, jnp.ones((2, 2)))
+  with pytest.raises(RuntimeError, match=r"donated to an earlier call.*"
+                     r"pass the state that call returned.*donate=False"):
+    step(state, jnp.ones((2, 2)))
+  step(new_state, jnp.ones((2, 2)))  # the returned state works
+
+
+def test_flax_own_nnx_optimizer_is_named_as_flaxs():
+  from flax import nnx
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  step = jmp_lab.nnx.make_train_step(lambda m, x: jnp.mean(m(x) ** 2))
+  with pytest.raises(TypeError, match=r"got flax.nnx.Optimizer \(Flax's own, "
+                     r"which keeps no fp32 master.*jmp_lab.nnx.Optimizer\(model"):
+    step(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+         jnp.ones((1, 2)))
+
+
+def test_nnx_optimizer_whose_wrt_selects_nothing_is_refused():
+  from flax import nnx
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"wrt=.*BatchStat.* selects no "
+                     r"variable of the Linear: nothing would be trained"):
+    jmp_lab.nnx.Optimizer(model, mixed("float32"), wrt=nnx.BatchStat)
 
 
 def test_the_catalogue_is_large_and_unique():

@@ -53,3 +53,29 @@ def test_multi_tensor_compile_benchmark_small(capsys):
   for row in ("| Triton statistics | 2 |", "| Triton update | 2 |",
               "| Mosaic GPU update (probe) | 1 |"):
     assert row in out, out
+
+
+def test_gpu_script_runs_jax_and_torch_in_processes_of_their_own(tmp_path):
+  """jax's allocator keeps what it once held: torch gets a process of its own,
+  and jax allocates on demand up to 95% of the card."""
+  import os
+  import subprocess
+  run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"),
+                        str(tmp_path)], capture_output=True, text=True,
+                       env={**os.environ, "GPU_RUN_DRY": "1"}, check=True)
+  commands = [line for line in run.stdout.splitlines() if ": XLA_" in line]
+  assert {c.split(":")[0] for c in commands} == {
+      "kernels", "fused_update", "fused_update_torch", "train_step",
+      "train_step_torch", "fp8", "lean"}
+  for command in commands:
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in command
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in command
+    if "benchmarks/" in command:  # exactly one framework per process
+      assert ("--no-torch" in command) != ("--torch-only" in command), command
+  assert not (tmp_path / "environment.txt").exists()  # nothing was run
+
+
+def test_torch_only_mode_runs_without_jax_rows(capsys):
+  train_step.main(["--small", "--torch-only", "--configs", "bf16"])
+  out = capsys.readouterr().out
+  assert "| config | median step ms" in out  # torch has no GPU here: no rows

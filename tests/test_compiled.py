@@ -163,6 +163,31 @@ def test_byte_model_counts_every_trip_of_a_loop(trips):
                                                 rel=0.01)
 
 
+@pytest.mark.parametrize("installed, ok", [
+    ({"jax-cuda12-plugin": jax.__version__}, "jax-cuda12-plugin"),
+    ({"jax-cuda13-plugin": jax.__version__}, "jax-cuda13-plugin"),
+    ({"jax-cuda12-plugin": "0.0.1", "jax-cuda13-plugin": jax.__version__},
+     "jax-cuda13-plugin"),
+    ({"jax-cuda12-plugin": "0.0.1"}, None),
+    ({}, None),
+])
+def test_either_cuda_plugin_matched_to_jax_is_accepted(monkeypatch, installed,
+                                                       ok):
+  import importlib.metadata
+
+  def version(name):
+    if name not in installed:
+      raise importlib.metadata.PackageNotFoundError(name)
+    return installed[name]
+
+  monkeypatch.setattr(importlib.metadata, "version", version)
+  if ok:
+    assert compiled.cuda_plugin() == (ok, jax.__version__)
+  else:
+    with pytest.raises(RuntimeError, match="jmp_lab\\[gpu-compile\\]"):
+      compiled.cuda_plugin()
+
+
 def test_host_launches_count_a_cuda_graph_once():
   """Twelve small kernels in a row, then a cuBLAS GEMM and its epilogue:
   XLA records the run of twelve into one command buffer (a CUDA graph, one
@@ -335,3 +360,22 @@ def test_lean_master_modes_shrink_the_step_arguments_on_h100():
   assert saved["bf16-o2-none-sr-mu16"] == pytest.approx(6, abs=0.01)
   assert saved["bf16-o2+fused-remainder-m16v16"] == pytest.approx(6, abs=0.01)
   assert saved["bf16-o2+fused-none-sr-m16v16"] == pytest.approx(8, abs=0.01)
+
+
+def test_a_spilling_kernel_is_named_with_the_way_out():
+  """A small fp32 GPT step whose XLA reduction fusion spills registers on
+  the H100 (it did with jax 0.10.2): the error names the kernel and
+  fail_on_spill=False, which then compiles it."""
+  from benchmarks import train_step as gpt
+  size = gpt.ModelSize(layers=1, width=256, heads=4, seq_len=1024,
+                       vocab=8192, batch=4)
+  config = next(c for c in gpt.CONFIGS if c.name == "fp32-highest")
+  with jax.default_matmul_precision("highest"):
+    state = jax.eval_shape(lambda: gpt.make_state(config, size))
+    batch = SDS((4, 1025), jnp.int32)
+    step = jmp_lab.make_train_step(gpt.loss_fn)
+    with pytest.raises(RuntimeError, match=r"XLA's kernels? \w*fusion\w* "
+                       r"spills? registers.*fail_on_spill=False"):
+      compiled.compiled_report(step, state, batch)
+    assert compiled.compiled_report(step, state, batch,
+                                    fail_on_spill=False).kernels > 100

@@ -233,6 +233,92 @@ def test_explicit_gpu_backends_are_accepted_without_a_gpu(backend):
   assert backend in kernels.available_backends()
 
 
+# --- jax 0.11 drift, checked on 0.10 -----------------------------------------
+
+
+@pytest.fixture
+def triton_hidden(monkeypatch):
+  """A jax whose ``jax.experimental.pallas.triton`` cannot be imported (as
+  when upstream removes the deprecated backend)."""
+  real = kernels.importable
+  monkeypatch.setattr(kernels, "importable",
+                      lambda module: False if "triton" in module
+                      else real(module))
+
+
+def test_without_triton_auto_falls_back_mosaic_flat_and_xla_tree(
+    triton_hidden):
+  assert "triton" not in kernels.available_backends()
+  assert kernels.cuda_backend() == "mosaic"
+  assert kernels._tree_cuda_backend() == "reference"
+  with pytest.raises(ValueError, match="'triton' needs "
+                     "jax.experimental.pallas.triton"):
+    kernels.resolve_backend("triton")
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.bfloat16))
+  flat = kernel_inputs(300_000, jnp.bfloat16, key=6) + hyper_and_flags(True, 10)
+  text = lowered_for_cuda(lambda *a: kernels.fused_update("auto", config, *a),
+                          *flat)
+  assert "mosaic_gpu" in text and "triton" not in text
+  leaves = [kernel_inputs(3000, jnp.bfloat16, key=k) for k in (7, 8)]
+  tree = [list(x) for x in zip(*leaves)] + list(hyper_and_flags(True, 10))
+  text = lowered_for_cuda(lambda g, p, mu, nu, hyper, flags: kernels.tree_update(
+      "auto", config, [True, True], g, p, mu, nu, hyper, flags,
+      write_extra=True), *tree)
+  assert "triton" not in text and "mosaic" not in text
+
+
+def test_the_mosaic_kernel_pins_the_lane_lowering_it_was_written_for():
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jmp_lab.kernels import mosaic
+  assert (mosaic.COMPILER_PARAMS.lowering_semantics
+          is plgpu.LoweringSemantics.Lane)
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.bfloat16))
+  args = kernel_inputs(300_000, jnp.bfloat16, key=4) + hyper_and_flags(True, 10)
+  calls = []
+  real = plgpu.kernel
+
+  def spy(*a, **k):
+    calls.append(k.get("compiler_params"))
+    return real(*a, **k)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(plgpu, "kernel", spy)
+    lowered_for_cuda(lambda *a: mosaic.fused_update(config, *a), *args)
+  assert calls == [mosaic.COMPILER_PARAMS]
+
+
+@pytest.mark.parametrize("needs_index", [True, False])
+def test_mosaic_load_gives_an_index_only_where_jax_needs_one(monkeypatch,
+                                                            needs_index):
+  """jax 0.10 requires plgpu.load's index, jax 0.11 deprecates it."""
+  from jmp_lab.kernels import mosaic
+  seen = []
+  monkeypatch.setattr(mosaic, "_LOAD_NEEDS_INDEX", needs_index)
+  monkeypatch.setattr(mosaic.plgpu, "load",
+                      lambda ref, *idx, **kw: seen.append(idx) or ref)
+  mosaic.load("ref", layout=None)
+  assert seen == [((),) if needs_index else ()]
+
+
+def test_jax_011s_triton_deprecation_is_quiet_once_jmp_lab_builds_triton():
+  import warnings
+  kernels.quiet_triton_deprecation.cache_clear()
+  message = ("The Pallas Triton backend is deprecated and will be removed in a "
+             "future JAX version.")
+  with warnings.catch_warnings(record=True) as before:
+    warnings.simplefilter("always")
+    kernels.quiet_triton_deprecation()
+    warnings.warn(message, DeprecationWarning)
+    warnings.warn("another deprecation", DeprecationWarning)
+  assert [str(w.message) for w in before] == ["another deprecation"]
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.bfloat16))
+  kernels.quiet_triton_deprecation.cache_clear()
+  args = kernel_inputs(3000, jnp.bfloat16, key=6) + hyper_and_flags(True, 10)
+  lowered_for_cuda(lambda *a: kernels.fused_update("triton", config, *a),
+                   *args)
+  assert kernels.quiet_triton_deprecation.cache_info().currsize == 1
+
+
 def test_unknown_backend_raises():
   with pytest.raises(ValueError, match="unknown fused backend 'cuda'.*mosaic"):
     kernels.resolve_backend("cuda")

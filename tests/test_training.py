@@ -264,3 +264,42 @@ class FlatParamsTest(chex.TestCase):
     with pytest.raises(error, match=match):
       jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
                                 policy="float32", flat_params=True, tx=make_tx())
+
+
+class OnePolicyTest(chex.TestCase):
+  """The policy given once: TrainState takes the optimizer's, and the
+  optimizer picks the loss scale the policy needs when none is given."""
+
+  def _model(self, spec):
+    model = jl.with_policy(nn.Dense(3), spec)
+    return model, model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+
+  @parameterized.parameters("mixed_float16", "mixed_bfloat16", "float32")
+  def test_train_state_takes_the_optimizers_policy(self, spec):
+    model, params = self._model(spec)
+    tx = jmp_lab.mixed_precision(optax.sgd(0.1), policy=spec)
+    implicit = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=tx)
+    explicit = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=tx, policy=spec)
+    assert implicit.policy == explicit.policy == jmp_lab.get_policy(spec)
+    half16 = spec == "mixed_float16"
+    assert isinstance(implicit.loss_scale, jmp_lab.DynamicLossScale) is half16
+    assert isinstance(implicit.loss_scale, jmp_lab.NoOpLossScale) is not half16
+
+  def test_fused_adamw_picks_the_loss_scale_too(self):
+    params = {"w": jnp.ones((4, 3), jnp.bfloat16)}
+    fp16 = jmp_lab.fused_adamw(1e-3, policy="p=f16,c=f16,o=f32")
+    bf16 = jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16,o=f32")
+    assert isinstance(jmp_lab.current_loss_scale(fp16.init(
+        {"w": jnp.ones((4, 3), jnp.float16)})), jmp_lab.DynamicLossScale)
+    assert isinstance(jmp_lab.current_loss_scale(bf16.init(params)),
+                      jmp_lab.NoOpLossScale)
+
+  def test_the_model_policy_serves_when_the_optimizer_has_none_known(self):
+    model, params = self._model("mixed_bfloat16")
+    tx = optax.chain(jmp_lab.mixed_precision(optax.sgd(0.1),
+                                             policy="mixed_bfloat16"))
+    state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                      tx=tx)
+    assert state.policy == jmp_lab.get_policy("mixed_bfloat16")

@@ -3,7 +3,7 @@
 One module per question, each answering with a dataclass whose ``table()``
 (and ``str()``) prints it:
 
-* :mod:`.histogram` -- :func:`gradient_histogram`: |g| in log2 buckets
+* :mod:`.histogram` -- :func:`gradient_histogram`: ``|g|`` in log2 buckets
   against the fp16 and bf16 ranges, and the loss scales that keep them all;
   :func:`plot_gradient_histogram` draws it;
 * :mod:`.audit` -- :func:`audit_step`: every matmul and convolution of a

@@ -242,7 +242,7 @@ def audit_step(fn: Callable[..., Any], *args, policy: Any = None,
 
   Args:
     fn: any function, e.g. a train step.
-    *args, **kwargs: example arguments (arrays or ShapeDtypeStructs).
+    args, kwargs: example arguments of ``fn`` (arrays or ShapeDtypeStructs).
     policy: the policy the step is meant to follow; with a half compute
       dtype, fp32 matmuls are reported as could-be-half.
 

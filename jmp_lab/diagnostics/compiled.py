@@ -120,17 +120,38 @@ def gpu_target(target: Union[str, GpuTarget]) -> GpuTarget:
 _INSTALL_HINT = (
     "compiling for a GPU without one needs the CUDA plugin of the installed "
     "jax version and ptxas: pip install \"jmp_lab[gpu-compile]\" (that is "
-    f"jax[cuda12-local]=={jax.__version__} and nvidia-cuda-nvcc-cu12)")
+    f"jax[cuda12-local]=={jax.__version__} and nvidia-cuda-nvcc-cu12), or "
+    "the CUDA 13 plugin a GPU machine's jax brings")
+# The CUDA plugins jax ships: CUDA 12 (what the gpu-compile extra installs)
+# and CUDA 13 (jax 0.11's GPU machines).
+CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+
+
+def cuda_plugin() -> tuple[str, str]:
+  """``(package, version)`` of the installed CUDA plugin that matches jax.
+
+  Raises:
+    RuntimeError: when no CUDA plugin is installed, or none matches jax's
+      version (the message says which were found and what to install).
+  """
+  found = {}
+  for name in CUDA_PLUGINS:
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  for name, version in found.items():
+    if version == jax.__version__:
+      return name, version
+  if not found:
+    raise RuntimeError(_INSTALL_HINT)
+  listed = ", ".join(f"{n} {v}" for n, v in found.items())
+  raise RuntimeError(f"{listed} does not match jax {jax.__version__}; "
+                     f"{_INSTALL_HINT}")
 
 
 def _check_plugin() -> None:
-  try:
-    version = importlib.metadata.version("jax-cuda12-plugin")
-  except importlib.metadata.PackageNotFoundError:
-    raise RuntimeError(_INSTALL_HINT) from None
-  if version != jax.__version__:
-    raise RuntimeError(f"jax-cuda12-plugin {version} does not match jax "
-                       f"{jax.__version__}; {_INSTALL_HINT}")
+  cuda_plugin()
 
 
 def gpu_mesh(target: Union[str, GpuTarget] = "h100", devices: int = 1,
@@ -229,8 +250,41 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
   if dump_to:
     options["xla_dump_to"] = dump_to
   specs = _abstract(args, mesh, in_specs)
+  # Mosaic GPU compiles its kernels inside XLA's compile, so the dump
+  # variables must hold for both steps.
   with _mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext():
-    return jitted.trace(*specs).lower().compile(compiler_options=options)
+    lowered = jitted.trace(*specs).lower()
+    try:
+      return lowered.compile(compiler_options=options)
+    except Exception as e:  # pylint: disable=broad-except  (XLA's own type)
+      if "register spilling" not in str(e):
+        raise
+  raise RuntimeError(
+      f"compiled for {target if isinstance(target, str) else target.name}, "
+      f"{_spilling_kernels(lowered, options)}, which compile_for_gpu and "
+      f"compiled_report refuse by default (a spill "
+      f"costs local-memory traffic on every launch); pass "
+      f"fail_on_spill=False to compile and report it anyway") from None
+
+
+def _spilling_kernels(lowered, options) -> str:
+  """Which of XLA's kernels spill: compiled again with spills allowed, and
+  the PTX read back through ``ptxas -v``."""
+  with tempfile.TemporaryDirectory(prefix="jmp_lab_spills_") as dump_dir:
+    try:
+      lowered.compile(compiler_options={
+          **options, "xla_gpu_fail_ptx_compilation_on_register_spilling":
+              False, "xla_dump_to": dump_dir})
+    except Exception:  # pylint: disable=broad-except
+      return "some of XLA's kernels spill registers"
+    spilling = sorted(name for name, (_, spill) in _register_usage(
+        dump_dir, None).items() if spill)
+  if not spilling:
+    return "some of XLA's kernels spill registers"
+  names = ", ".join(spilling[:5]) + (f" and {len(spilling) - 5} more"
+                                     if len(spilling) > 5 else "")
+  return (f"XLA's kernels {names} spill registers" if len(spilling) > 1
+          else f"XLA's kernel {names} spills registers")
 
 
 # --------------------------------------------------------------------------
@@ -723,9 +777,10 @@ def _ptxas_usage(log: str) -> dict[str, tuple[int, int]]:
           for name, stores, loads, regs in _PTXAS_ENTRY.findall(log)}
 
 
-def _register_usage(dump_dir: str, names: Sequence[str]
+def _register_usage(dump_dir: str, names: Optional[Sequence[str]]
                     ) -> dict[str, tuple[int, int]]:
-  """Registers and spills of the named kernels, from the dumps in ``dump_dir``.
+  """Registers and spills of the named kernels (None: every kernel), from
+  the dumps in ``dump_dir``.
 
   Mosaic GPU writes its own ptxas logs; XLA writes PTX, which ptxas compiles
   again here with ``-v`` (only the files that hold a wanted kernel).
@@ -740,7 +795,8 @@ def _register_usage(dump_dir: str, names: Sequence[str]
   for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):
     with open(ptx) as f:
       text = f.read()
-    if not any(f".entry {name}(" in text for name in names):
+    if names is not None and not any(f".entry {name}(" in text
+                                     for name in names):
       continue
     run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
                          capture_output=True, text=True, check=False)

@@ -1,6 +1,6 @@
 """Gradient magnitudes against the fp16 and bf16 representable ranges.
 
-:func:`gradient_histogram` counts |g| in exact log2 buckets, per leaf and in
+:func:`gradient_histogram` counts ``|g|`` in exact log2 buckets, per leaf and in
 total; the :class:`GradientHistogram` says which share would underflow, land
 in the subnormals or overflow at a loss scale, and which scales avoid both.
 :func:`plot_gradient_histogram` draws it in the style of the mixed-precision
@@ -59,7 +59,7 @@ MIN_EXPONENT, MAX_EXPONENT = -140, 130  # covers bf16/fp32 normal + subnormal
 
 @dataclasses.dataclass
 class GradientHistogram:
-  """Counts of |g| in log2 buckets.
+  """Counts of ``|g|`` in log2 buckets.
 
   Bucket ``i`` holds values with ``2**e <= |g| < 2**(e+1)`` for
   ``e = exponents[i]``. Zeros and non-finite values are counted apart.
@@ -79,7 +79,7 @@ class GradientHistogram:
 
   def share_underflowing(self, loss_scale: float = 1.0,
                          fmt: FloatRange = FP16) -> float:
-    """Share of nonzero finite |g| that flush to zero in ``fmt`` at the scale.
+    """Share of nonzero finite ``|g|`` that flush to zero in ``fmt`` at the scale.
 
     A value flushes to zero when ``|g| * scale`` is below half the smallest
     subnormal; bucket edges decide, so values in the boundary bucket count
@@ -97,12 +97,12 @@ class GradientHistogram:
 
   def share_overflowing(self, loss_scale: float = 1.0,
                         fmt: FloatRange = FP16) -> float:
-    """Share of nonzero finite |g| that overflow ``fmt`` at the scale."""
+    """Share of nonzero finite ``|g|`` that overflow ``fmt`` at the scale."""
     limit = math.log2(fmt.max / loss_scale)
     return self._share(self.exponents >= limit - 1e-9)
 
   def safe_scales(self, fmt: FloatRange = FP16) -> tuple[float, float]:
-    """The loss scales that keep every nonzero |g| representable in ``fmt``.
+    """The loss scales that keep every nonzero ``|g|`` representable in ``fmt``.
 
     Returns ``(low, high)``: below ``low`` the smallest gradient flushes to
     zero, above ``high`` the largest overflows. ``low > high`` means no
@@ -119,7 +119,7 @@ class GradientHistogram:
             ) -> str:
     """What each loss scale would do to these gradients in fp16 and bf16."""
     lines = [f"{self.nonzero} nonzero, {self.zeros} zero, {self.non_finite} "
-             f"non-finite gradient values; |g| in [{self.smallest:.3g}, "
+             f"non-finite gradient values; ``|g|`` in [{self.smallest:.3g}, "
              f"{self.largest:.3g}]",
              f"{'format':<9} {'loss scale':>10} {'underflow %':>12} "
              f"{'subnormal %':>12} {'overflow %':>11}"]
@@ -157,7 +157,7 @@ def _exponent_counts(x: jax.Array):
 
 
 def gradient_histogram(grads: Any) -> GradientHistogram:
-  """Log2 histogram of |g| over the floating leaves of ``grads``.
+  """Log2 histogram of ``|g|`` over the floating leaves of ``grads``.
 
   Pass *unscaled* gradients (``loss_scale.unscale(grads)``) to ask what a
   given scale would do; pass scaled ones to see what the step saw.

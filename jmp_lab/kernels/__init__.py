@@ -24,11 +24,22 @@ moves 28 B/param in place; the Mosaic kernel plus its copies moves 56
 An explicit GPU backend is taken as asked, wherever the step is compiled, so
 it can be compiled for a GPU on a machine without one; running it on a CPU
 fails when the step is lowered.
+
+**When Triton goes.** jax 0.11 deprecates Pallas' Triton backend (it warns
+at every lowering of a Triton kernel; jmp_lab filters that one message once
+it builds one: :func:`quiet_triton_deprecation`). If a jax cannot import
+``jax.experimental.pallas.triton``, ``"auto"`` falls back by itself: the
+flat layout to the Mosaic GPU kernel (Hopper), the tree layout (whose
+multi-tensor kernel is Triton only) to XLA's own fusion, the reference. An
+explicit ``backend="triton"`` is refused with a ``ValueError`` naming the
+module. ``tests/test_kernels.py`` hides the module and checks all three.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
 from typing import Optional
 
 import jax
@@ -41,7 +52,9 @@ logger = logging.getLogger("jmp_lab")
 BACKENDS = ("auto", "mosaic", "triton", "interpret", "reference")
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+  """Whether ``module`` imports here (the Pallas GPU modules come and go
+  with jax versions: Triton's is deprecated in 0.11)."""
   try:
     __import__(module)
     return True
@@ -55,7 +68,7 @@ _GPU_MODULES = {"triton": "jax.experimental.pallas.triton",
 
 def available_backends() -> tuple[str, ...]:
   """The backends this installation can build a step with."""
-  found = [b for b in ("triton", "mosaic") if _importable(_GPU_MODULES[b])]
+  found = [b for b in ("triton", "mosaic") if importable(_GPU_MODULES[b])]
   return tuple(found) + ("interpret", "reference")
 
 
@@ -75,6 +88,25 @@ def resolve_backend(backend: str) -> str:
         f"jax {jax.__version__} cannot import; available: "
         f"{', '.join(available_backends())}")
   return backend
+
+
+# The exact text jax 0.11 warns with when it lowers a Triton kernel.
+TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be "
+                      r"removed in a future JAX version\.")
+
+
+@functools.cache
+def quiet_triton_deprecation() -> None:
+  """Ignores jax 0.11's Triton deprecation warning, once jmp_lab builds a
+  Triton kernel: only that message, only as a DeprecationWarning.
+
+  jax warns when the kernel is lowered, which is when the jit around the
+  whole step compiles, after jmp_lab's call has returned: a filter scoped to
+  the call cannot see it, so this one lasts for the process, and a process
+  that never builds a Triton kernel never installs it.
+  """
+  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
+                          category=DeprecationWarning)
 
 
 def _local_gpu_capability() -> Optional[float]:
@@ -184,6 +216,8 @@ def _tree_cuda_backend() -> str:
 
 
 def _tree_stats(backend: str, grads, scale):
+  if backend == "triton":
+    quiet_triton_deprecation()
   if backend == "reference":
     return reference.tree_grad_stats(grads, scale)
   if backend in ("interpret", "triton"):
@@ -194,6 +228,8 @@ def _tree_stats(backend: str, grads, scale):
 
 def _tree_run(backend: str, config: AdamWConfig, decays, g, p, mu, nu, hyper,
               flags, remainders, *, write_extra: bool) -> Outputs:
+  if backend == "triton":
+    quiet_triton_deprecation()
   if backend == "reference":
     return reference.tree_update(config, decays, g, p, mu, nu, hyper, flags,
                                  write_extra=write_extra,
@@ -208,6 +244,8 @@ def _tree_run(backend: str, config: AdamWConfig, decays, g, p, mu, nu, hyper,
 
 def _run(backend: str, config: AdamWConfig, g, p, mu, nu, hyper, flags
          ) -> Outputs:
+  if backend == "triton":
+    quiet_triton_deprecation()
   if backend == "reference":
     return reference.fused_update(config, g, p, mu, nu, hyper, flags)
   if backend in ("interpret", "triton"):
@@ -219,6 +257,7 @@ def _run(backend: str, config: AdamWConfig, g, p, mu, nu, hyper, flags
   raise ValueError(f"unresolved fused backend {backend!r}")
 
 
-__all__ = ["AdamWConfig", "BACKENDS", "Outputs", "available_backends",
-           "cuda_backend", "fused_update", "resolve_backend",
+__all__ = ["AdamWConfig", "BACKENDS", "Outputs", "TRITON_DEPRECATION",
+           "available_backends", "cuda_backend", "fused_update", "importable",
+           "quiet_triton_deprecation", "resolve_backend",
            "tree_backend", "tree_grad_stats", "tree_update"]

@@ -14,6 +14,8 @@ copies the old values through, so the outputs still equal the inputs.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -23,6 +25,26 @@ from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels.reference import (CLIP, INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
                                        LR, SCALE, AdamWConfig, Outputs,
                                        adamw_elementwise)
+
+
+# The lowering the kernel was written and tested for. jax 0.11 changed
+# plgpu.kernel's default to the Warpgroup semantics; "Lane" exists in both.
+COMPILER_PARAMS = plgpu.CompilerParams(
+    lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+# jax 0.10 requires plgpu.load's index (``()`` for a whole ref); jax 0.11
+# deprecates it (the "jax-pallas-mgpu-load-idx" warning).
+_LOAD_NEEDS_INDEX = (
+    inspect.signature(plgpu.load).parameters.get("idx") is not None
+    and inspect.signature(plgpu.load).parameters["idx"].default
+    is inspect.Parameter.empty)
+
+
+def load(ref, layout):
+  """A whole ref into registers in ``layout``, on jax 0.10 and 0.11."""
+  if _LOAD_NEEDS_INDEX:
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+  return plgpu.load(ref, layout=layout, optimized=False)
 
 
 def sqrt_via_rsqrt(x):
@@ -60,12 +82,9 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
     lr, inv_bias1, inv_bias2, scale, clip = (
         hyper_ref[i] for i in (LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP))
 
-    def load(ref):
-      return plgpu.load(ref, (), layout=regs, optimized=False)
-
     def step(indices, g_s, p_s, mu_s, nu_s, p_o, mu_o, nu_o, extra_o):
       (i,) = indices
-      p_val, mu_val, nu_val = load(p_s), load(mu_s), load(nu_s)
+      p_val, mu_val, nu_val = (load(ref, regs) for ref in (p_s, mu_s, nu_s))
 
       @pl.when(finite)
       def _update():
@@ -74,7 +93,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
                                         layout=regs) + row0) * lanes + \
             plgpu.broadcasted_iota(jnp.int32, (block_rows, lanes), 1,
                                    layout=regs)
-        out = adamw_elementwise(config, load(g_s), p_val, mu_val, nu_val,
+        out = adamw_elementwise(config, load(g_s, regs), p_val, mu_val, nu_val,
                                 index < boundary, lr, inv_bias1, inv_bias2, scale,
                                 clip,
                                 sqrt=sqrt_via_rsqrt)
@@ -101,5 +120,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
   out_type = (jax.ShapeDtypeStruct(p.shape, jnp.float32),) * 3 + (
       jax.ShapeDtypeStruct(p.shape, extra_dtype),)
   outs = plgpu.kernel(body, out_type=out_type, grid=(programs,),
-                      grid_names=("program",))(hyper, flags, g, p, mu, nu)
+                      grid_names=("program",),
+                      compiler_params=COMPILER_PARAMS)(hyper, flags, g, p,
+                                                       mu, nu)
   return Outputs(*outs)
