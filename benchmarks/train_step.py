@@ -208,6 +208,8 @@ FP8_CONFIGS = [
 # vocabulary blocks; no stored (heads, T, T) scores or (tokens, vocab) logits.
 LEAN_STEP_CONFIGS = [
     Config("bf16-lean", "mixed_bfloat16", "none", lean=True),
+    # and with fp8 matmuls (issue 27): the GEMM-bound configuration's pair.
+    Config("bf16-fp8-lean", "mixed_fp8", "none", lean=True),
 ]
 ALL_CONFIGS = (CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS + REDUCE_CONFIGS
                + FP8_CONFIGS + LEAN_STEP_CONFIGS)

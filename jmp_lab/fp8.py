@@ -18,24 +18,33 @@ Blackwell) rather than Hopper's per-tensor ones.
 ``*_scale`` here is its reciprocal, ``amax / fp8_max`` (what a value is
 multiplied by after quantization), as in Flax's ``fp8_ops``:
 
-* ``"fp8"`` -- delayed scaling (TE's default): each tensor is scaled by
-  ``max(amax_history) / fp8_max`` computed from *earlier* steps, and the
-  step then appends its own amax (history length 1,024 by default). The
-  state is a :data:`Fp8Meta` dict per matmul: three scales and three
-  histories.
+* ``"fp8"`` -- delayed scaling (TE's default): each tensor is quantized
+  with the scale stored in its state, which the previous step computed as
+  ``max(amax_history) / fp8_max`` (history length 1,024 by default); the
+  step observes the tensor's own amax, and the train step then appends it
+  to the history and computes the next scale, for all the model's tensors
+  at once (:func:`next_meta`). The state is a :data:`Fp8Meta` dict per
+  matmul: three scales and three histories.
 * ``"fp8_current"`` -- current scaling: each tensor is scaled by its own
   amax, computed just before quantizing (one more read of it); no state.
 
-**The state is overwrite-with-gradient.** The delayed-scaling state's
-"gradient" (what ``jax.grad`` returns for it) *is* its new value, so it never
-reaches the optimizer: linen keeps it in the ``_overwrite_with_gradient``
-collection (:data:`COLLECTION`, Flax's name) of ``TrainState.model_state``,
-NNX in :class:`Fp8Meta` variables, and both train steps differentiate it
-and overwrite it. On a skipped (non-finite) step it keeps its old value,
-like every other state: an inf recorded in an amax history would pin that
-tensor's scale for the next 1,024 steps. Since quantizing saturates (an inf
-activation becomes the format's maximum, and the gradients can stay
-finite), a step whose new amax is not finite is skipped too
+**The state's gradient is an observation.** What ``jax.grad`` returns for
+a matmul's state holds, in each ``*_scale`` slot, the amax this step saw of
+that tensor (zeros in the history slots), so it never reaches the optimizer:
+linen keeps the state in the ``_overwrite_with_gradient`` collection
+(:data:`COLLECTION`, Flax's name) of ``TrainState.model_state``, NNX in
+:class:`Fp8Meta` variables, and both train steps differentiate it and
+replace it with :func:`next_meta` of it. Doing the history and scale
+arithmetic there, for every tensor of the model together, rather than inside
+each matmul's forward and backward (as Flax's ``fp8_ops`` do), lets XLA
+compile it into a few kernels (Transformer Engine updates its scaling state
+in one multi-tensor kernel for the same reason), and leaves each matmul one
+amax reduction per operand, which XLA can fuse into the kernel that
+produces or quantizes it. On a skipped (non-finite) step the state keeps its
+old value, like every other state: an inf recorded in an amax history would
+pin that tensor's scale for the next 1,024 steps. Since quantizing saturates
+(an inf activation becomes the format's maximum, and the gradients can stay
+finite), a step whose observed amax is not finite is skipped too
 (:func:`skip_unless_finite`).
 
 Example::
@@ -48,16 +57,18 @@ Example::
   ...     lambda m: fp8.dot_general(x, w, (((1,), (0,)), ((), ())), meta=m).sum(), meta)
   >>> float(new_meta["input_amax_history"][0])   # this step's amax of x
   3.0
-  >>> float(new_meta["input_scale"][0]) == 1.0   # scaled from the (empty) history
-  True
+  >>> round(float(new_meta["input_scale"][0]) * 448, 6)  # next step's: 3 / fp8_max
+  3.0
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import fp8_ops
 
 from jmp_lab.loss_scale import all_finite
@@ -69,6 +80,7 @@ COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 
 Fp8Meta = dict  # {input,kernel,output_grad}_{scale,amax_history}: f32 arrays
 _TENSORS = ("input", "kernel", "output_grad")
+_FIELDS = frozenset(f"{t}_{k}" for t in _TENSORS for k in ("scale", "amax_history"))
 
 
 def init_meta(history_length: int = AMAX_HISTORY_LENGTH) -> Fp8Meta:
@@ -84,7 +96,7 @@ def init_meta(history_length: int = AMAX_HISTORY_LENGTH) -> Fp8Meta:
 
 
 def _check_meta(meta: Any) -> None:
-  expected = {f"{t}_{k}" for t in _TENSORS for k in ("scale", "amax_history")}
+  expected = set(_FIELDS)
   if not isinstance(meta, dict) or set(meta) != expected:
     raise TypeError(
         f"fp8 meta must be the dict jmp_lab.fp8.init_meta() returns, with "
@@ -94,11 +106,140 @@ def _check_meta(meta: Any) -> None:
 
 def delayed_scale(amax_history: jax.Array, scale: jax.Array,
                   fp8_dtype) -> jax.Array:
-  """The stored scale (``amax / fp8_max``) a delayed-scaled tensor uses:
-  from the largest amax of the history, the old scale while that is zero or
-  not finite (Flax's ``fp8_ops.compute_scale``)."""
+  """The stored scale (``amax / fp8_max``) for the next step: from the
+  largest amax of the history (its last axis), the old scale while that is
+  zero or not finite (Flax's ``fp8_ops.compute_scale``)."""
   fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
-  return fp8_ops.compute_scale(jnp.max(amax_history, axis=0), scale, fp8_max)
+  return fp8_ops.compute_scale(
+      jnp.max(amax_history, axis=-1, keepdims=True), scale, fp8_max)
+
+
+def _fp8_max(tensor: str) -> float:
+  return float(jnp.finfo(E5M2 if tensor == "output_grad" else E4M3).max)
+
+
+def _observed_amax(x: jax.Array) -> jax.Array:
+  return jnp.max(jnp.abs(x)).astype(jnp.float32).reshape((1,))
+
+
+# --- delayed scaling: quantize with the stored scale, observe the amax -------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _delayed_in_qdq(q_dtype, x, scale, amax_history):
+  del amax_history
+  return fp8_ops.qdq(x, q_dtype, scale, x.dtype)
+
+
+def _delayed_in_qdq_fwd(q_dtype, x, scale, amax_history):
+  return (_delayed_in_qdq(q_dtype, x, scale, amax_history),
+          (_observed_amax(x), amax_history))
+
+
+def _delayed_in_qdq_bwd(q_dtype, residuals, g):
+  del q_dtype
+  amax, amax_history = residuals
+  # Straight through for x (its gradient is quantized at the output); the
+  # state's "gradient" is the observation next_meta reads.
+  return g, amax, jnp.zeros_like(amax_history)
+
+
+_delayed_in_qdq.defvjp(_delayed_in_qdq_fwd, _delayed_in_qdq_bwd)
+
+
+@jax.custom_vjp
+def _delayed_out_qdq(y, scale, amax_history):
+  del scale, amax_history
+  return y
+
+
+def _delayed_out_qdq_fwd(y, scale, amax_history):
+  return y, (scale, amax_history)
+
+
+def _delayed_out_qdq_bwd(residuals, g):
+  scale, amax_history = residuals
+  return (fp8_ops.qdq(g, E5M2, scale, g.dtype), _observed_amax(g),
+          jnp.zeros_like(amax_history))
+
+
+_delayed_out_qdq.defvjp(_delayed_out_qdq_fwd, _delayed_out_qdq_bwd)
+
+
+def _field(path) -> tuple[Optional[str], tuple]:
+  """The meta field a leaf's path ends in (its last key that names one),
+  and the path before it (which matmul's state it is)."""
+  for i in range(len(path) - 1, -1, -1):
+    key = getattr(path[i], "key", getattr(path[i], "name", None))
+    if isinstance(key, str) and key in _FIELDS:
+      return key, tuple(path[:i])
+  return None, ()
+
+
+def next_meta(meta: Any, observed: Any) -> Any:
+  """The delayed-scaling state after a step, for every matmul in ``meta``.
+
+  ``meta`` is any tree of :data:`Fp8Meta` dicts (a model's
+  ``_overwrite_with_gradient`` collection, an NNX state of
+  :class:`jmp_lab.nnx.Fp8Meta`), ``observed`` its gradient from the step
+  (the same structure; each ``*_scale`` slot holds the amax the step saw).
+  Each tensor's amax enters the front of its history, the oldest leaves,
+  and its next scale is ``max(history) / fp8_max`` (the old scale while
+  that is zero or not finite; Flax's ``fp8_ops.compute_scale``). The
+  arithmetic of all the tensors is independent and written together, so
+  that XLA can compile it horizontally into a few kernels. Histories
+  stacked by ``nn.scan`` (a leading layer axis) work too.
+
+  >>> import jax.numpy as jnp
+  >>> meta = {"Dense_0": init_meta(history_length=3)}
+  >>> observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
+  >>> observed["Dense_0"]["input_scale"] = jnp.array([8.96])
+  >>> new = next_meta(meta, observed)
+  >>> new["Dense_0"]["input_amax_history"].tolist()
+  [8.960000038146973, 0.0, 0.0]
+  >>> round(float(new["Dense_0"]["input_scale"][0]), 6)   # 8.96 / 448
+  0.02
+  >>> new["Dense_0"]["kernel_scale"].tolist()   # nothing seen: scale kept
+  [1.0]
+  """
+  leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(meta)
+  seen = treedef.flatten_up_to(observed)
+  groups: dict[tuple, dict[str, int]] = {}
+  for index, (path, _) in enumerate(leaves_with_paths):
+    field, owner = _field(path)
+    if field is None:
+      raise TypeError(
+          f"next_meta's meta must hold jmp_lab.fp8.init_meta() dicts; the "
+          f"leaf at {jax.tree_util.keystr(path)} is not one of their fields "
+          f"{sorted(_FIELDS)}")
+    groups.setdefault(owner, {})[field] = index
+  new = [leaf for _, leaf in leaves_with_paths]
+  # Every tensor's history as one row of a matrix (per history length), so
+  # that the update is one computation over all of them, not a few small
+  # kernels per tensor.
+  by_length: dict[int, list[tuple[str, int, int]]] = {}
+  for fields in groups.values():
+    for tensor in _TENSORS:
+      scale_at = fields[f"{tensor}_scale"]
+      history_at = fields[f"{tensor}_amax_history"]
+      by_length.setdefault(new[history_at].shape[-1], []).append(
+          (tensor, scale_at, history_at))
+  for length, rows in by_length.items():
+    histories = [new[h].reshape(-1, length) for _, _, h in rows]
+    counts = [h.shape[0] for h in histories]
+    history = jnp.concatenate(histories)
+    scale = jnp.concatenate([new[s].reshape(-1) for _, s, _ in rows])
+    amax = jnp.concatenate([jnp.asarray(seen[s], jnp.float32).reshape(-1)
+                            for _, s, _ in rows])
+    fp8_max = jnp.concatenate([jnp.full((n,), _fp8_max(t), jnp.float32)
+                               for n, (t, _, _) in zip(counts, rows)])
+    history = jnp.concatenate([amax[:, None], history[:, :-1]], axis=1)
+    scale = fp8_ops.compute_scale(jnp.max(history, axis=1), scale, fp8_max)
+    offsets = np.cumsum([0] + counts)
+    for (_, s, h), start, stop in zip(rows, offsets[:-1], offsets[1:]):
+      new[h] = history[start:stop].reshape(new[h].shape)
+      new[s] = scale[start:stop].reshape(new[s].shape)
+  return treedef.unflatten(new)
 
 
 # --- current scaling: the scale of each tensor from its own amax ------------
@@ -159,10 +300,10 @@ def quantize_operands(lhs: jax.Array, rhs: jax.Array,
   if meta is None:
     return _current_in_qdq(lhs), _current_in_qdq(rhs)
   _check_meta(meta)
-  return (fp8_ops.in_qdq(compute, E4M3, lhs, meta["input_scale"],
-                         meta["input_amax_history"]),
-          fp8_ops.in_qdq(compute, E4M3, rhs, meta["kernel_scale"],
-                         meta["kernel_amax_history"]))
+  return (_delayed_in_qdq(E4M3, lhs, meta["input_scale"],
+                          meta["input_amax_history"]),
+          _delayed_in_qdq(E4M3, rhs, meta["kernel_scale"],
+                          meta["kernel_amax_history"]))
 
 
 def quantize_output_gradient(y: jax.Array, meta: Optional[Fp8Meta] = None
@@ -171,8 +312,8 @@ def quantize_output_gradient(y: jax.Array, meta: Optional[Fp8Meta] = None
   ``meta``, current scaling without)."""
   if meta is None:
     return _current_out_qdq(y)
-  return fp8_ops.out_qdq(y.dtype, E5M2, y, meta["output_grad_scale"],
-                         meta["output_grad_amax_history"])
+  return _delayed_out_qdq(y, meta["output_grad_scale"],
+                          meta["output_grad_amax_history"])
 
 
 def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
@@ -267,14 +408,16 @@ def delayed_einsum(meta: Fp8Meta) -> Callable[..., jax.Array]:
 
 def value_and_new_meta(fun: Callable[[Fp8Meta], jax.Array], meta: Fp8Meta
                        ) -> tuple[jax.Array, Fp8Meta]:
-  """``(fun(meta), the meta after one step)``: the overwrite-with-gradient
-  rule, for a function with one delayed-scaled matmul (a step's meta is the
-  gradient with respect to it)."""
-  return jax.value_and_grad(fun)(meta)
+  """``(fun(meta), the meta after one step)``: what a train step does with
+  the state of a function's delayed-scaled matmuls (the gradient with
+  respect to it is the step's observation, :func:`next_meta` the rest)."""
+  value, observed = jax.value_and_grad(fun)(meta)
+  return value, next_meta(meta, observed)
 
 
-def skip_unless_finite(grads: Any, new_meta: Any) -> Any:
-  """``grads``, with a NaN in one leaf when a new scale or amax is not finite.
+def skip_unless_finite(grads: Any, observed: Any) -> Any:
+  """``grads``, with a NaN in one leaf when an observed amax (the fp8
+  state's gradient, or the new state) is not finite.
 
   fp8 quantization saturates: an inf activation is clipped to the format's
   maximum, so the gradients of a step that overflowed can be finite. Its
@@ -291,12 +434,12 @@ def skip_unless_finite(grads: Any, new_meta: Any) -> Any:
   if not floating:
     return grads
   smallest = min(floating, key=lambda i: jnp.size(leaves[i]))
-  poison = jnp.where(all_finite(new_meta), 0.0, jnp.nan)
+  poison = jnp.where(all_finite(observed), 0.0, jnp.nan)
   leaves[smallest] = leaves[smallest] + poison.astype(leaves[smallest].dtype)
   return treedef.unflatten(leaves)
 
 
 __all__ = ["AMAX_HISTORY_LENGTH", "COLLECTION", "E4M3", "E5M2", "Fp8Meta",
            "current_dot_general", "delayed_dot_general", "delayed_scale",
-           "dot_general", "init_meta", "skip_unless_finite",
+           "dot_general", "init_meta", "next_meta", "skip_unless_finite",
            "value_and_new_meta"]

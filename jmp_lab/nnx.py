@@ -856,8 +856,9 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   def forward(model):
     return _split_loss_output(loss_fn(model, batch))
 
-  # The fp8 scaling state is differentiated too: its gradient is its new
-  # value (overwrite-with-gradient); it never reaches the optimizer.
+  # The fp8 scaling state is differentiated too: its gradient is what the
+  # step observed (each tensor's amax), from which fp8.next_meta computes
+  # the new state; it never reaches the optimizer.
   with recording() as matmuls:
     (loss, metrics), grads = scaled_value_and_grad(
         forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
@@ -867,20 +868,23 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
     warn_unless_half(policy, matmuls, lambda: _loss_jaxpr(loss_fn, model,
                                                           batch),
                      "jmp_lab.nnx.train_step")
-  scaled_grads, new_fp8_meta = nnx.split_state(grads, optimizer.wrt, ...)
-  if new_fp8_meta:
-    scaled_grads = fp8.skip_unless_finite(scaled_grads, new_fp8_meta)
+  scaled_grads, fp8_observed = nnx.split_state(grads, optimizer.wrt, ...)
+  if fp8_observed:
+    scaled_grads = fp8.skip_unless_finite(scaled_grads, fp8_observed)
   optimizer.update(model, scaled_grads)
   applied = optimizer.last_step_applied
   after = nnx.as_pure(nnx.state(model, others))
   nnx.update(model, select_tree(applied, after, before))
-  if new_fp8_meta:  # kept on a skipped step, like everything else
+  if fp8_observed:  # kept on a skipped step, like everything else
     # Leaf by leaf: the gradient state nests each Fp8Meta's dict value
     # differently from nnx.state, in the same (sorted) order.
-    new_leaves, treedef = jax.tree_util.tree_flatten(new_fp8_meta)
-    old_leaves = jax.tree_util.tree_leaves(nnx.state(model, Fp8Meta))
-    nnx.update(model, treedef.unflatten(
-        select_tree(applied, new_leaves, old_leaves)))
+    treedef = jax.tree_util.tree_structure(fp8_observed)
+    old = treedef.unflatten(jax.tree_util.tree_leaves(
+        nnx.state(model, Fp8Meta)))
+    new = fp8.next_meta(old, fp8_observed)
+    nnx.update(model, treedef.unflatten(select_tree(
+        applied, jax.tree_util.tree_leaves(new),
+        jax.tree_util.tree_leaves(old))))
   metrics.update(loss=loss, loss_scale=loss_scale.loss_scale,
                  grads_finite=applied, skipped_steps=optimizer.skipped_steps)
   return metrics

@@ -332,13 +332,14 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
     ``grads_finite``, ``skipped_steps`` and the loss_fn's own metrics.
 
   Under an fp8 policy (:mod:`jmp_lab.fp8`) ``state.model_state`` holds the
-  ``_overwrite_with_gradient`` collection: the step replaces it with its
-  gradient (the updated scales and amax histories), and keeps it on a
-  skipped step.
+  ``_overwrite_with_gradient`` collection: the step replaces it with
+  :func:`jmp_lab.fp8.next_meta` of its gradient (the amaxes it observed:
+  updated histories and next scales), and keeps it on a skipped step.
   """
   # 1-3. Forward in the compute dtype, backward through the scaled loss.
   # The fp8 scaling state (jmp_lab.fp8) is differentiated too: its gradient
-  # is its new value (overwrite-with-gradient); it never reaches tx.
+  # is what the step observed (each tensor's amax), from which next_meta
+  # computes the new state; it never reaches tx.
   loss_scale = state.loss_scale
   fp8_meta = _fp8_meta(state.model_state)
 
@@ -351,7 +352,7 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
     return _split_loss_output(loss_fn(params, state, batch), state)
 
   with recording() as matmuls:
-    (loss, (model_state, metrics)), (scaled_grads, new_fp8_meta) = (
+    (loss, (model_state, metrics)), (scaled_grads, fp8_observed) = (
         scaled_value_and_grad(normalized, loss_scale, has_aux=True,
                               argnums=(0, 1))(state.params, fp8_meta, state,
                                               batch))
@@ -362,8 +363,8 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
       state.params, fp8_meta, state, batch), "jmp_lab.train_step")
   if fp8_meta is not None:
     model_state = {**state.model_state, **model_state,
-                   fp8.COLLECTION: new_fp8_meta}
-    scaled_grads = fp8.skip_unless_finite(scaled_grads, new_fp8_meta)
+                   fp8.COLLECTION: fp8.next_meta(fp8_meta, fp8_observed)}
+    scaled_grads = fp8.skip_unless_finite(scaled_grads, fp8_observed)
 
   # 4-5. Unscale, check, update the fp32 master or skip; adjust the scale.
   # On a skipped step the model state, fp8 scaling state included, is kept.

@@ -37,9 +37,16 @@ def test_fp8_maxima_are_the_formats():
 def test_delayed_scaling_against_a_hand_computation():
   """One step of delayed scaling, every number worked out by hand."""
   meta = fp8.init_meta(history_length=4)
-  meta["input_amax_history"] = jnp.array([2.0, 0.0, 7.0, 0.0])
-  meta["kernel_amax_history"] = jnp.array([0.5, 0.0, 0.0, 0.0])
-  meta["output_grad_amax_history"] = jnp.array([3.0, 0.0, 0.0, 0.0])
+  meta["input_amax_history"] = jnp.array([2.0, 0.0, 5.0, 0.0])
+  meta["kernel_amax_history"] = jnp.array([0.25, 0.0, 0.0, 0.0])
+  meta["output_grad_amax_history"] = jnp.array([1.0, 0.0, 0.0, 0.0])
+  # The scales the step quantizes with are the stored ones (the previous
+  # step computed them), as amax / fp8_max (Transformer Engine's scale is
+  # fp8_max / amax); they differ from the histories' here on purpose.
+  sx, sw, sg = 7.0 / E4M3_MAX, 0.5 / E4M3_MAX, 3.0 / E5M2_MAX
+  meta["input_scale"] = jnp.array([sx])
+  meta["kernel_scale"] = jnp.array([sw])
+  meta["output_grad_scale"] = jnp.array([sg])
   x = jnp.array([[1.0, -3.5], [0.25, 6.0]], jnp.bfloat16)   # amax 6
   w = jnp.array([[0.125, 0.5], [-0.25, 0.0625]], jnp.bfloat16)  # amax 0.5
   g = jnp.array([[2.0, -1.0], [0.5, 4.0]], jnp.bfloat16)    # amax 4
@@ -49,20 +56,28 @@ def test_delayed_scaling_against_a_hand_computation():
                    * g.astype(jnp.float32))
 
   y = fp8.dot_general(x, w, DIMS, meta=meta)
-  dx, dw, new = jax.grad(f, argnums=(0, 1, 2))(x, w, meta)
+  dx, dw, observed = jax.grad(f, argnums=(0, 1, 2))(x, w, meta)
 
-  # Delayed: each scale comes from the history *before* this step, as
-  # amax / fp8_max (Transformer Engine's scale is fp8_max / amax).
-  sx, sw, sg = 7.0 / E4M3_MAX, 0.5 / E4M3_MAX, 3.0 / E5M2_MAX
-  np.testing.assert_allclose(new["input_scale"], [sx], rtol=1e-6)
-  np.testing.assert_allclose(new["kernel_scale"], [sw], rtol=1e-6)
-  np.testing.assert_allclose(new["output_grad_scale"], [sg], rtol=1e-6)
-  # The history rolls one place (front to back) and this step's amax takes
-  # the front: [2, 0, 7, 0] -> [0, 7, 0, 2] -> [6, 7, 0, 2] (Flax's order).
-  np.testing.assert_array_equal(new["input_amax_history"], [6.0, 7.0, 0.0, 2.0])
-  np.testing.assert_array_equal(new["kernel_amax_history"], [0.5, 0.0, 0.0, 0.5])
+  # The state's gradient is the step's observation: each tensor's amax in
+  # its scale slot, nothing in the histories.
+  chex.assert_trees_all_equal(observed, {
+      "input_scale": jnp.array([6.0]), "kernel_scale": jnp.array([0.5]),
+      "output_grad_scale": jnp.array([4.0]),
+      **{f"{t}_amax_history": jnp.zeros(4) for t in ("input", "kernel",
+                                                     "output_grad")}})
+  # next_meta: the amax enters the front of the history, the oldest leaves;
+  # the next scale is the history's max over fp8_max.
+  new = fp8.next_meta(meta, observed)
+  np.testing.assert_array_equal(new["input_amax_history"], [6.0, 2.0, 0.0, 5.0])
+  np.testing.assert_array_equal(new["kernel_amax_history"], [0.5, 0.25, 0.0, 0.0])
   np.testing.assert_array_equal(new["output_grad_amax_history"],
-                                [4.0, 0.0, 0.0, 3.0])
+                                [4.0, 1.0, 0.0, 0.0])
+  np.testing.assert_allclose(new["input_scale"], [6.0 / E4M3_MAX], rtol=1e-6)
+  np.testing.assert_allclose(new["kernel_scale"], [0.5 / E4M3_MAX], rtol=1e-6)
+  np.testing.assert_allclose(new["output_grad_scale"], [4.0 / E5M2_MAX],
+                             rtol=1e-6)
+  chex.assert_trees_all_equal(fp8.value_and_new_meta(
+      functools.partial(f, x, w), meta)[1], new)
 
   def qdq(a, scale, dtype, amax):
     # quantize: divide by the scale, clip to the format, round to it.
