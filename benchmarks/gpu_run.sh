@@ -14,7 +14,8 @@
 #   train_step    benchmarks/train_step.py on GPT-2-small, with the torch AMP
 #                 peer (eager and torch.compile) and a plot: issue 7's targets;
 #   fp8           GPT-2-small's step with fp8 matmuls (delayed and current
-#                 scaling) against bf16: issue 16's item 5;
+#                 scaling) against bf16, and the 1.3B-class GPT's lean step
+#                 with fp8 against bf16: issue 16's item 5 and issue 27;
 #   lean          GPT-2-small's lean step (cuDNN's fused attention and the
 #                 blockwise loss) against bf16, and the largest batch of each:
 #                 issue 25's step time.
@@ -86,6 +87,9 @@ for part in "${parts[@]}"; do
     train_step) run train_step 420 python3 benchmarks/train_step.py --no-torch --plot "$out/train_step.png"
                 run train_step_torch 150 python3 benchmarks/train_step.py --torch-only ;;
     fp8) run fp8 570 python3 benchmarks/train_step.py --configs bf16,bf16-fp8,bf16-fp8-current \
+           --no-torch --no-batch-search
+         run fp8_1.3b 570 python3 benchmarks/train_step.py --configs bf16-lean,bf16-fp8-lean \
+           --layers 24 --width 2048 --heads 16 --seq-len 2048 --batch 4 --steps 10 \
            --no-torch --no-batch-search ;;
     lean) run lean 570 python3 benchmarks/train_step.py --configs bf16,bf16-lean \
            --no-torch --batch-search-configs bf16,bf16-lean ;;

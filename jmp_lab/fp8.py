@@ -21,8 +21,8 @@ multiplied by after quantization), as in Flax's ``fp8_ops``:
 * ``"fp8"`` -- delayed scaling (TE's default): each tensor is quantized
   with the scale stored in its state, which the previous step computed as
   ``max(amax_history) / fp8_max`` (history length 1,024 by default); the
-  step observes the tensor's own amax, and the train step then appends it
-  to the history and computes the next scale, for all the model's tensors
+  step observes the tensor's own amax, and the train step then writes it
+  into the history (a ring buffer) and computes the next scale, for all the model's tensors
   at once (:func:`next_meta`). The state is a :data:`Fp8Meta` dict per
   matmul: three scales and three histories.
 * ``"fp8_current"`` -- current scaling: each tensor is scaled by its own
@@ -54,10 +54,11 @@ Example::
   >>> meta = fp8.init_meta(history_length=4)
   >>> x, w = jnp.full((16, 32), 3.0, jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
   >>> y, new_meta = fp8.value_and_new_meta(
-  ...     lambda m: fp8.dot_general(x, w, (((1,), (0,)), ((), ())), meta=m).sum(), meta)
+  ...     lambda m: fp8.dot_general(x, w, (((1,), (0,)), ((), ())), meta=m).sum(),
+  ...     meta, step=0)
   >>> float(new_meta["input_amax_history"][0])   # this step's amax of x
   3.0
-  >>> round(float(new_meta["input_scale"][0]) * 448, 6)  # next step's: 3 / fp8_max
+  >>> round(float(new_meta["input_scale"]) * 448, 6)  # next step's: 3 / fp8_max
   3.0
 """
 
@@ -90,7 +91,11 @@ def init_meta(history_length: int = AMAX_HISTORY_LENGTH) -> Fp8Meta:
                      f"{history_length!r}")
   meta = {}
   for tensor in _TENSORS:
-    meta[f"{tensor}_scale"] = jnp.ones((1,), jnp.float32)
+    # A scalar, not Flax's shape (1,): the fp8 GEMM reads its scales as f32
+    # scalars, and XLA folds the scale's round trip through the compute
+    # dtype away only when no reshape sits in it (else each scale of each
+    # GEMM costs a one-element kernel).
+    meta[f"{tensor}_scale"] = jnp.ones((), jnp.float32)
     meta[f"{tensor}_amax_history"] = jnp.zeros((history_length,), jnp.float32)
   return meta
 
@@ -111,15 +116,26 @@ def delayed_scale(amax_history: jax.Array, scale: jax.Array,
   zero or not finite (Flax's ``fp8_ops.compute_scale``)."""
   fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
   return fp8_ops.compute_scale(
-      jnp.max(amax_history, axis=-1, keepdims=True), scale, fp8_max)
+      jnp.max(amax_history, axis=-1).reshape(jnp.shape(scale)), scale,
+      fp8_max)
 
 
 def _fp8_max(tensor: str) -> float:
   return float(jnp.finfo(E5M2 if tensor == "output_grad" else E4M3).max)
 
 
-def _observed_amax(x: jax.Array) -> jax.Array:
-  return jnp.max(jnp.abs(x)).astype(jnp.float32).reshape((1,))
+def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+  """What one step observes of ``x``, as the cotangents of its scale and
+  history: ``x``'s amax in the scale slot, nothing in the history's.
+
+  (Splitting the amax into partial maxima, one per history entry, for
+  :func:`next_meta` to finish for all tensors together would save XLA's
+  second reduction kernel per tensor, but compiled for the H100 the row
+  reductions cost more kernels than they saved, and one spilled registers.)
+  """
+  return (jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(jnp.shape(scale)),
+          jnp.zeros_like(amax_history))
 
 
 # --- delayed scaling: quantize with the stored scale, observe the amax -------
@@ -133,15 +149,14 @@ def _delayed_in_qdq(q_dtype, x, scale, amax_history):
 
 def _delayed_in_qdq_fwd(q_dtype, x, scale, amax_history):
   return (_delayed_in_qdq(q_dtype, x, scale, amax_history),
-          (_observed_amax(x), amax_history))
+          _observation(x, scale, amax_history))
 
 
 def _delayed_in_qdq_bwd(q_dtype, residuals, g):
   del q_dtype
-  amax, amax_history = residuals
   # Straight through for x (its gradient is quantized at the output); the
   # state's "gradient" is the observation next_meta reads.
-  return g, amax, jnp.zeros_like(amax_history)
+  return (g, *residuals)
 
 
 _delayed_in_qdq.defvjp(_delayed_in_qdq_fwd, _delayed_in_qdq_bwd)
@@ -159,8 +174,8 @@ def _delayed_out_qdq_fwd(y, scale, amax_history):
 
 def _delayed_out_qdq_bwd(residuals, g):
   scale, amax_history = residuals
-  return (fp8_ops.qdq(g, E5M2, scale, g.dtype), _observed_amax(g),
-          jnp.zeros_like(amax_history))
+  return (fp8_ops.qdq(g, E5M2, scale, g.dtype),
+          *_observation(g, scale, amax_history))
 
 
 _delayed_out_qdq.defvjp(_delayed_out_qdq_fwd, _delayed_out_qdq_bwd)
@@ -176,34 +191,104 @@ def _field(path) -> tuple[Optional[str], tuple]:
   return None, ()
 
 
-def next_meta(meta: Any, observed: Any) -> Any:
+def next_meta(meta: Any, observed: Any, step: Any) -> Any:
   """The delayed-scaling state after a step, for every matmul in ``meta``.
 
   ``meta`` is any tree of :data:`Fp8Meta` dicts (a model's
   ``_overwrite_with_gradient`` collection, an NNX state of
   :class:`jmp_lab.nnx.Fp8Meta`), ``observed`` its gradient from the step
-  (the same structure; each ``*_scale`` slot holds the amax the step saw).
-  Each tensor's amax enters the front of its history, the oldest leaves,
-  and its next scale is ``max(history) / fp8_max`` (the old scale while
-  that is zero or not finite; Flax's ``fp8_ops.compute_scale``). The
-  arithmetic of all the tensors is independent and written together, so
-  that XLA can compile it horizontally into a few kernels. Histories
-  stacked by ``nn.scan`` (a leading layer axis) work too.
+  (the same structure; each ``*_scale`` slot holds the amax the step saw),
+  and ``step`` the number of steps applied so far (an int or integer
+  scalar array: ``TrainState.step``, ``Optimizer.step``).
+
+  Each history is a ring buffer: the step's amax replaces the entry
+  ``step % history_length``, the one written ``history_length`` steps ago,
+  so the history always holds the last ``history_length`` amaxes (in
+  rotated order; only their maximum is read). Each tensor's next scale is
+  ``max(history) / fp8_max``, the old scale while that is zero or not
+  finite (Flax's ``fp8_ops.compute_scale``). Transformer Engine and Flax
+  roll the history instead; writing one entry in place is elementwise, so
+  XLA compiles the update of all the model's histories into a few
+  horizontally fused kernels, where rolling each one costs a copy of it.
+  The maxima of all the histories are reduced together, as one matrix.
+  Histories stacked by ``nn.scan`` (a leading layer axis) work too.
 
   >>> import jax.numpy as jnp
   >>> meta = {"Dense_0": init_meta(history_length=3)}
   >>> observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
-  >>> observed["Dense_0"]["input_scale"] = jnp.array([8.96])
-  >>> new = next_meta(meta, observed)
+  >>> observed["Dense_0"]["input_scale"] = jnp.array(8.96)
+  >>> new = next_meta(meta, observed, step=4)   # 4 % 3: entry 1
   >>> new["Dense_0"]["input_amax_history"].tolist()
-  [8.960000038146973, 0.0, 0.0]
-  >>> round(float(new["Dense_0"]["input_scale"][0]), 6)   # 8.96 / 448
+  [0.0, 8.960000038146973, 0.0]
+  >>> round(float(new["Dense_0"]["input_scale"]), 6)   # 8.96 / 448
   0.02
   >>> new["Dense_0"]["kernel_scale"].tolist()   # nothing seen: scale kept
-  [1.0]
+  1.0
   """
+  step = _check_step(step)
   leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(meta)
-  seen = treedef.flatten_up_to(observed)
+  rows = []  # (tensor, index of its scale, index of its history)
+  for owner, fields in _group_fields(leaves_with_paths).items():
+    missing = _FIELDS - set(fields)
+    if missing:
+      raise TypeError(
+          f"next_meta's meta must hold whole jmp_lab.fp8.init_meta() dicts; "
+          f"the one at {jax.tree_util.keystr(owner)} lacks {sorted(missing)}")
+    rows += [(t, fields[f"{t}_scale"], fields[f"{t}_amax_history"])
+             for t in _TENSORS]
+  try:
+    seen = treedef.flatten_up_to(observed)
+  except (ValueError, TypeError) as error:
+    raise TypeError(
+        f"next_meta's observed must have meta's structure (the gradient "
+        f"with respect to meta): {error}") from None
+  new = [leaf for _, leaf in leaves_with_paths]
+  by_length: dict[int, list[tuple[str, int, int]]] = {}
+  for row in rows:
+    by_length.setdefault(new[row[2]].shape[-1], []).append(row)
+  for length, group in by_length.items():
+    # Each written entry's position in the whole group's rows (a history
+    # stacked by nn.scan is several rows).
+    offsets = np.cumsum([0] + [new[s].size for _, s, _ in group])
+    slices = [(begin, end) for begin, end in zip(offsets[:-1], offsets[1:])]
+
+    def rows_of(leaves):
+      return jnp.concatenate([leaf.reshape(-1, length) for leaf in leaves])
+
+    # The step's amaxes, observed in the scale slots.
+    amax = jnp.concatenate([jnp.asarray(seen[s], jnp.float32).reshape(-1)
+                            for _, s, _ in group])
+    # The write: elementwise per history (one entry replaced), which XLA
+    # fuses horizontally across all of them.
+    written = jnp.arange(length) == step % length
+    for (_, _, h), (begin, end) in zip(group, slices):
+      new[h] = jnp.where(
+          written, amax[begin:end].reshape(new[h].shape[:-1] + (1,)), new[h])
+    # The scales: every history's maximum in one reduction, then each
+    # scale from its slice of them, elementwise (slicing one concatenated
+    # scale array instead would cost a copy per output).
+    largest = jnp.max(rows_of([new[h] for _, _, h in group]), axis=1)
+    for (t, s, _), (begin, end) in zip(group, slices):
+      new[s] = fp8_ops.compute_scale(
+          largest[begin:end].reshape(new[s].shape), new[s],
+          jnp.float32(_fp8_max(t)))
+  return treedef.unflatten(new)
+
+
+def _check_step(step: Any) -> jax.Array:
+  dtype = jnp.result_type(step) if hasattr(step, "dtype") or isinstance(
+      step, int) else None
+  if (isinstance(step, bool) or dtype is None
+      or not jnp.issubdtype(dtype, jnp.integer) or jnp.ndim(step) != 0):
+    raise TypeError(
+        f"next_meta's step must be an integer scalar (the number of steps "
+        f"applied so far, e.g. TrainState.step); got {step!r}")
+  return jnp.asarray(step)
+
+
+def _group_fields(leaves_with_paths) -> dict[tuple, dict[str, int]]:
+  """The leaves' indices by matmul (the path before the field's key) and
+  field; a TypeError for a leaf that is no meta field."""
   groups: dict[tuple, dict[str, int]] = {}
   for index, (path, _) in enumerate(leaves_with_paths):
     field, owner = _field(path)
@@ -213,33 +298,7 @@ def next_meta(meta: Any, observed: Any) -> Any:
           f"leaf at {jax.tree_util.keystr(path)} is not one of their fields "
           f"{sorted(_FIELDS)}")
     groups.setdefault(owner, {})[field] = index
-  new = [leaf for _, leaf in leaves_with_paths]
-  # Every tensor's history as one row of a matrix (per history length), so
-  # that the update is one computation over all of them, not a few small
-  # kernels per tensor.
-  by_length: dict[int, list[tuple[str, int, int]]] = {}
-  for fields in groups.values():
-    for tensor in _TENSORS:
-      scale_at = fields[f"{tensor}_scale"]
-      history_at = fields[f"{tensor}_amax_history"]
-      by_length.setdefault(new[history_at].shape[-1], []).append(
-          (tensor, scale_at, history_at))
-  for length, rows in by_length.items():
-    histories = [new[h].reshape(-1, length) for _, _, h in rows]
-    counts = [h.shape[0] for h in histories]
-    history = jnp.concatenate(histories)
-    scale = jnp.concatenate([new[s].reshape(-1) for _, s, _ in rows])
-    amax = jnp.concatenate([jnp.asarray(seen[s], jnp.float32).reshape(-1)
-                            for _, s, _ in rows])
-    fp8_max = jnp.concatenate([jnp.full((n,), _fp8_max(t), jnp.float32)
-                               for n, (t, _, _) in zip(counts, rows)])
-    history = jnp.concatenate([amax[:, None], history[:, :-1]], axis=1)
-    scale = fp8_ops.compute_scale(jnp.max(history, axis=1), scale, fp8_max)
-    offsets = np.cumsum([0] + counts)
-    for (_, s, h), start, stop in zip(rows, offsets[:-1], offsets[1:]):
-      new[h] = history[start:stop].reshape(new[h].shape)
-      new[s] = scale[start:stop].reshape(new[s].shape)
-  return treedef.unflatten(new)
+  return groups
 
 
 # --- current scaling: the scale of each tensor from its own amax ------------
@@ -250,7 +309,7 @@ def _current_qdq(x: jax.Array, fp8_dtype) -> jax.Array:
   dequantized back to its dtype."""
   fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  scale = jnp.where(amax > 0, amax / fp8_max, 1.0).reshape((1,))
+  scale = jnp.where(amax > 0, amax / fp8_max, 1.0)
   return fp8_ops.qdq(x, fp8_dtype, jax.lax.stop_gradient(scale), x.dtype)
 
 
@@ -406,13 +465,14 @@ def delayed_einsum(meta: Fp8Meta) -> Callable[..., jax.Array]:
   return fn
 
 
-def value_and_new_meta(fun: Callable[[Fp8Meta], jax.Array], meta: Fp8Meta
-                       ) -> tuple[jax.Array, Fp8Meta]:
-  """``(fun(meta), the meta after one step)``: what a train step does with
-  the state of a function's delayed-scaled matmuls (the gradient with
-  respect to it is the step's observation, :func:`next_meta` the rest)."""
+def value_and_new_meta(fun: Callable[[Fp8Meta], jax.Array], meta: Fp8Meta,
+                       step: Any) -> tuple[jax.Array, Fp8Meta]:
+  """``(fun(meta), the meta after step number step)``: what a train step
+  does with the state of a function's delayed-scaled matmuls (the gradient
+  with respect to it is the step's observation, :func:`next_meta` the
+  rest)."""
   value, observed = jax.value_and_grad(fun)(meta)
-  return value, next_meta(meta, observed)
+  return value, next_meta(meta, observed, step)
 
 
 def skip_unless_finite(grads: Any, observed: Any) -> Any:

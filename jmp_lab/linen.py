@@ -400,8 +400,9 @@ class Fp8DotGeneral(nn.Module):
   """A delayed-scaling fp8 ``dot_general`` (:func:`jmp_lab.fp8.dot_general`)
   for ``nn.Dense``'s ``dot_general_cls``: its scales and amax histories are
   variables in the ``_overwrite_with_gradient`` collection
-  (:data:`jmp_lab.fp8.COLLECTION`), which ``jmp_lab.train_step`` overwrites
-  with their gradients."""
+  (:data:`jmp_lab.fp8.COLLECTION`), which ``jmp_lab.train_step``
+  differentiates and replaces with :func:`jmp_lab.fp8.next_meta` of their
+  gradients (the amaxes the step observed)."""
 
   history_length: int = fp8.AMAX_HISTORY_LENGTH
 

@@ -213,8 +213,9 @@ def _cast_arrays(tree: Any, dtype: np.dtype) -> Any:
 
 class Fp8Meta(nnx.Variable):
   """The delayed fp8 scaling state of one Linear (:func:`jmp_lab.fp8.init_meta`):
-  overwritten with its gradient by :func:`train_step`, never seen by the
-  optimizer (``wrt=nnx.Param`` leaves it out)."""
+  differentiated by :func:`train_step`, which replaces it with
+  :func:`jmp_lab.fp8.next_meta` of its gradient (the amaxes the step
+  observed); never seen by the optimizer (``wrt=nnx.Param`` leaves it out)."""
 
 
 def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
@@ -871,6 +872,7 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   scaled_grads, fp8_observed = nnx.split_state(grads, optimizer.wrt, ...)
   if fp8_observed:
     scaled_grads = fp8.skip_unless_finite(scaled_grads, fp8_observed)
+  steps_before = optimizer.step[...]  # where next_meta writes the amaxes
   optimizer.update(model, scaled_grads)
   applied = optimizer.last_step_applied
   after = nnx.as_pure(nnx.state(model, others))
@@ -881,7 +883,7 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
     treedef = jax.tree_util.tree_structure(fp8_observed)
     old = treedef.unflatten(jax.tree_util.tree_leaves(
         nnx.state(model, Fp8Meta)))
-    new = fp8.next_meta(old, fp8_observed)
+    new = fp8.next_meta(old, fp8_observed, steps_before)
     nnx.update(model, treedef.unflatten(select_tree(
         applied, jax.tree_util.tree_leaves(new),
         jax.tree_util.tree_leaves(old))))

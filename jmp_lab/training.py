@@ -363,7 +363,8 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
       state.params, fp8_meta, state, batch), "jmp_lab.train_step")
   if fp8_meta is not None:
     model_state = {**state.model_state, **model_state,
-                   fp8.COLLECTION: fp8.next_meta(fp8_meta, fp8_observed)}
+                   fp8.COLLECTION: fp8.next_meta(fp8_meta, fp8_observed,
+                                                  state.step)}
     scaled_grads = fp8.skip_unless_finite(scaled_grads, fp8_observed)
 
   # 4-5. Unscale, check, update the fp32 master or skip; adjust the scale.

@@ -44,9 +44,9 @@ def test_delayed_scaling_against_a_hand_computation():
   # step computed them), as amax / fp8_max (Transformer Engine's scale is
   # fp8_max / amax); they differ from the histories' here on purpose.
   sx, sw, sg = 7.0 / E4M3_MAX, 0.5 / E4M3_MAX, 3.0 / E5M2_MAX
-  meta["input_scale"] = jnp.array([sx])
-  meta["kernel_scale"] = jnp.array([sw])
-  meta["output_grad_scale"] = jnp.array([sg])
+  meta["input_scale"] = jnp.array(sx)
+  meta["kernel_scale"] = jnp.array(sw)
+  meta["output_grad_scale"] = jnp.array(sg)
   x = jnp.array([[1.0, -3.5], [0.25, 6.0]], jnp.bfloat16)   # amax 6
   w = jnp.array([[0.125, 0.5], [-0.25, 0.0625]], jnp.bfloat16)  # amax 0.5
   g = jnp.array([[2.0, -1.0], [0.5, 4.0]], jnp.bfloat16)    # amax 4
@@ -61,23 +61,23 @@ def test_delayed_scaling_against_a_hand_computation():
   # The state's gradient is the step's observation: each tensor's amax in
   # its scale slot, nothing in the histories.
   chex.assert_trees_all_equal(observed, {
-      "input_scale": jnp.array([6.0]), "kernel_scale": jnp.array([0.5]),
-      "output_grad_scale": jnp.array([4.0]),
+      "input_scale": jnp.array(6.0), "kernel_scale": jnp.array(0.5),
+      "output_grad_scale": jnp.array(4.0),
       **{f"{t}_amax_history": jnp.zeros(4) for t in ("input", "kernel",
                                                      "output_grad")}})
-  # next_meta: the amax enters the front of the history, the oldest leaves;
-  # the next scale is the history's max over fp8_max.
-  new = fp8.next_meta(meta, observed)
-  np.testing.assert_array_equal(new["input_amax_history"], [6.0, 2.0, 0.0, 5.0])
-  np.testing.assert_array_equal(new["kernel_amax_history"], [0.5, 0.25, 0.0, 0.0])
+  # next_meta: after 5 applied steps the amax replaces entry 5 % 4 = 1 of
+  # the ring buffer; the next scale is the history's max over fp8_max.
+  new = fp8.next_meta(meta, observed, step=5)
+  np.testing.assert_array_equal(new["input_amax_history"], [2.0, 6.0, 5.0, 0.0])
+  np.testing.assert_array_equal(new["kernel_amax_history"], [0.25, 0.5, 0.0, 0.0])
   np.testing.assert_array_equal(new["output_grad_amax_history"],
-                                [4.0, 1.0, 0.0, 0.0])
+                                [1.0, 4.0, 0.0, 0.0])
   np.testing.assert_allclose(new["input_scale"], [6.0 / E4M3_MAX], rtol=1e-6)
   np.testing.assert_allclose(new["kernel_scale"], [0.5 / E4M3_MAX], rtol=1e-6)
   np.testing.assert_allclose(new["output_grad_scale"], [4.0 / E5M2_MAX],
                              rtol=1e-6)
   chex.assert_trees_all_equal(fp8.value_and_new_meta(
-      functools.partial(f, x, w), meta)[1], new)
+      functools.partial(f, x, w), meta, jnp.int32(5))[1], new)
 
   def qdq(a, scale, dtype, amax):
     # quantize: divide by the scale, clip to the format, round to it.
@@ -104,6 +104,63 @@ def test_an_empty_or_non_finite_history_keeps_the_old_scale():
   chex.assert_trees_all_close(
       fp8.delayed_scale(jnp.array([1.0, 8.0]), old, fp8.E4M3),
       jnp.array([8.0 / E4M3_MAX]))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_next_meta_scales_from_exactly_the_last_history_length_amaxes(jit):
+  """Over many steps the ring buffer holds the last ``history_length``
+  amaxes: an amax leaves the scale exactly ``history_length`` steps after it
+  was observed, whatever the step count."""
+  length, steps = 3, 11
+  amaxes = np.array([5.0, 1.0, 2.0, 0.5, 0.25, 7.0, 1.0, 1.0, 1.0, 3.0, 2.0])
+  update = jax.jit(fp8.next_meta) if jit else fp8.next_meta
+  meta = {"layer": fp8.init_meta(history_length=length)}
+  for step in range(steps):
+    observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
+    observed["layer"]["input_scale"] = jnp.array([amaxes[step]])
+    observed["layer"]["output_grad_scale"] = jnp.array([2 * amaxes[step]])
+    meta = update(meta, observed, jnp.int32(step))
+    window = amaxes[max(0, step + 1 - length):step + 1]
+    np.testing.assert_allclose(meta["layer"]["input_scale"],
+                               [window.max() / E4M3_MAX], rtol=1e-6)
+    np.testing.assert_allclose(meta["layer"]["output_grad_scale"],
+                               [2 * window.max() / E5M2_MAX], rtol=1e-6)
+    assert sorted(meta["layer"]["input_amax_history"].tolist()) == sorted(
+        window.tolist() + [0.0] * (length - len(window)))
+  np.testing.assert_array_equal(meta["layer"]["kernel_scale"], 1.0)
+
+
+def test_next_meta_updates_histories_stacked_by_scan_layer_by_layer():
+  layers = 2
+  meta = jax.tree_util.tree_map(lambda a: jnp.stack([a] * layers),
+                                fp8.init_meta(history_length=4))
+  observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
+  observed["input_scale"] = jnp.array([4.48, 8.96])
+  new = fp8.next_meta({"ScanBlock": {"Dense_0": meta}},
+                      {"ScanBlock": {"Dense_0": observed}}, 2)
+  new = new["ScanBlock"]["Dense_0"]
+  np.testing.assert_array_equal(new["input_amax_history"][:, 2],
+                                np.float32([4.48, 8.96]))
+  np.testing.assert_allclose(new["input_scale"], [0.01, 0.02], rtol=1e-6)
+  chex.assert_shape(new["input_scale"], (layers,))
+  chex.assert_trees_all_equal(new["kernel_scale"], meta["kernel_scale"])
+
+
+def test_next_meta_names_bad_arguments():
+  meta = {"Dense_0": fp8.init_meta(history_length=2)}
+  observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
+  for step in (1.0, True, jnp.zeros((2,), jnp.int32), "3"):
+    with pytest.raises(TypeError, match="step must be an integer scalar"):
+      fp8.next_meta(meta, observed, step)
+  with pytest.raises(TypeError, match="observed must have meta's structure"):
+    fp8.next_meta(meta, {"Dense_1": observed["Dense_0"]}, 0)
+  with pytest.raises(TypeError, match=r"\['Dense_0'\]\['bias'\] is not one"):
+    fp8.next_meta({"Dense_0": {**meta["Dense_0"], "bias": jnp.zeros(2)}},
+                  observed, 0)
+  partial = dict(meta["Dense_0"])
+  del partial["kernel_scale"]
+  with pytest.raises(TypeError, match="lacks \\['kernel_scale'\\]"):
+    fp8.next_meta({"Dense_0": partial}, {"Dense_0": partial}, 0)
 
 
 def test_current_scaling_against_a_hand_computation():
@@ -197,7 +254,7 @@ class LinenFp8StepTest(chex.TestCase):
       assert int(jnp.sum(meta["input_amax_history"] > 0)) == 5
       np.testing.assert_allclose(
           meta["input_amax_history"][0], jnp.max(jnp.abs(X)), rtol=1e-2)
-      assert float(meta["kernel_scale"][0]) != 1.0
+      assert float(meta["kernel_scale"]) != 1.0
     else:
       assert state.model_state == {}
 
@@ -408,3 +465,22 @@ def test_gpt_dense_matmuls_compile_to_fp8_gemms_on_h100():
   assert {g.operands for g in report.gemms if g.math == "fp8"} == {
       "f8e4m3fn x f8e4m3fn -> bf16", "f8e5m2 x f8e4m3fn -> bf16",
       "f8e4m3fn x f8e5m2 -> bf16"}
+
+
+def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
+  """The fp8 bookkeeping's kernel cost, compiled for an H100 on a small GPT:
+  1.39x the bf16 step's kernels (2.15x before the scaling state was
+  updated for the whole model at once and the scales were stored as
+  scalars).
+  Issue 27's goal is 1.3x; the rest is XLA's two-stage amax reductions and
+  the transposed fp8 copies the weight-gradient GEMMs read
+  (benchmarks/fp8_breakdown.py)."""
+  pytest.importorskip("jax_cuda12_plugin")
+  from benchmarks import train_step
+  size = train_step.ModelSize(layers=2, width=256, heads=4, seq_len=256,
+                              vocab=1024, batch=4)
+  configs = {c.name: c for c in train_step.ALL_CONFIGS}
+  kernels = {name: train_step.compiled_step_report(configs[name], size,
+                                                   "h100").kernels
+             for name in ("bf16", "bf16-fp8")}
+  assert kernels["bf16-fp8"] <= 1.45 * kernels["bf16"], kernels
