@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import chex
+import hypothesis
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from absl.testing import parameterized
+from hypothesis import strategies as st
 from flax import nnx
 
 import jmp_lab
@@ -128,6 +130,33 @@ def test_next_meta_scales_from_exactly_the_last_history_length_amaxes(jit):
     assert sorted(meta["layer"]["input_amax_history"].tolist()) == sorted(
         window.tolist() + [0.0] * (length - len(window)))
   np.testing.assert_array_equal(meta["layer"]["kernel_scale"], 1.0)
+
+
+@hypothesis.given(
+    length=st.integers(1, 5),
+    # Zero or normal: XLA flushes subnormal f32 to zero.
+    amaxes=st.lists(st.one_of(st.just(0.0), st.floats(2.0**-100, 1e4, width=32)),
+                    min_size=1, max_size=12),
+    start=st.integers(0, 2**20))
+def test_next_meta_is_a_window_over_the_last_history_length_amaxes(
+    length, amaxes, start):
+  """From any step count, the scale after each step is the largest of the
+  last ``history_length`` amaxes over fp8_max (the scale before, while every
+  one of them is zero), as a rolled history would give."""
+  meta = fp8.init_meta(history_length=length)
+  window, previous_scale = [], np.float32(1.0)
+  for offset, amax in enumerate(amaxes):
+    observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
+    observed["output_grad_scale"] = jnp.float32(amax)
+    meta = fp8.next_meta(meta, observed, start + offset)
+    window = (window + [amax])[-length:]
+    if max(window) > 0:
+      expected = np.float32(max(window)) / np.float32(E5M2_MAX)
+    else:
+      expected = previous_scale
+    np.testing.assert_allclose(meta["output_grad_scale"], expected, rtol=1e-6)
+    previous_scale = np.asarray(meta["output_grad_scale"])
+    np.testing.assert_array_equal(meta["input_scale"], 1.0)
 
 
 def test_next_meta_updates_histories_stacked_by_scan_layer_by_layer():

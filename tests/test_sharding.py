@@ -95,6 +95,50 @@ def test_data_parallel_and_zero1_equal_the_single_device_run(optimizer, zero1):
 
 
 
+def test_zero1_fp8_scaling_state_equals_the_single_device_run():
+  """Under ZeRO-1 on 2 devices the fp8 step observes each tensor's amax over
+  the whole batch (both halves), updates the scaling state once, replicated,
+  and keeps it on the step that one device's inf makes non-finite: histories
+  and scales equal one device's run bit for bit (a max does not depend on
+  the order), the params to the rounding of the gradient sum's order."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+
+  def fp8_state():
+    model = jl.with_policy(MLP(), "mixed_fp8", fp8_history_length=4)
+    variables = model.init(jax.random.key(0), jnp.ones((1, 32)))
+    return jmp_lab.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], policy="mixed_fp8",
+        model_state={k: v for k, v in variables.items() if k != "params"},
+        tx=jmp_lab.mixed_precision(optax.adamw(1e-2), policy="mixed_fp8"))
+
+  def fp8_loss(params, state, batch):
+    logits = state.apply_fn({"params": params, **state.model_state}, batch["x"])
+    return jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  single = fp8_state()
+  single_step = jmp_lab.make_train_step(fp8_loss, donate=False)
+  state = fp8_state()
+  layout = sharding.state_shardings(state, mesh, shard_optimizer_state=True)
+  state = jax.device_put(state, layout)
+  step = jmp_lab.make_train_step(
+      fp8_loss, state_sharding=layout,
+      batch_sharding=NamedSharding(mesh, P("data")))
+  metas = []
+  for batch in batches(6, poison_at=(3,)):
+    single, _ = single_step(single, batch)
+    state, _ = step(state, batch)
+    metas.append(jax.device_get(state.model_state))
+  assert int(state.skipped_steps) == 1 == int(single.skipped_steps)
+  chex.assert_trees_all_equal(metas[3], metas[2])  # kept on the skipped step
+  chex.assert_trees_all_equal(jax.device_get(state.model_state),
+                              jax.device_get(single.model_state))
+  history = state.model_state["_overwrite_with_gradient"]["Dense_0"][
+      "Fp8DotGeneral_0"]["input_amax_history"]
+  assert np.count_nonzero(np.asarray(history)) == 4  # 5 applied steps, ring of 4
+  chex.assert_trees_all_close(state.master_params, single.master_params,
+                              rtol=1e-2, atol=5e-4)
+
+
 class OddMLP(nn.Module):
   """A 31 x 7 layer: its params split over no device count above 1, so
   under ZeRO-1 they stay whole on every device beside the split leaves."""
