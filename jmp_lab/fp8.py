@@ -383,8 +383,19 @@ def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
   if out_sharding is not None:
     raise ValueError(f"an fp8 matmul does not take out_sharding (got "
                      f"{out_sharding!r})")
-  return quantize_output_gradient(
-      product(*quantize_operands(lhs, rhs, meta)), meta)
+
+  # Rematerialized: the backward quantizes the operands again, next to the
+  # gradient GEMMs, instead of reading the dequantized values saved by the
+  # forward. Under nn.scan (a loop) those saved values cross the loop as
+  # 16-bit tensors, and XLA then compiles the backward GEMMs in 16 bits, not
+  # fp8; unrolled, XLA's CSE merges the two quantizations back into one
+  # (prevent_cse=False), so the weights are still quantized once a step.
+  @functools.partial(jax.checkpoint, prevent_cse=False,
+                     policy=jax.checkpoint_policies.nothing_saveable)
+  def quantized_product(lhs, rhs, meta):
+    return product(*quantize_operands(lhs, rhs, meta))
+
+  return quantize_output_gradient(quantized_product(lhs, rhs, meta), meta)
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,

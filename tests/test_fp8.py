@@ -1,5 +1,6 @@
 """Tests for jmp_lab.fp8 and the fp8 policies (linen and NNX)."""
 
+import collections
 import functools
 import pathlib
 import sys
@@ -513,3 +514,72 @@ def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
                                                    "h100").kernels
              for name in ("bf16", "bf16-fp8")}
   assert kernels["bf16-fp8"] <= 1.45 * kernels["bf16"], kernels
+
+
+class _ScannedBlock(nn.Module):
+  """A block as public model code writes it: its layers pin dtype=float32."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.Dense(32, dtype=jnp.float32, param_dtype=jnp.float32)(x)
+    return x + nn.Dense(16, dtype=jnp.float32)(nn.gelu(h)), None
+
+
+class _ScannedMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_ScannedBlock, variable_axes={"params": 0, fp8.COLLECTION: 0},
+                     split_rngs={"params": True}, length=3)
+    x, _ = blocks(name="blocks")(x, None)
+    return nn.Dense(10, dtype=jnp.float32, name="head")(x)
+
+
+def test_fp8_state_of_scanned_layers_that_pin_float32_trains_layer_by_layer():
+  """nn.scan stacks each layer's scaling state (a leading layer axis); the
+  step observes every layer's own amaxes, although the layers ask for
+  float32, and writes them into that layer's history rows."""
+  model = jl.with_policy(_ScannedMLP(), "mixed_fp8", fp8_history_length=8)
+  variables = model.init(jax.random.key(1), X)
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=variables["params"], policy="mixed_fp8",
+      model_state={k: v for k, v in variables.items() if k != "params"},
+      tx=jmp_lab.mixed_precision(optax.adam(1e-2), policy="mixed_fp8"))
+  step = jmp_lab.make_train_step(linen_loss)
+  report = jmp_lab.diagnostics.audit_step(step, state, (X, Y), policy="mixed_fp8")
+  assert report.fp8_flop_share == 1.0, report
+  losses = []
+  for _ in range(5):
+    state, metrics = step(state, (X, Y))
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < losses[0]
+  meta = state.model_state[fp8.COLLECTION]["blocks"]["Dense_0"]["Fp8DotGeneral_0"]
+  chex.assert_shape(meta["input_amax_history"], (3, 8))
+  chex.assert_shape(meta["input_scale"], (3,))
+  # 5 steps: 5 entries of each layer's history written, 3 left at zero.
+  np.testing.assert_array_equal(
+      np.count_nonzero(np.asarray(meta["output_grad_amax_history"]), axis=1),
+      [5, 5, 5])
+  # Each layer its own input amax (the residual stream grows layer by layer).
+  assert len(set(np.asarray(meta["input_amax_history"])[:, 0].tolist())) == 3
+  np.testing.assert_allclose(
+      meta["input_scale"],
+      np.asarray(meta["input_amax_history"]).max(axis=1) / E4M3_MAX, rtol=1e-6)
+
+
+def test_scanned_layers_backward_gemms_are_fp8_on_h100():
+  """The gradient GEMMs inside nn.scan's loop are fp8 too. (They were 16-bit:
+  the forward's dequantized operands crossed the loop as bf16 residuals,
+  which XLA cannot rewrite into fp8 GEMMs; the backward now quantizes
+  again next to them.)"""
+  pytest.importorskip("jax_cuda12_plugin")
+  model = jl.with_policy(_ScannedMLP(), "mixed_fp8", fp8_history_length=8)
+  variables = model.init(jax.random.key(1), X)
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=variables["params"], policy="mixed_fp8",
+      model_state={k: v for k, v in variables.items() if k != "params"},
+      tx=jmp_lab.mixed_precision(optax.adam(1e-2), policy="mixed_fp8"))
+  report = jmp_lab.diagnostics.compiled_report(
+      jmp_lab.make_train_step(linen_loss), state, (X, Y), target="h100")
+  maths = collections.Counter((g.math, g.times) for g in report.gemms)
+  # 2 scanned layers x 3 GEMMs each, 3 trips; the head's 3 once.
+  assert maths == {("fp8", 3): 6, ("fp8", 1): 3}, maths

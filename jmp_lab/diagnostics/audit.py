@@ -106,11 +106,35 @@ def _inner_jaxpr(eqn):
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+  """An input of a sub-jaxpr: the enclosing equation's operand ``var``,
+  produced in the enclosing scope (``producers``)."""
+  var: Any
+  producers: dict
+
+
+def _scope(inner, eqn, producers: dict) -> dict:
+  """The producers of ``inner``'s variables, its inputs included (traced on
+  to the enclosing ``eqn``'s operands when they correspond one to one: the
+  bodies of jit, checkpoint, scan). A value dequantized outside a
+  rematerialized body and used inside it is then still seen as fp8."""
+  scope = {}
+  if len(inner.invars) == len(eqn.invars):
+    scope = {inside: _Operand(outside, producers)
+             for inside, outside in zip(inner.invars, eqn.invars)
+             if type(outside).__name__ != "Literal"}
+  scope.update(_producers(inner))
+  return scope
+
+
 def _from_fp8(var, producers, depth=0) -> bool:
   """Whether ``var`` is a value dequantized from an fp8 array."""
   eqn = producers.get(var)
   if eqn is None or depth > 12:
     return False
+  if isinstance(eqn, _Operand):
+    return _from_fp8(eqn.var, eqn.producers, depth + 1)
   name = eqn.primitive.name
   if name == "convert_element_type" and np.dtype(
       eqn.invars[0].aval.dtype) in _FP8_DTYPES:
@@ -121,7 +145,7 @@ def _from_fp8(var, producers, depth=0) -> bool:
   inner = _inner_jaxpr(eqn)
   if inner is not None:
     out = inner.outvars[eqn.outvars.index(var)]
-    return _from_fp8(out, _producers(inner), depth + 1)
+    return _from_fp8(out, _scope(inner, eqn, producers), depth + 1)
   return False
 
 
@@ -129,8 +153,8 @@ def _producers(jaxpr) -> dict:
   return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
 
-def _walk(jaxpr, times, records, casts):
-  producers = _producers(jaxpr)
+def _walk(jaxpr, times, records, casts, producers=None):
+  producers = _producers(jaxpr) if producers is None else producers
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in ("dot_general", "conv_general_dilated"):
@@ -160,7 +184,8 @@ def _walk(jaxpr, times, records, casts):
             f"{np.dtype(src).name}->{np.dtype(dst).name}", 0) + times
     inner_times = times * (eqn.params.get("length", 1) if name == "scan" else 1)
     for inner in sub_jaxprs(eqn.params):
-      _walk(inner, inner_times, records, casts)
+      _walk(inner, inner_times, records, casts,
+            _scope(inner, eqn, producers))
 
 
 def sub_jaxprs(params: dict):
