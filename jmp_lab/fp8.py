@@ -22,8 +22,8 @@ multiplied by after quantization), as in Flax's ``fp8_ops``:
   with the scale stored in its state, which the previous step computed as
   ``max(amax_history) / fp8_max`` (history length 1,024 by default); the
   step observes the tensor's own amax, and the train step then writes it
-  into the history (a ring buffer) and computes the next scale, for all the model's tensors
-  at once (:func:`next_meta`). The state is a :data:`Fp8Meta` dict per
+  into the history (a ring buffer) and computes the next scale, for all
+  the model's tensors at once (:func:`next_meta`). The state is a :data:`Fp8Meta` dict per
   matmul: three scales and three histories.
 * ``"fp8_current"`` -- current scaling: each tensor is scaled by its own
   amax, computed just before quantizing (one more read of it); no state.
@@ -39,10 +39,12 @@ arithmetic there, for every tensor of the model together, rather than inside
 each matmul's forward and backward (as Flax's ``fp8_ops`` do), lets XLA
 compile it into a few kernels (Transformer Engine updates its scaling state
 in one multi-tensor kernel for the same reason), and leaves each matmul one
-amax reduction per operand, which XLA can fuse into the kernel that
-produces or quantizes it. On a skipped (non-finite) step the state keeps its
-old value, like every other state: an inf recorded in an amax history would
-pin that tensor's scale for the next 1,024 steps. Since quantizing saturates
+amax reduction per operand (XLA compiles each into a reduction of its own,
+two kernels, rather than into the kernel that produces the tensor: the
+largest cost fp8 still adds, see ``benchmarks/fp8_breakdown.py``). On a
+skipped (non-finite) step the state keeps its old value, like every other
+state: an inf recorded in an amax history would pin that tensor's scale for
+the next 1,024 steps. Since quantizing saturates
 (an inf activation becomes the format's maximum, and the gradients can stay
 finite), a step whose observed amax is not finite is skipped too
 (:func:`skip_unless_finite`).
