@@ -234,8 +234,8 @@ X = jax.random.normal(jax.random.key(0), (16, 16))
 Y = jnp.arange(16) % 10
 
 
-def linen_state(spec, loss_scale=None, **kwargs):
-  model = jl.with_policy(MLP(), spec, fp8_history_length=8, **kwargs)
+def linen_state(spec, loss_scale=None, module=None, **kwargs):
+  model = jl.with_policy(module or MLP(), spec, fp8_history_length=8, **kwargs)
   variables = model.init(jax.random.key(1), X)
   return jmp_lab.TrainState.create(
       apply_fn=model.apply, params=variables["params"], policy=spec,
@@ -538,12 +538,7 @@ def test_fp8_state_of_scanned_layers_that_pin_float32_trains_layer_by_layer():
   """nn.scan stacks each layer's scaling state (a leading layer axis); the
   step observes every layer's own amaxes, although the layers ask for
   float32, and writes them into that layer's history rows."""
-  model = jl.with_policy(_ScannedMLP(), "mixed_fp8", fp8_history_length=8)
-  variables = model.init(jax.random.key(1), X)
-  state = jmp_lab.TrainState.create(
-      apply_fn=model.apply, params=variables["params"], policy="mixed_fp8",
-      model_state={k: v for k, v in variables.items() if k != "params"},
-      tx=jmp_lab.mixed_precision(optax.adam(1e-2), policy="mixed_fp8"))
+  state = linen_state("mixed_fp8", module=_ScannedMLP())
   step = jmp_lab.make_train_step(linen_loss)
   report = jmp_lab.diagnostics.audit_step(step, state, (X, Y), policy="mixed_fp8")
   assert report.fp8_flop_share == 1.0, report
@@ -572,12 +567,7 @@ def test_scanned_layers_backward_gemms_are_fp8_on_h100():
   which XLA cannot rewrite into fp8 GEMMs; the backward now quantizes
   again next to them.)"""
   pytest.importorskip("jax_cuda12_plugin")
-  model = jl.with_policy(_ScannedMLP(), "mixed_fp8", fp8_history_length=8)
-  variables = model.init(jax.random.key(1), X)
-  state = jmp_lab.TrainState.create(
-      apply_fn=model.apply, params=variables["params"], policy="mixed_fp8",
-      model_state={k: v for k, v in variables.items() if k != "params"},
-      tx=jmp_lab.mixed_precision(optax.adam(1e-2), policy="mixed_fp8"))
+  state = linen_state("mixed_fp8", module=_ScannedMLP())
   report = jmp_lab.diagnostics.compiled_report(
       jmp_lab.make_train_step(linen_loss), state, (X, Y), target="h100")
   maths = collections.Counter((g.math, g.times) for g in report.gemms)
