@@ -137,7 +137,7 @@ def check_policies_agree(policies: Sequence[tuple[str, Optional[Policy]]],
           f"jmp_lab.get_policy(...) object)")
 
 
-def check_trainable_params(params: Any, policy: Policy) -> None:
+def check_trainable_params(params: Any) -> None:
   """Refuses integer or boolean leaves among a train state's params: the
   step differentiates every param, and jax cannot differentiate those."""
   for path, leaf in _tree.leaves_with_paths(params):
@@ -148,7 +148,6 @@ def check_trainable_params(params: Any, policy: Policy) -> None:
           f"at {path}: the train step differentiates every param, and "
           f"integer or boolean leaves cannot be differentiated. Keep them "
           f"in model_state (a step counter, a mask), or out of the state")
-  del policy
 
 
 def keeps_master_copy(policy: Policy) -> bool:

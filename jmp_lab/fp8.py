@@ -95,8 +95,8 @@ def init_meta(history_length: int = AMAX_HISTORY_LENGTH) -> Fp8Meta:
   for tensor in _TENSORS:
     # A scalar, not Flax's shape (1,): the fp8 GEMM reads its scales as f32
     # scalars, and XLA folds the scale's round trip through the compute
-    # dtype away only when no reshape sits in it (else each scale of each
-    # GEMM costs a one-element kernel).
+    # dtype away only when no reshape sits in it (else each scale costs a
+    # one-element kernel).
     meta[f"{tensor}_scale"] = jnp.ones((), jnp.float32)
     meta[f"{tensor}_amax_history"] = jnp.zeros((history_length,), jnp.float32)
   return meta
@@ -249,14 +249,10 @@ def next_meta(meta: Any, observed: Any, step: Any) -> Any:
   for row in rows:
     by_length.setdefault(new[row[2]].shape[-1], []).append(row)
   for length, group in by_length.items():
-    # Each written entry's position in the whole group's rows (a history
-    # stacked by nn.scan is several rows).
+    # Each tensor's rows among the group's (a history stacked by nn.scan is
+    # one row per layer).
     offsets = np.cumsum([0] + [new[s].size for _, s, _ in group])
-    slices = [(begin, end) for begin, end in zip(offsets[:-1], offsets[1:])]
-
-    def rows_of(leaves):
-      return jnp.concatenate([leaf.reshape(-1, length) for leaf in leaves])
-
+    slices = list(zip(offsets[:-1], offsets[1:]))
     # The step's amaxes, observed in the scale slots.
     amax = jnp.concatenate([jnp.asarray(seen[s], jnp.float32).reshape(-1)
                             for _, s, _ in group])
@@ -269,7 +265,8 @@ def next_meta(meta: Any, observed: Any, step: Any) -> Any:
     # The scales: every history's maximum in one reduction, then each
     # scale from its slice of them, elementwise (slicing one concatenated
     # scale array instead would cost a copy per output).
-    largest = jnp.max(rows_of([new[h] for _, _, h in group]), axis=1)
+    largest = jnp.max(jnp.concatenate(
+        [new[h].reshape(-1, length) for _, _, h in group]), axis=1)
     for (t, s, _), (begin, end) in zip(group, slices):
       new[s] = fp8_ops.compute_scale(
           largest[begin:end].reshape(new[s].shape), new[s],

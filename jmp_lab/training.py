@@ -179,7 +179,7 @@ class TrainState(flax.struct.PyTreeNode):
     policy = get_policy(policy)
     _checks.check_policies_agree(known + [("TrainState.create's", policy)],
                                  "TrainState.create")
-    _checks.check_trainable_params(params, policy)
+    _checks.check_trainable_params(params)
     params = _owned(params, policy.cast_to_param(params))
     model_state = _owned(model_state, model_state) if model_state else {}
     opt_state = tx.init(params)
