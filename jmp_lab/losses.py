@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +100,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   flat = hidden.reshape(-1, hidden.shape[-1])
   losses = _linear_cross_entropy(
       flat, kernel, labels.reshape(-1).astype(jnp.int32),
-      where.reshape(-1), block,
+      where.reshape(-1),
+      _Blocking(block, vocab, jnp.dtype(kernel.dtype).name),
       None if logit_soft_cap is None else float(logit_soft_cap))
   return losses.reshape(hidden.shape[:-1])
 
@@ -159,22 +160,23 @@ def _block_size(vocab: int, block_size: Optional[int]) -> int:
   return -(-math.ceil(vocab / blocks) // 128) * 128
 
 
-def _rows(kernel, hidden_dtype, block: int):
-  """The kernel as vocabulary rows ``(V', D)`` in the hidden's dtype, padded
-  to whole blocks, and the number of blocks. A tied embedding's kernel is
-  ``table.T``, so its rows are the table itself: the transposes cancel."""
+def _row_blocks(kernel, hidden_dtype, block: int) -> tuple[jax.Array, ...]:
+  """The kernel as blocks of vocabulary rows, each ``(block, D)`` in the
+  hidden's dtype, the last padded with zero rows. A tied embedding's kernel
+  is ``table.T``, so its rows are the table itself: the transposes cancel.
+  XLA fuses the slicing into the policy's cast of the kernel."""
   rows = kernel.astype(hidden_dtype).T
   vocab = rows.shape[0]
   blocks = math.ceil(vocab / block)
   if blocks * block != vocab:
     rows = jnp.pad(rows, ((0, blocks * block - vocab), (0, 0)))
-  return rows, blocks
+  return tuple(rows[i * block:(i + 1) * block] for i in range(blocks))
 
 
-def _block_logits(hidden, rows, start, block: int, vocab: int, cap):
-  """One block's logits in fp32 (soft-capped), the padding at -inf, its
-  rows, and ``tanh`` of the cap (None without one) for the backward pass."""
-  block_rows = jax.lax.dynamic_slice_in_dim(rows, start, block, axis=0)
+def _block_logits(hidden, block_rows, start, vocab: int, cap):
+  """One block's logits in fp32 (soft-capped), the padding at -inf, their
+  vocabulary ids, and ``tanh`` of the cap (None without one) for the
+  backward pass."""
   # The GEMM in the hidden's dtype (its result too, as a bf16 LM head's
   # is); the softmax in fp32.
   logits = jax.lax.dot_general(hidden, block_rows,
@@ -183,83 +185,110 @@ def _block_logits(hidden, rows, start, block: int, vocab: int, cap):
   if cap is not None:
     capped = jnp.tanh(logits / cap)
     logits = cap * capped
-  ids = start + jnp.arange(block)
+  ids = start + jnp.arange(block_rows.shape[0])
   logits = jnp.where(ids < vocab, logits, -jnp.inf)
-  return logits, ids, block_rows, capped
+  return logits, ids, capped
+
+
+class _Blocking(NamedTuple):
+  """The static layout of one call: block width, vocabulary, kernel dtype."""
+  block: int
+  vocab: int
+  kernel_dtype: str
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _linear_cross_entropy(hidden, kernel, labels, where, block, cap):
-  return _forward(hidden, kernel, labels, where, block, cap)[0]
+def _linear_cross_entropy(hidden, kernel, labels, where, blocking, cap):
+  return _forward(hidden, kernel, labels, where, blocking, cap)[0]
 
 
+def _online_logsumexp(a, b):
+  """Combine two partial log-sum-exps, each ``(maximum, sum of exp(x -
+  maximum), label logit)``: the reducer of :func:`_block_statistics`."""
+  max_a, sum_a, label_a = a
+  max_b, sum_b, label_b = b
+  maximum = jnp.maximum(max_a, max_b)
+  # exp(-inf - -inf) is nan: a part that has seen only -inf adds nothing.
+  def rescaled(part_max, part_sum):
+    return jnp.where(part_max == -jnp.inf, 0.0,
+                     part_sum * jnp.exp(part_max - maximum))
+  return (maximum, rescaled(max_a, sum_a) + rescaled(max_b, sum_b),
+          label_a + label_b)
 
-def _forward(hidden, kernel, labels, where, block, cap):
-  vocab = kernel.shape[1]
-  rows, blocks = _rows(kernel, hidden.dtype, block)
+
+def _block_statistics(logits, ids, labels):
+  """A block's per-token maximum, sum of ``exp(logit - maximum)`` and
+  correct-class logit (0 if the label is in another block), in ONE pass
+  over the logits: a variadic reduction with the online log-sum-exp as its
+  reducer. ``max`` then ``sum(exp(x - max))`` would be two reductions, and
+  compiled for an H100 each reads the whole block (0.82 GB a step more at
+  GPT-2's shapes, benchmarks/RESULTS.md)."""
+  label_logits = jnp.where(ids[None, :] == labels[:, None], logits, 0.0)
+  zero = jnp.zeros((), jnp.float32)
+  return jax.lax.reduce(
+      (logits, jnp.ones_like(logits), label_logits),
+      (jnp.array(-jnp.inf, jnp.float32), zero, zero),
+      _online_logsumexp, (1,))
+
+
+def _forward(hidden, kernel, labels, where, blocking, cap):
+  block, vocab, _ = blocking
+  row_blocks = _row_blocks(kernel, hidden.dtype, block)
   tokens = hidden.shape[0]
-
-  def step(carry, i):
-    running_max, running_sum, label_logit = carry
-    logits, ids, _, _ = _block_logits(hidden, rows, i * block, block, vocab,
-                                      cap)
-    new_max = jnp.maximum(running_max, logits.max(axis=1))
-    running_sum = (running_sum * jnp.exp(running_max - new_max)
-                   + jnp.exp(logits - new_max[:, None]).sum(axis=1))
-    label_logit = label_logit + jnp.where(
-        ids[None, :] == labels[:, None], logits, 0.0).sum(axis=1)
-    return (new_max, running_sum, label_logit), None
-
   carry = (jnp.full((tokens,), -jnp.inf), jnp.zeros((tokens,)),
            jnp.zeros((tokens,)))
-  for i in range(blocks):  # unrolled: see _backward_rule
-    carry, _ = step(carry, i)
-    if i + 1 < blocks:  # one block's logits alive at a time
+  for i, block_rows in enumerate(row_blocks):  # unrolled: see _backward_rule
+    logits, ids, _ = _block_logits(hidden, block_rows, i * block, vocab, cap)
+    carry = _online_logsumexp(carry, _block_statistics(logits, ids, labels))
+    if i + 1 < len(row_blocks):  # one block's logits alive at a time
       hidden, carry = jax.lax.optimization_barrier((hidden, carry))
   maximum, total, label_logit = carry
   lse = maximum + jnp.log(total)
   losses = jnp.where(where, lse - label_logit, 0.0)
-  return losses, (hidden, kernel, labels, where, lse)
+  # The row blocks are kept for the backward pass, not the kernel: they are
+  # the same bytes, and the backward pass need not slice them again.
+  return losses, (hidden, row_blocks, labels, where, lse)
 
 
-def _forward_rule(hidden, kernel, labels, where, block, cap):
-  return _forward(hidden, kernel, labels, where, block, cap)
+def _forward_rule(hidden, kernel, labels, where, blocking, cap):
+  return _forward(hidden, kernel, labels, where, blocking, cap)
 
 
-def _backward_rule(block, cap, residuals, g):
-  hidden, kernel, labels, where, lse = residuals
-  vocab = kernel.shape[1]
+def _backward_rule(blocking, cap, residuals, g):
+  hidden, row_blocks, labels, where, lse = residuals
+  block, vocab, kernel_dtype = blocking
   # The barrier keeps XLA from merging the recomputed logits with the
   # forward pass's (which would keep every block alive until here).
-  hidden, kernel = jax.lax.optimization_barrier((hidden, kernel))
-  rows, blocks = _rows(kernel, hidden.dtype, block)
+  hidden, row_blocks = jax.lax.optimization_barrier((hidden, row_blocks))
   g = jnp.where(where, g, 0.0).astype(jnp.float32)
 
-  def step(d_hidden, i):
-    logits, ids, block_rows, capped = _block_logits(hidden, rows, i * block,
-                                                    block, vocab, cap)
+  def step(d_hidden, i, block_rows):
+    logits, ids, capped = _block_logits(hidden, block_rows, i * block, vocab,
+                                        cap)
     probs = jnp.exp(logits - lse[:, None])
     d_logits = (probs - (ids[None, :] == labels[:, None])) * g[:, None]
     if capped is not None:
       d_logits = d_logits * (1.0 - capped * capped)
-    # Both gradient GEMMs over half operands, accumulated in fp32. Each
-    # block's rows of the kernel gradient are complete: they leave the scan
-    # as its outputs, stacked (no running copy of the whole gradient).
+    # Both gradient GEMMs over half operands, accumulated in fp32; the
+    # hidden's gradient is summed over blocks in fp32.
     d_logits = d_logits.astype(hidden.dtype)
     d_hidden = d_hidden + jnp.dot(d_logits, block_rows,
                                   preferred_element_type=jnp.float32)
+    # The block's rows of the kernel gradient are complete after one GEMM
+    # (accumulated in fp32 inside it): written in the kernel's dtype, not
+    # written in fp32 and converted by another kernel.
     d_rows = jax.lax.dot_general(d_logits, hidden, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-    return d_hidden, d_rows.astype(kernel.dtype)
+                                 preferred_element_type=kernel_dtype)
+    return d_hidden, d_rows
 
   # Unrolled, not a loop: XLA's cost model counts a loop's body once, so a
   # loop would hide the blocks' bytes from compiled reports; and the rows of
   # the kernel gradient are simply concatenated.
   d_hidden, d_rows = jnp.zeros(hidden.shape, jnp.float32), []
-  for i in range(blocks):
-    d_hidden, rows_i = step(d_hidden, i)
+  for i, block_rows in enumerate(row_blocks):
+    d_hidden, rows_i = step(d_hidden, i, block_rows)
     d_rows.append(rows_i)
-    if i + 1 < blocks:  # the next block waits: one block alive at a time
+    if i + 1 < len(row_blocks):  # the next block waits: one alive at a time
       hidden, d_hidden = jax.lax.optimization_barrier((hidden, d_hidden))
   d_kernel = jnp.concatenate(d_rows)[:vocab].T
   return (d_hidden.astype(hidden.dtype), d_kernel,

@@ -193,3 +193,30 @@ def test_the_old_helper_names_stay():
       losses.softmax_cross_entropy_with_integer_labels)
   assert jmp_lab.nnx.log_softmax is losses.log_softmax
   chex.assert_type(jl.softmax(jnp.ones(3, jnp.bfloat16)), jnp.bfloat16)
+
+
+def test_compiled_for_an_h100_each_blocks_logits_are_read_once_a_pass():
+  """Compiled for an H100: outside the GEMMs, one kernel a pass reads a
+  block's logits. In the forward pass that is the block's log-sum-exp and
+  correct-class logit, one variadic reduction (max and then sum(exp) would
+  be two, each reading the block: 0.82 GB a step at GPT-2's shapes); in the
+  backward pass, the kernel that writes the logits' gradient. The kernel's
+  gradient leaves its GEMM in the kernel's dtype (no fp32 copy converted by
+  another kernel)."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  tokens, width, vocab, block = 4096, 128, 16384, 2048
+  hidden = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
+  kernel = jax.ShapeDtypeStruct((width, vocab), jnp.bfloat16)
+  labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+  fn = jax.grad(lambda h, k, y: losses.linear_cross_entropy(
+      h, k, y, block_size=block).sum(), argnums=(0, 1))
+  report = jmp_lab.diagnostics.compiled_report(fn, hidden, kernel, labels,
+                                               target="h100")
+  block_bytes = tokens * block * 2  # one block's bf16 logits
+  readers = [k for k in report.kernel_records
+             if k.opcode != "custom-call" and k.io_bytes >= block_bytes]
+  forward = [k for k in readers if "transpose(" not in k.op_name]
+  backward = [k for k in readers if "transpose(" in k.op_name]
+  assert len(forward) == vocab // block, [k.name for k in forward]
+  assert len(backward) == vocab // block, [k.name for k in backward]
+  assert "f32[2048,128]" not in report.hlo_text  # a block's kernel gradient
