@@ -40,8 +40,8 @@ import optax
 
 # The widest vocabulary block by default: its logits (tokens x block, in the
 # hidden's dtype) are the largest temporary. Compiled for an H100 with
-# GPT-2's shapes (8,192 tokens, 50,304 words), blocks of 8,384 move 8.30 GB
-# with 0.17 GiB of temporaries, 16,768 move 8.08 GB with 0.66 GiB, and the
+# GPT-2's shapes (8,192 tokens, 50,304 words), blocks of 8,384 move 7.24 GB
+# with 0.20 GiB of temporaries, 16,768 move 7.04 GB with 0.66 GiB, and the
 # stored logits 13.11 GB with 2.3 GiB (benchmarks/RESULTS.md).
 DEFAULT_BLOCK = 8192
 
