@@ -26,8 +26,10 @@ is accumulated in it, and ``nn.Einsum``'s kernel and every bias (of those
 layers and of ``nn.ConvTranspose`` and ``nn.ConvLocal``) are read through
 ``stop_gradient`` and get their gradient attached after the call, summed in
 the reduce dtype (:func:`jmp_lab.reduce.with_param_gradient`). Norms are fp32
-islands already. Not covered: the kernels of ``nn.ConvTranspose`` and
-``nn.ConvLocal`` (a warning says so).
+islands already. Not covered (a warning says so): the kernels of
+``nn.ConvTranspose`` and ``nn.ConvLocal``, and the attached params of layers
+inside ``nn.scan`` or ``nn.vmap``, which stack them (a Dense's kernel there
+is covered: its gradient GEMM is inside the layer's call).
 
 Softmax and cross-entropy stay fp32 through the helpers here:
 :func:`softmax`, :func:`softmax_cross_entropy_with_integer_labels`, and
@@ -63,6 +65,7 @@ import flax
 import flax.linen as nn
 from flax import traverse_util
 from flax.linen.dtypes import promote_dtype as flax_promote_dtype
+from flax.linen.module import merge_param
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -250,13 +253,17 @@ class PolicyModule:
     """
     found: dict[tuple, Policy] = {}
     attach: dict[tuple, tuple] = {}
+    model_params = traverse_util.flatten_dict(
+        flax.core.unfreeze(variables.get("params", {})))
 
     def record(next_fun, call_args, call_kwargs, context):
       policy = self.module_policy(context.module)
       path = tuple(context.module.path)
       if policy is not None:
         found[path] = policy
-      names = _attached_params(context.module, policy or self.policy)
+      names = _unstacked(context.module, _attached_params(
+          context.module, policy or self.policy), model_params,
+                         (policy or self.policy).reduce_dtype)
       if names:
         attach[path] = names
       # Marked as apply marks it: code that asks for the compute dtype
@@ -300,11 +307,15 @@ class PolicyModule:
             out = reduce_lib.embed_attend(args[0], module.embedding,
                                           self.policy.compute_dtype,
                                           policy.reduce_dtype)
+        elif name == "__call__" and _is_fp8_einsum(module, policy):
+          with autocast_scope(compute):
+            out = _fp8_einsum_call(module, args, kwargs, _einsum_fp8_meta(
+                module, policy, self.fp8_history_length), compute)
         else:
           with autocast_scope(compute), _matmul_override(
-              module, policy, self.fp8_history_length) as finish, \
+              module, policy, self.fp8_history_length), \
               _fp32_softmax_attention(module):
-            out = finish(next_fun(*args, **kwargs))
+            out = next_fun(*args, **kwargs)
       finally:
         depth[0] -= 1
       params = attached.get(tuple(module.path))
@@ -336,19 +347,47 @@ def _runs_its_own_call(module: nn.Module, classes: tuple) -> bool:
 
 def _attached_params(module: nn.Module, policy: Policy) -> tuple[str, ...]:
   """The params of ``module`` whose gradients the interceptor attaches: under
-  a reduce dtype, every bias and an Einsum's kernel; under fp8, an Einsum's
-  bias (so that its gradient is summed from the output gradient before
-  that is quantized to E5M2, as a Dense's is)."""
-  fp8_einsum = _is_fp8_einsum(module, policy)
-  if policy.reduce_dtype is None and not fp8_einsum:
+  a reduce dtype, every bias and an Einsum's kernel (not under fp8: its
+  gradient comes out of the fp8 GEMM)."""
+  if policy.reduce_dtype is None:
     return ()
   names = []
-  if (_runs_its_own_call(module, (nn.Einsum,)) and not fp8_einsum):
+  if (_runs_its_own_call(module, (nn.Einsum,))
+      and not _is_fp8_einsum(module, policy)):
     names.append("kernel")
   if (_runs_its_own_call(module, _BIAS_MODULES) and module.use_bias
       and not getattr(module, "batch_dims", ())):
     names.append("bias")
   return tuple(names)
+
+
+def _unstacked(module: nn.Module, names: tuple[str, ...],
+               model_params: Mapping[tuple, Any], reduce_dtype
+               ) -> tuple[str, ...]:
+  """The ``names`` whose params ``module`` sees as the model holds them.
+
+  A gradient is attached from the model's param, outside the module's call
+  (:func:`_detach`); inside ``nn.scan`` or ``nn.vmap`` the module sees one
+  slice of a stacked param, which that cannot reach. Those params keep
+  flax's own gradient, summed in the compute dtype, and a warning says so
+  (a ValueError deep in jax's transpose was what it said before).
+  """
+  inside = module.variables.get("params", {})
+  path = tuple(module.path)
+  kept = tuple(name for name in names if name in inside
+               and path + (name,) in model_params
+               and np.shape(inside[name]) == np.shape(
+                   model_params[path + (name,)]))
+  if kept != names:
+    skipped = [name for name in names if name not in kept]
+    warnings.warn(
+        f"policy reduce dtype {np.dtype(reduce_dtype).name} does not reach "
+        f"the {' and '.join(skipped)} of {type(module).__name__} "
+        f"{'/'.join(module.path)!r}: its params are stacked by a lifted "
+        f"transform (nn.scan, nn.vmap), so their gradients are summed across "
+        f"devices in the compute dtype; its matmul's weight gradient, where "
+        f"it has one, is in the reduce dtype", stacklevel=5)
+  return kept
 
 
 def _detach(params: Any, attach: Mapping[tuple, tuple],
@@ -385,10 +424,8 @@ def _attach_gradients(module: nn.Module, out, params: Mapping[str, Any],
   if "bias" in params:
     broadcast = (reduce_lib.einsum_bias_broadcast(subscripts, inputs, kernel)
                  if einsum else params["bias"].shape)
-    # Without a reduce dtype (an fp8 Einsum), summed as flax would: in the
-    # output gradient's dtype.
     gradient = lambda g, _: reduce_lib.bias_gradient(  # noqa: E731
-        g, broadcast, reduce_dtype or g.dtype)
+        g, broadcast, reduce_dtype)
     out = reduce_lib.with_param_gradient(gradient, out, params["bias"], ())
   return out
 
@@ -458,25 +495,10 @@ def _matmul_override(module: nn.Module, policy: Policy, history_length: int):
   """For one call: a Dense/DenseGeneral's ``dot_general`` (or
   ``dot_general_cls``) in fp8 under a ``matmul`` policy, or the reduce
   dtype's under a ``reduce`` policy (fp8 wins: its weight gradient comes out
-  of the fp8 GEMM); a module that sets its own keeps it. An ``nn.Einsum``
-  has no matmul attribute: under fp8 its ``promote_dtype`` quantizes the
-  operands, and the function this yields (applied to the layer's output)
-  quantizes the output gradient. Elsewhere that function is the identity.
+  of the fp8 GEMM); a module that sets its own keeps it. (An ``nn.Einsum``
+  has no matmul attribute: under fp8 the interceptor runs
+  :func:`_fp8_einsum_call` in its place.)
   """
-  if _is_fp8_einsum(module, policy):
-    meta = _einsum_fp8_meta(module, policy, history_length)
-    default = module.promote_dtype
-
-    def promote(inputs, kernel, bias, dtype=None):
-      inputs, kernel, bias = default(inputs, kernel, bias, dtype=dtype)
-      return (*fp8.quantize_operands(inputs, kernel, meta), bias)
-
-    object.__setattr__(module, "promote_dtype", promote)
-    try:
-      yield lambda out: fp8.quantize_output_gradient(out, meta)
-    finally:
-      object.__setattr__(module, "promote_dtype", default)
-    return
   if policy.matmul is not None and any(_is_exactly(module, cls)
                                        for cls in _FP8_MODULES):
     if module.dot_general is not None or module.dot_general_cls is not None:
@@ -490,7 +512,7 @@ def _matmul_override(module: nn.Module, policy: Policy, history_length: int):
   else:
     override = _reduced_gradients(module, policy.reduce_dtype)
   with override:
-    yield lambda out: out
+    yield
 
 
 def _is_fp8_einsum(module: nn.Module, policy: Policy) -> bool:
@@ -506,6 +528,45 @@ def _einsum_fp8_meta(module: nn.Einsum, policy: Policy, history_length: int):
     return None
   return {name: module.variable(fp8.COLLECTION, name, lambda v=v: v).value
           for name, v in fp8.init_meta(history_length).items()}
+
+
+def _fp8_einsum_call(module: nn.Einsum, args, kwargs,
+                     meta: Optional[fp8.Fp8Meta], compute_dtype) -> jax.Array:
+  """flax's ``nn.Einsum.__call__`` with its product as
+  :func:`jmp_lab.fp8.einsum` (linen's Einsum has no matmul attribute to set).
+
+  The params are flax's own: the same names, shapes, dtypes, initializers
+  and order. The fp8 product is rematerialized with its quantization, so
+  the backward GEMMs are fp8 inside ``nn.scan`` too (quantizing through
+  ``promote_dtype`` instead left them 16-bit there: the dequantized operands
+  crossed the loop as bf16 residuals), and the output gradient is quantized
+  before the bias add, so the bias gradient is summed from the unquantized
+  one, as a Dense's is. The operands are promoted to the policy's compute
+  dtype, not to a ``dtype`` the layer pins: an fp8 GEMM returns the compute
+  dtype anyway, and operands dequantized to fp32 and cast to bf16 on the
+  way into the einsum's transposes compiled to 16-bit GEMMs on the H100.
+  """
+  inputs, _ = reduce_lib.flax_einsum_call(module, args, kwargs)
+  # flax's rule: the equation given once, to the constructor or the call.
+  subscripts = merge_param("einsum_str", module.einsum_str,
+                           args[1] if len(args) > 1 else kwargs.get(
+                               "einsum_str")).replace(" ", "")
+  kernel = module.param("kernel", module.kernel_init, module.shape,
+                        module.param_dtype)
+  bias = None
+  if module.use_bias:
+    _, rhs_names, out_names = reduce_lib.einsum_subscripts(subscripts, inputs,
+                                                           kernel)
+    bias = module.param("bias", module.bias_init,
+                        [kernel.shape[rhs_names.index(c)] for c in out_names
+                         if c in rhs_names], module.param_dtype)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias,
+                                              dtype=compute_dtype)
+  out = fp8.einsum(subscripts, inputs, kernel, meta=meta)
+  if bias is not None:
+    out = out + jnp.reshape(bias, reduce_lib.einsum_bias_broadcast(
+        subscripts, inputs, kernel))
+  return out
 
 
 def _reduced_gradients(module: nn.Module, reduce_dtype):

@@ -276,6 +276,43 @@ def test_modules_the_reduce_dtype_does_not_reach_warn():
     einsum.init(jax.random.key(0), jnp.ones((2, 3)))
 
 
+class _ScannedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    x = x + nn.Dense(8)(nn.relu(nn.Dense(16)(x)))
+    return x + nn.Einsum((8, 8), "bd,dk->bk")(x), None
+
+
+class _Scanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_ScannedBlock, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=3)
+    return blocks(name="blocks")(x, None)[0]
+
+
+def test_under_nn_scan_the_stacked_params_say_what_the_reduce_dtype_misses():
+  """nn.scan stacks its layers' params; a gradient jmp_lab attaches from the
+  model's param cannot reach one layer's slice. The step differentiates
+  (jax raised a TypeError in its transpose before: "cannot reshape array
+  of shape (1, 8) into shape (3, 8)"), the warning names the layers and
+  params, the gradients equal flax's own, and the Dense kernels' gradient
+  GEMMs, inside the layer's call, are still in the reduce dtype."""
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  model = jl.with_policy(_Scanned(), "mixed_bfloat16,reduce=float32")
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p, m: jnp.sum(m.apply({"params": p}, x) ** 2)  # noqa: E731
+  with pytest.warns(UserWarning, match=r"does not reach the kernel and bias "
+                    r"of Einsum 'blocks/Einsum_0'.*stacked") as caught:
+    grads = jax.grad(loss)(params, model)
+  assert any("the bias of Dense 'blocks/Dense_0'" in str(w.message)
+             for w in caught)
+  plain = jax.grad(loss)(params, jl.with_policy(_Scanned(), "mixed_bfloat16"))
+  chex.assert_trees_all_close(grads, plain, rtol=0.05, atol=1e-3)
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, model))
+  assert jaxpr.count("preferred_element_type=float32") >= 2, jaxpr
+
+
 def test_without_a_reduce_dtype_nothing_changes():
   model = jl.with_policy(nn.Dense(3), "mixed_bfloat16")
   params = model.init(jax.random.key(0), jnp.ones((2, 4)))["params"]
