@@ -89,7 +89,8 @@ def resnet_case(policy: str, *, batch: int = 32, seed: int = 0,
   variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
   state = jmp_lab.TrainState.create(
       apply_fn=model.apply, params=variables["params"],
-      model_state={"batch_stats": variables["batch_stats"]},
+      # batch_stats, and the fp8 scaling state under an fp8 policy.
+      model_state={k: v for k, v in variables.items() if k != "params"},
       tx=_optimizer(policy, 3e-3), policy=policy)
 
   def loss_fn(params, state, batch):

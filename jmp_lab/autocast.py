@@ -108,6 +108,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jmp_lab import _gemm
 from jmp_lab._nesting import Nesting
 from jmp_lab.policy import Policy, get_policy
 
@@ -642,7 +643,14 @@ def _matmul(eqn, invals, compute, context):
     # fp32 result would make jax's transpose a GEMM of an fp32 cotangent by
     # a half operand, which runs in fp32.
     params["preferred_element_type"] = compute
-  return _bind(eqn, operands + list(invals[2:]), params), [False]
+  result = params.get("preferred_element_type")
+  if result is None or np.dtype(result).itemsize <= compute.itemsize:
+    return _bind(eqn, operands + list(invals[2:]), params), [False]
+  # Half operands, a wider result (a backward rule's fp32 accumulation):
+  # XLA:CPU cannot run every such GEMM (jmp_lab._gemm).
+  return [_gemm.accumulated(
+      lambda *ops: _bind(eqn, list(ops) + list(invals[2:]), params)[0],
+      operands, result)], [False]
 
 
 def _convert(eqn, invals, in_wide, path):

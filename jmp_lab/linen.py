@@ -446,10 +446,31 @@ class Fp8DotGeneral(nn.Module):
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None):
-    meta = {name: self.variable(fp8.COLLECTION, name, lambda v=v: v).value
-            for name, v in fp8.init_meta(self.history_length).items()}
     return fp8.dot_general(lhs, rhs, dimension_numbers, precision,
-                           preferred_element_type, meta=meta)
+                           preferred_element_type,
+                           meta=_fp8_meta(self, self.history_length))
+
+
+def _fp8_meta(module: nn.Module, history_length: int) -> fp8.Fp8Meta:
+  """``module``'s delayed-scaling state: variables in its own scope's
+  :data:`jmp_lab.fp8.COLLECTION`, created by ``init``. A clear error where
+  an ``apply`` has none (flax's says the collection is empty)."""
+  initial = fp8.init_meta(history_length)
+  if not module.is_mutable_collection(fp8.COLLECTION) and not all(
+      module.has_variable(fp8.COLLECTION, name) for name in initial):
+    where = ("init cannot create it" if module.is_initializing()
+             else "this apply has none")
+    raise ValueError(
+        f"an fp8 policy keeps each fp8 matmul's scaling state in the "
+        f"model's {fp8.COLLECTION!r} collection (jmp_lab.fp8.COLLECTION), "
+        f"and {where} for {'/'.join(module.path)!r}. Pass every collection "
+        f"init returned, not only 'params': model.apply({{'params': params, "
+        f"**model_state}}, ...), as jmp_lab.TrainState.create(model_state="
+        f"...) keeps them. A model that runs layers under nn.scan or nn.vmap "
+        f"must list the collection there: nn.scan(..., variable_axes="
+        f"{{'params': 0, jmp_lab.fp8.COLLECTION: 0}})")
+  return {name: module.variable(fp8.COLLECTION, name, lambda v=v: v).value
+          for name, v in initial.items()}
 
 
 _FP8_MODULES = (nn.Dense, nn.DenseGeneral)
@@ -526,8 +547,7 @@ def _einsum_fp8_meta(module: nn.Einsum, policy: Policy, history_length: int):
   ``_overwrite_with_gradient`` collection (None for current scaling)."""
   if policy.matmul == "fp8_current":
     return None
-  return {name: module.variable(fp8.COLLECTION, name, lambda v=v: v).value
-          for name, v in fp8.init_meta(history_length).items()}
+  return _fp8_meta(module, history_length)
 
 
 def _fp8_einsum_call(module: nn.Einsum, args, kwargs,

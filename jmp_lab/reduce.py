@@ -39,6 +39,8 @@ import numpy as np
 import opt_einsum  # a dependency of jax: its einsum's own parser
 from jax import lax
 
+from jmp_lab._gemm import accumulated
+
 
 def _remaining(ndim: int, *removed: Sequence[int]) -> list[int]:
   gone = {int(i) for axes in removed for i in axes}
@@ -66,8 +68,12 @@ def _transpose_lhs(g, lhs_ndim: int, rhs, dimension_numbers, precision,
   dims = ((ans_rhs, rhs_kept), (ans_batch, list(rhs_batch)))
   lhs_contract_by_rhs = list(np.take(lhs_contract, np.argsort(rhs_contract)))
   out_axes = np.argsort(list(lhs_batch) + lhs_kept + lhs_contract_by_rhs)
-  product = lax.dot_general(g, rhs, dims, precision=precision,
-                            preferred_element_type=preferred_element_type)
+  def gemm(g, rhs):
+    return lax.dot_general(g, rhs, dims, precision=precision,
+                           preferred_element_type=preferred_element_type)
+
+  product = (gemm(g, rhs) if preferred_element_type is None
+             else accumulated(gemm, (g, rhs), preferred_element_type))
   return lax.transpose(product, tuple(int(a) for a in out_axes))
 
 
@@ -304,8 +310,11 @@ def einsum_rhs_gradient(subscripts: str, lhs, g, rhs_shape: Sequence[int],
   # A weight axis in neither the input nor the output is summed out by the
   # forward einsum: its gradient is the same along it.
   kept = "".join(c for c in rhs_names if c in lhs_names or c in out_names)
-  product = jax.numpy.einsum(f"{lhs_names},{out_names}->{kept}", lhs, g,
-                             preferred_element_type=reduce_dtype)
+  product = accumulated(
+      lambda lhs, g: jax.numpy.einsum(f"{lhs_names},{out_names}->{kept}",
+                                      lhs, g,
+                                      preferred_element_type=reduce_dtype),
+      (lhs, g), reduce_dtype)
   expanded = lax.expand_dims(product, [i for i, c in enumerate(rhs_names)
                                        if c not in kept])
   return jax.numpy.broadcast_to(expanded, tuple(rhs_shape))

@@ -15,7 +15,7 @@ import jmp_lab
 from jmp_lab import fp8
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.diagnostics import audit_step
-from jmp_lab.diagnostics.audit import sub_jaxprs
+from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16,
                                          jnp.float32))
@@ -27,7 +27,7 @@ def eqns_named(jaxpr, names):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in names:
       found.append(eqn)
-    for inner in sub_jaxprs(eqn.params):
+    for inner in compiled_sub_jaxprs(eqn):
       found += eqns_named(inner, names)
   return found
 

@@ -629,3 +629,35 @@ def test_linen_einsums_that_pin_float32_are_fp8_gemms_on_h100(scanned):
     state, metrics = step(state, (X, Y))
     losses.append(float(metrics["loss"]))
   assert losses[-1] < losses[0]
+
+
+class _ScannedWithoutTheCollection(nn.Module):
+  """nn.scan as public code writes it: only params are stacked."""
+
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_ScannedBlock, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=2)
+    return blocks(name="blocks")(x, None)[0]
+
+
+def test_a_missing_scaling_state_is_a_clear_error():
+  """Applying an fp8 model without its scaling state, or scanning its
+  layers without listing the collection in nn.scan's variable_axes (init
+  would drop it: the error comes at init), says what is missing and how to
+  pass it; flax's error, at apply, said the collection was empty."""
+  model = jl.with_policy(MLP(), "mixed_fp8")
+  variables = model.init(jax.random.key(1), X)
+  with pytest.raises(ValueError, match=r"has none for 'Dense_0/.*Pass every "
+                     r"collection init returned"):
+    model.apply({"params": variables["params"]}, X)
+  scanned = jl.with_policy(_ScannedWithoutTheCollection(), "mixed_fp8")
+  with pytest.raises(ValueError, match=r"'blocks/Dense_0.*variable_axes="
+                     r"\{'params': 0, jmp_lab.fp8.COLLECTION: 0\}"):
+    scanned.init(jax.random.key(1), X)
+  # Current scaling keeps no state: nothing to pass.
+  current = jl.with_policy(_ScannedWithoutTheCollection(),
+                           "mixed_bfloat16,matmul=fp8_current")
+  variables = current.init(jax.random.key(1), X)
+  assert set(variables) == {"params"}
+  current.apply(variables, X)

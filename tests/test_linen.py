@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jmp_lab
-from jmp_lab.diagnostics.audit import sub_jaxprs
+from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
 from jmp_lab import linen as jl
 
 F32 = np.dtype(jnp.float32)
@@ -37,7 +37,7 @@ def primitive_operand_dtypes(jaxpr, names):
     if eqn.primitive.name in names:
       found.append((eqn.primitive.name,
                     tuple(np.dtype(v.aval.dtype) for v in eqn.invars)))
-    for inner in sub_jaxprs(eqn.params):
+    for inner in compiled_sub_jaxprs(eqn):
       found += primitive_operand_dtypes(inner, names)
   return found
 

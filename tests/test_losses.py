@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jmp_lab
 from jmp_lab import linen as jl
 from jmp_lab import losses
-from jmp_lab.diagnostics.audit import sub_jaxprs
+from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
 
 TOKENS, WIDTH, VOCAB = 48, 32, 1000
 
@@ -104,7 +104,7 @@ def test_no_stored_logits_and_half_gemms():
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
       yield eqn
-      for inner in sub_jaxprs(eqn.params):
+      for inner in compiled_sub_jaxprs(eqn):
         yield from walk(inner)
 
   eqns = list(walk(jaxpr))

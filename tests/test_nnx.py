@@ -12,7 +12,7 @@ from absl.testing import parameterized
 from flax import nnx
 
 import jmp_lab
-from jmp_lab.diagnostics.audit import sub_jaxprs
+from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
 from jmp_lab import nnx as jnnx
 
 from conftest import tree_bits_equal
@@ -50,7 +50,7 @@ def primitive_dtypes(jaxpr, names):
       found.append((eqn.primitive.name,
                     tuple(np.dtype(v.aval.dtype) for v in eqn.invars),
                     tuple(np.dtype(v.aval.dtype) for v in eqn.outvars)))
-    for inner in sub_jaxprs(eqn.params):
+    for inner in compiled_sub_jaxprs(eqn):
       found += primitive_dtypes(inner, names)
   return found
 
