@@ -454,9 +454,28 @@ def _set_fp8_state(module: nnx.Module, mode: Optional[str],
     setattr(module, attribute, current)
   has_meta = isinstance(getattr(module, "fp8_meta", None), Fp8Meta)
   if mode == "fp8" and not has_meta:
-    module.fp8_meta = Fp8Meta(fp8.init_meta(history_length))
+    # One state per layer of a stack (layers built under nnx.vmap, run
+    # under nnx.scan): its leading axes are the kernel's stacking axes.
+    layers = _stacking_shape(module)
+    module.fp8_meta = Fp8Meta(jax.tree_util.tree_map(
+        lambda v: jnp.broadcast_to(v, layers + v.shape),
+        fp8.init_meta(history_length)))
   elif mode != "fp8" and has_meta:
     del module.fp8_meta
+
+
+def _stacking_shape(module: nnx.Module) -> tuple[int, ...]:
+  """The leading axes by which ``module``'s kernel is stacked (``()`` for
+  a layer built alone; ``(L,)`` for L layers built under ``nnx.vmap``)."""
+  if isinstance(module, nnx.Einsum):
+    own = len(module.kernel_shape)
+  elif isinstance(module, nnx.LinearGeneral):
+    own = (len(module.batch_axis) + len(module.in_features)
+           + len(module.out_features))
+  else:
+    own = 2
+  shape = jnp.shape(module.kernel.get_raw_value())
+  return tuple(shape[:len(shape) - own])
 
 
 def with_policy(

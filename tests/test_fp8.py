@@ -2,6 +2,7 @@
 
 import collections
 import functools
+import importlib.util
 import pathlib
 import sys
 
@@ -661,3 +662,63 @@ def test_a_missing_scaling_state_is_a_clear_error():
   variables = current.init(jax.random.key(1), X)
   assert set(variables) == {"params"}
   current.apply(variables, X)
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(16, 32, dtype=jnp.float32, rngs=rngs)
+    self.down = nnx.Linear(32, 16, dtype=jnp.float32, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.gelu(self.up(x)))
+
+
+class _NnxScanned(nnx.Module):
+  """Layers built under nnx.vmap and run under nnx.scan, as flax's guide
+  to scanning over layers writes them."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return _NnxBlock(rngs)
+
+    self.blocks = blocks(rngs)
+    self.head = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(x, self.blocks))
+
+
+def test_nnx_layers_stacked_by_vmap_get_one_scaling_state_each():
+  """A Linear built under nnx.vmap holds a stack of kernels; its Fp8Meta is
+  stacked the same way, so nnx.scan slices one state per layer (an
+  unstacked one made nnx.scan fail: "tuple index out of range"). Each layer
+  observes its own amaxes, and compiled for the H100 every GEMM of the
+  step, the loop's included, is fp8."""
+  model = jmp_lab.nnx.with_policy(_NnxScanned(nnx.Rngs(0)), "mixed_fp8",
+                                  fp8_history_length=8)
+  meta = model.blocks.up.fp8_meta.get_value()
+  chex.assert_shape([meta["input_scale"], meta["input_amax_history"]],
+                    [(3,), (3, 8)])
+  optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(
+      optax.adam(1e-2), policy="mixed_fp8", loss_scale=jmp_lab.NoOpLossScale()),
+      wrt=nnx.Param)
+  step, state = jmp_lab.nnx.split_train_step(nnx_loss, model, optimizer)
+  if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+    report = jmp_lab.diagnostics.compiled_report(step, state, (X, Y),
+                                                 target="h100")
+    maths = collections.Counter((g.math, g.times) for g in report.gemms)
+    # 2 layers x 3 GEMMs, 3 trips; the head's 3 once.
+    assert maths == {("fp8", 3): 6, ("fp8", 1): 3}, maths
+  train = jmp_lab.nnx.make_train_step(nnx_loss)
+  losses = [float(train(model, optimizer, (X, Y))["loss"]) for _ in range(4)]
+  assert losses[-1] < losses[0]
+  history = np.asarray(model.blocks.up.fp8_meta.get_value()[
+      "input_amax_history"])
+  np.testing.assert_array_equal(np.count_nonzero(history, axis=1), [4, 4, 4])
+  assert len(set(history[:, 0].tolist())) == 3  # each layer its own input
