@@ -311,7 +311,8 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
   Raises:
     TypeError: if ``fn`` is not callable or an ``exclude`` entry is not a
       string.
-    ValueError: for a bad policy spec, an unknown primitive name or an
+    ValueError: for a bad policy spec, a policy with fp8 matmuls
+      (``matmul=``: autocast has none), an unknown primitive name or an
       invalid regular expression.
 
   Example::
@@ -330,6 +331,16 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
     raise TypeError(f"autocast needs a callable fn, got {type(fn).__name__} "
                     f"{fn!r}")
   policy = get_policy(policy)
+  if policy.matmul is not None:
+    # An fp8 GEMM needs to know which operand is a layer's weight (and,
+    # delayed, where its scaling state lives): an op-level rule does not.
+    raise ValueError(
+        f"autocast has no fp8 matmuls: policy {str(policy)!r} asks for "
+        f"matmul={policy.matmul}, which would be silently left out. Use "
+        f"jmp_lab.linen.with_policy or jmp_lab.nnx.with_policy for Flax "
+        f"models, or call jmp_lab.fp8.dot_general / jmp_lab.fp8.einsum in "
+        f"your own layers (they compose with autocast), and give autocast "
+        f"the policy without matmul=")
   rules = make_rules(policy.compute_dtype, fp32_ops=fp32_ops,
                      extra_fp32_ops=extra_fp32_ops, exclude=exclude)
   wrapped = apply_rules(fn, rules, output_dtype=policy.output_dtype)

@@ -368,6 +368,11 @@ def test_non_array_arguments_and_outputs_pass_through():
                                                   r"\['softmax'\]"),
     ({"exclude": "head("}, ValueError, "invalid exclude pattern 'head\\('"),
     ({"exclude": [3]}, TypeError, "exclude must hold regular expressions"),
+    # fp8 needs a layer's weights and state: silently bf16 before.
+    ({"policy": "mixed_fp8"}, ValueError, "autocast has no fp8 matmuls: .*"
+                                          "matmul=fp8.*jmp_lab.fp8.dot_general"),
+    ({"policy": "mixed_bfloat16,matmul=fp8_current"}, ValueError,
+     "matmul=fp8_current"),
 ])
 def test_bad_input_is_refused_with_a_message_naming_it(kwargs, error, match):
   args = {"fn": mlp, "policy": "mixed_bfloat16", **kwargs}
