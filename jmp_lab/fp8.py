@@ -392,6 +392,14 @@ def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
   @functools.partial(jax.checkpoint, prevent_cse=False,
                      policy=jax.checkpoint_policies.nothing_saveable)
   def quantized_product(lhs, rhs, meta):
+    if meta is None:
+      # Current scaling quantizes an input shared by two layers (a gated
+      # MLP's gate and up projections) identically for both: XLA then
+      # merges the quantizations, merges the two GEMMs that read the one
+      # result into one over a concatenated kernel, and that GEMM is no
+      # longer the fp8 pattern: 16-bit on the H100. Tying the input to its
+      # own kernel keeps one quantization, and one fp8 GEMM, per layer.
+      lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
     return product(*quantize_operands(lhs, rhs, meta))
 
   return quantize_output_gradient(quantized_product(lhs, rhs, meta), meta)
@@ -448,6 +456,34 @@ def current_einsum(subscripts, lhs, rhs, precision=None,
   ``einsum_op``."""
   return einsum(subscripts, lhs, rhs, precision, preferred_element_type,
                 out_sharding=out_sharding)
+
+
+def operands_in(matmul: Callable[..., jax.Array], dtype: Any, *,
+                einsum: bool = False) -> Callable[..., jax.Array]:
+  """``matmul`` (an fp8 ``dot_general`` or, with ``einsum=True``, an fp8
+  einsum whose subscripts come first) with its two operands cast to
+  ``dtype`` first: the layer attribute a policy installs.
+
+  A layer with its own ``dtype=jnp.float32`` hands its matmul fp32
+  operands, and XLA rewrites quantize-dequantize into an fp8 GEMM only
+  around a half-precision one: cast to the compute dtype first, they
+  compile to fp8 on the H100 (fp32, to 16-bit GEMMs).
+
+  >>> import jax.numpy as jnp
+  >>> dot = operands_in(current_dot_general, jnp.bfloat16)
+  >>> dot(jnp.ones((2, 4)), jnp.ones((4, 3)), (((1,), (0,)), ((), ()))).dtype
+  dtype(bfloat16)
+  """
+  first = 1 if einsum else 0
+
+  def cast_then_multiply(*args, **kwargs):
+    args = list(args)
+    for i in (first, first + 1):
+      if jnp.issubdtype(jnp.result_type(args[i]), jnp.floating):
+        args[i] = jnp.asarray(args[i]).astype(dtype)
+    return matmul(*args, **kwargs)
+
+  return cast_then_multiply
 
 
 def delayed_dot_general(meta: Fp8Meta) -> Callable[..., jax.Array]:

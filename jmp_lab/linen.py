@@ -525,8 +525,11 @@ def _matmul_override(module: nn.Module, policy: Policy, history_length: int):
     if module.dot_general is not None or module.dot_general_cls is not None:
       override = contextlib.nullcontext()
     elif policy.matmul == "fp8_current":
-      override = _set_for_one_call(module, "dot_general",
-                                   fp8.current_dot_general)
+      # In the compute dtype: a layer that pins float32 hands its matmul
+      # fp32 operands, which compile to 16-bit GEMMs (the delayed mode's
+      # Fp8DotGeneral is a module, whose inputs the interceptor casts).
+      override = _set_for_one_call(module, "dot_general", fp8.operands_in(
+          fp8.current_dot_general, policy.compute_dtype))
     else:
       override = _set_for_one_call(module, "dot_general_cls", functools.partial(
           Fp8DotGeneral, history_length=history_length))

@@ -293,11 +293,12 @@ def _policy_class(base: type, compute: np.dtype, output: np.dtype,
         # The layer calls its matmul attribute: for this call, the fp8
         # matmul that reads (and, differentiated, updates) its scaling state.
         _, attribute, _, _, delayed = entry
-        stack.enter_context(_swapped(self, attribute, _operands_in(
-            delayed(self.fp8_meta.get_value()), attribute, compute)))
+        stack.enter_context(_swapped(self, attribute, fp8.operands_in(
+            delayed(self.fp8_meta.get_value()), compute,
+            einsum=attribute == "einsum_op")))
       elif entry is not None and getattr(self, entry[1]) is entry[3]:
-        stack.enter_context(_swapped(self, entry[1], _operands_in(
-            entry[3], entry[1], compute)))
+        stack.enter_context(_swapped(self, entry[1], fp8.operands_in(
+            entry[3], compute, einsum=entry[1] == "einsum_op")))
       if reduce_bias is not None:
         bias = stack.enter_context(_detached(self.bias))
       out = base.__call__(self, *args, **kwargs)
@@ -341,23 +342,6 @@ def _attend_method(base: type, compute: np.dtype, output: np.dtype,
       return _cast_arrays(out, output)
 
   return attend
-
-
-def _operands_in(fp8_matmul: Callable, attribute: str, dtype: np.dtype
-                 ) -> Callable:
-  """``fp8_matmul`` (a layer's ``dot_general`` or ``einsum_op``) with its
-  two operands cast to the compute dtype first: a layer with its own
-  ``dtype=jnp.float32`` would hand them over in fp32, and XLA rewrites
-  quantize-dequantize into an fp8 GEMM only around a half-precision one."""
-  first = 1 if attribute == "einsum_op" else 0  # einsum: subscripts first
-
-  def matmul(*args, **kwargs):
-    args = list(args)
-    for i in (first, first + 1):
-      args[i] = cast_floating(args[i], dtype)
-    return fp8_matmul(*args, **kwargs)
-
-  return matmul
 
 
 @contextlib.contextmanager

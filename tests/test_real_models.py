@@ -89,12 +89,17 @@ def test_compiled_for_an_h100_no_gemm_or_convolution_has_an_f32_operand(name):
           ] == []
 
 
+@pytest.mark.parametrize("policy", ["mixed_fp8",
+                                    "mixed_bfloat16,matmul=fp8_current"])
 @pytest.mark.parametrize("name", ["linen_lm", "gemma"])
-def test_fp8_reaches_layers_with_their_own_float32_dtype(name):
+def test_fp8_reaches_layers_with_their_own_float32_dtype(name, policy):
   """XLA rewrites quantize-dequantize into an fp8 GEMM only around a half
-  GEMM: the operands are quantized from the compute dtype, not fp32."""
+  GEMM: the operands are quantized from the compute dtype, not fp32. What
+  the audit counts as fp8 compiles to fp8 (under current scaling Gemma's
+  gated MLP compiled 52% against 71% audited: its shared input was
+  quantized once and XLA merged the gate and up GEMMs)."""
   pytest.importorskip("jax_plugins.xla_cuda12")
-  case = mr.CASES[name]("mixed_fp8")
+  case = mr.CASES[name](policy)
   batch = next(case.batches)
   audit = audit_step(case.step, case.state, batch)
   report = jmp_lab.diagnostics.compiled_report(
