@@ -546,6 +546,8 @@ def skip_unless_finite(grads: Any, observed: Any) -> Any:
 
 
 __all__ = ["AMAX_HISTORY_LENGTH", "COLLECTION", "E4M3", "E5M2", "Fp8Meta",
-           "current_dot_general", "delayed_dot_general", "delayed_scale",
-           "dot_general", "init_meta", "next_meta", "skip_unless_finite",
+           "current_dot_general", "current_einsum", "delayed_dot_general",
+           "delayed_einsum", "delayed_scale", "dot_general", "einsum",
+           "init_meta", "next_meta", "operands_in", "quantize_operands",
+           "quantize_output_gradient", "skip_unless_finite",
            "value_and_new_meta"]
