@@ -381,6 +381,17 @@ def _reduced(factory: Callable[[Any], Callable], dtype: np.dtype) -> Callable:
   return fn
 
 
+def _runs_flax_matmul(module: nnx.Module, attribute: str, default) -> bool:
+  """Whether ``module`` runs flax's own matmul: its attribute is flax's
+  default, or None with no ``*_cls`` twin set (``nnx.LinearGeneral``, and so
+  ``nnx.MultiHeadAttention``'s projections, default to None, which means
+  ``lax.dot_general``)."""
+  value = getattr(module, attribute)
+  if value is None:
+    return getattr(module, attribute + "_cls", None) is None
+  return value is default
+
+
 def _set_reduce_dtype(module: nnx.Module, reduce_dtype) -> None:
   """Gives a Linear/LinearGeneral/Conv the reduce dtype's matmul (or takes
   back what an earlier policy gave it); a module's own function is kept."""
@@ -388,7 +399,8 @@ def _set_reduce_dtype(module: nnx.Module, reduce_dtype) -> None:
     if _base_class(module) is cls:
       if getattr(module, attribute) in _INSTALLED:
         setattr(module, attribute, default)
-      if reduce_dtype is not None and getattr(module, attribute) is default:
+      if reduce_dtype is not None and _runs_flax_matmul(module, attribute,
+                                                        default):
         setattr(module, attribute, _reduced(factory, np.dtype(reduce_dtype)))
       return
 
@@ -418,7 +430,8 @@ def _fp8_mode(module: nnx.Module, policy: Policy) -> Optional[str]:
   if policy.matmul is None or entry is None:
     return None
   _, attribute, default, current, _ = entry
-  if getattr(module, attribute) not in (default, current):
+  if not (_runs_flax_matmul(module, attribute, default)
+          or getattr(module, attribute) is current):
     return None
   return policy.matmul
 

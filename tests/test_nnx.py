@@ -498,3 +498,47 @@ def test_compiled_for_h100_report_of_an_nnx_step():
   assert report.gemms and report.gemm_flop_share("16-bit") == 1.0
   assert report.scope(jmp_lab.training.UPDATE_SCOPE)  # the update's kernels
   assert report.memory["argument"] > 0
+
+
+class _AttentionModel(nnx.Module):
+  def __init__(self, rngs):
+    self.attention = nnx.MultiHeadAttention(
+        num_heads=2, in_features=16, qkv_features=16, decode=False, rngs=rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.attention(x))
+
+
+@pytest.mark.parametrize("policy, fp8_share, fp32_products", [
+    ("mixed_fp8", 0.81, 0),
+    ("mixed_bfloat16,matmul=fp8_current", 0.81, 0),
+    ("mixed_bfloat16,reduce=float32", 0.0, 5),
+])
+def test_linear_general_and_so_attention_projections_get_the_policy(
+    policy, fp8_share, fp32_products):
+  """nnx.LinearGeneral's dot_general defaults to None (meaning
+  lax.dot_general), so with_policy took it for a layer's own matmul and left
+  it alone: nnx.MultiHeadAttention's four projections got neither fp8 (5.9%
+  of the step's FLOPs were fp8: the head's) nor the reduce dtype (1 weight
+  gradient in fp32: the head's). Now they get both: all Dense FLOPs fp8
+  (attention's own two matmuls stay bf16), 4 + 1 weight gradients in fp32."""
+  x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+  y = jnp.zeros((2, 8), jnp.int32)
+  model = jmp_lab.nnx.with_policy(_AttentionModel(nnx.Rngs(0)), policy)
+  optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(
+      optax.adam(1e-3), policy=policy, loss_scale=jmp_lab.NoOpLossScale()),
+      wrt=nnx.Param)
+
+  def loss_fn(model, batch):
+    return jmp_lab.nnx.softmax_cross_entropy_with_integer_labels(
+        model(batch[0]), batch[1]).mean()
+
+  step, state = jmp_lab.nnx.split_train_step(loss_fn, model, optimizer)
+  audit = jmp_lab.diagnostics.audit_step(step, state, (x, y))
+  assert audit.fp8_flop_share == pytest.approx(fp8_share, abs=0.01)
+  wide = [r for r in audit.matmuls if r.accumulation_dtype == "float32"
+          and r.operand_dtypes == ("bfloat16", "bfloat16")]
+  assert len(wide) == fp32_products
+  _, metrics = jax.jit(step)(state, (x, y))
+  assert np.isfinite(float(metrics["loss"]))
