@@ -29,8 +29,11 @@ multiplied by after quantization), as in Flax's ``fp8_ops``:
   amax, computed just before quantizing (one more read of it); no state.
 
 **The state's gradient is an observation.** What ``jax.grad`` returns for
-a matmul's state holds, in each ``*_scale`` slot, the amax this step saw of
-that tensor (zeros in the history slots), so it never reaches the optimizer:
+a matmul's state holds what this step saw of each tensor: its amax is the
+largest value in the tensor's ``*_scale`` and ``*_amax_history`` slots
+(the history slot holds the maxima of the tensor's parts, one per history
+entry, when the tensor splits evenly; else the scale slot holds the amax).
+It never reaches the optimizer:
 linen keeps the state in the ``_overwrite_with_gradient`` collection
 (:data:`COLLECTION`, Flax's name) of ``TrainState.model_state``, NNX in
 :class:`Fp8Meta` variables, and both train steps differentiate it and
@@ -39,9 +42,9 @@ arithmetic there, for every tensor of the model together, rather than inside
 each matmul's forward and backward (as Flax's ``fp8_ops`` do), lets XLA
 compile it into a few kernels (Transformer Engine updates its scaling state
 in one multi-tensor kernel for the same reason), and leaves each matmul one
-amax reduction per operand (XLA compiles each into a reduction of its own,
-two kernels, rather than into the kernel that produces the tensor: the
-largest cost fp8 still adds, see ``benchmarks/fp8_breakdown.py``). On a
+amax reduction per operand, which XLA compiles into the kernel that
+quantizes the operand (see ``_quantize_dequantize`` and
+``benchmarks/fp8_breakdown.py``). On a
 skipped (non-finite) step the state keeps its old value, like every other
 state: an inf recorded in an amax history would pin that tensor's scale for
 the next 1,024 steps. Since quantizing saturates
@@ -74,7 +77,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
-from jmp_lab.loss_scale import all_finite
 
 E4M3 = jnp.float8_e4m3fn  # inputs and kernels
 E5M2 = jnp.float8_e5m2    # output gradients
@@ -129,15 +131,46 @@ def _fp8_max(tensor: str) -> float:
 def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
   """What one step observes of ``x``, as the cotangents of its scale and
-  history: ``x``'s amax in the scale slot, nothing in the history's.
+  history; ``x``'s amax is the largest value in the two.
 
-  (Splitting the amax into partial maxima, one per history entry, for
-  :func:`next_meta` to finish for all tensors together would save XLA's
-  second reduction kernel per tensor, but compiled for the H100 the row
-  reductions cost more kernels than they saved, and one spilled registers.)
+  When ``x`` splits into as many equal parts as the history has entries,
+  the history slot holds the parts' maxima (zero in the scale slot), and
+  :func:`next_meta` finishes the reduction for all tensors at once: XLA
+  compiles a reduction of a large tensor to one number into two kernels,
+  and the second, a one-block kernel per tensor, was most of what fp8's
+  amaxes cost in kernels. Otherwise (a tensor smaller than the history)
+  the scale slot holds the amax, and the history slot zeros.
   """
+  length = amax_history.shape[-1]
+  if amax_history.ndim == 1 and x.size >= length and x.size % length == 0:
+    parts = jnp.max(jnp.abs(x).reshape(length, -1), axis=1)
+    return jnp.zeros_like(scale), parts.astype(jnp.float32)
   return (jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(jnp.shape(scale)),
           jnp.zeros_like(amax_history))
+
+
+def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
+                         ) -> jax.Array:
+  """Flax's ``fp8_ops.qdq`` with the fp8 tensor behind an optimization
+  barrier, so that it is a value of its own in the compiled program.
+
+  XLA then compiles the quantization and ``x``'s amax reduction into one
+  kernel (the reduction with the fp8 tensor as a second output), and writes
+  the transposed copy that cuBLASLt's fp8 weight-gradient GEMM reads by
+  transposing the fp8 bytes. Without the barrier it fuses the cast into
+  each transpose instead (two kernels reading the 16-bit tensor) and
+  leaves the amax a reduction of its own that reads the tensor once more.
+  Compiled for the H100 (``benchmarks/fp8_breakdown.py``), the barrier on
+  every operand and output gradient, with the amaxes split in parts
+  (:func:`_observation`), takes GPT-2 small's fp8 step from 75.0 to
+  72.4 GB and 1,892 to 1,746 kernels, and the 1.3B-class lean step from
+  199.9 to 194.0 GB and 3,659 to 3,417. (Leaving the output gradients
+  without it saves 2.1 GB more on the 1.3B-class step, but costs GPT-2
+  small 3.2 GB.) The barrier changes no value.
+  """
+  quantized = fp8_ops.quantize(x, q_dtype, scale, x.dtype)
+  quantized = jax.lax.optimization_barrier(quantized)
+  return fp8_ops.dequantize(quantized, x.dtype, scale)
 
 
 # --- delayed scaling: quantize with the stored scale, observe the amax -------
@@ -146,7 +179,7 @@ def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _delayed_in_qdq(q_dtype, x, scale, amax_history):
   del amax_history
-  return fp8_ops.qdq(x, q_dtype, scale, x.dtype)
+  return _quantize_dequantize(x, q_dtype, scale)
 
 
 def _delayed_in_qdq_fwd(q_dtype, x, scale, amax_history):
@@ -176,7 +209,7 @@ def _delayed_out_qdq_fwd(y, scale, amax_history):
 
 def _delayed_out_qdq_bwd(residuals, g):
   scale, amax_history = residuals
-  return (fp8_ops.qdq(g, E5M2, scale, g.dtype),
+  return (_quantize_dequantize(g, E5M2, scale),
           *_observation(g, scale, amax_history))
 
 
@@ -199,7 +232,8 @@ def next_meta(meta: Any, observed: Any, step: Any) -> Any:
   ``meta`` is any tree of :data:`Fp8Meta` dicts (a model's
   ``_overwrite_with_gradient`` collection, an NNX state of
   :class:`jmp_lab.nnx.Fp8Meta`), ``observed`` its gradient from the step
-  (the same structure; each ``*_scale`` slot holds the amax the step saw),
+  (the same structure; a tensor's amax is the largest value in its
+  ``*_scale`` and ``*_amax_history`` slots, as the module docstring says),
   and ``step`` the number of steps applied so far (an int or integer
   scalar array: ``TrainState.step``, ``Optimizer.step``).
 
@@ -253,9 +287,15 @@ def next_meta(meta: Any, observed: Any, step: Any) -> Any:
     # one row per layer).
     offsets = np.cumsum([0] + [new[s].size for _, s, _ in group])
     slices = list(zip(offsets[:-1], offsets[1:]))
-    # The step's amaxes, observed in the scale slots.
-    amax = jnp.concatenate([jnp.asarray(seen[s], jnp.float32).reshape(-1)
-                            for _, s, _ in group])
+    # The step's amaxes: each the largest of its scale slot and of the
+    # partial maxima in its history slot (see _observation), reduced for
+    # all tensors together.
+    amax = jnp.maximum(
+        jnp.concatenate([jnp.asarray(seen[s], jnp.float32).reshape(-1)
+                         for _, s, _ in group]),
+        jnp.max(jnp.concatenate(
+            [jnp.asarray(seen[h], jnp.float32).reshape(-1, length)
+             for _, _, h in group]), axis=1))
     # The write: elementwise per history (one entry replaced), which XLA
     # fuses horizontally across all of them.
     written = jnp.arange(length) == step % length
@@ -540,9 +580,30 @@ def skip_unless_finite(grads: Any, observed: Any) -> Any:
   if not floating:
     return grads
   smallest = min(floating, key=lambda i: jnp.size(leaves[i]))
-  poison = jnp.where(all_finite(observed), 0.0, jnp.nan)
+  poison = jnp.where(_all_finite_together(observed), 0.0, jnp.nan)
   leaves[smallest] = leaves[smallest] + poison.astype(leaves[smallest].dtype)
   return treedef.unflatten(leaves)
+
+
+def _all_finite_together(observed: Any) -> jax.Array:
+  """Whether every observed amax is finite, in a few reductions for the
+  whole model. ``all_finite`` reduces each leaf on its own, a kernel per
+  history slot of partial maxima; a reduction of their concatenation to
+  one number is no better, since XLA splits it back into one reduction per
+  operand. Reducing the rows of each width's stacked leaves, as
+  :func:`next_meta` does, stays one reduction. A NaN propagates through
+  the maxima."""
+  rows_by_width: dict[int, list[jax.Array]] = {}
+  for leaf in jax.tree_util.tree_leaves(observed):
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      leaf = jnp.asarray(leaf, jnp.float32)
+      width = leaf.shape[-1] if leaf.ndim else 1
+      rows_by_width.setdefault(width, []).append(leaf.reshape(-1, width))
+  if not rows_by_width:
+    return jnp.array(True)
+  maxima = [jnp.max(jnp.concatenate(rows), axis=1)
+            for rows in rows_by_width.values()]
+  return jnp.all(jnp.isfinite(jnp.concatenate(maxima)))
 
 
 __all__ = ["AMAX_HISTORY_LENGTH", "COLLECTION", "E4M3", "E5M2", "Fp8Meta",
