@@ -78,8 +78,10 @@ def kernel_class(record, result_type: str, gemms: frozenset = frozenset()
   if fp8_scope and op.endswith(("reduce_max", "/abs")):
     return "amax"
   # The state update runs at the step's top level (jmp_lab.fp8.next_meta and
-  # the skip select), outside any module's scope.
-  top_level = op.startswith("jit(train_step)/") and "jmp_lab" not in op
+  # the skip select), outside any module's scope and outside the gradient
+  # (the loss's own reductions are under jvp()).
+  top_level = (op.startswith("jit(train_step)/") and "jmp_lab" not in op
+               and "jvp(" not in op)
   state_shaped = re.fullmatch(r"f32\[\d*\]\{0\}|\(.*f32\[1\].*\)",
                               result_type or "") is not None
   if top_level and op.endswith(("concatenate", "reduce_max", "select_n")):
