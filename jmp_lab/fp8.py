@@ -591,8 +591,9 @@ def _all_finite_together(observed: Any) -> jax.Array:
   history slot of partial maxima; a reduction of their concatenation to
   one number is no better, since XLA splits it back into one reduction per
   operand. Reducing the rows of each width's stacked leaves, as
-  :func:`next_meta` does, stays one reduction. A NaN propagates through
-  the maxima."""
+  :func:`next_meta` does, stays one reduction. An amax is never negative,
+  so a row's maximum is finite exactly when all its entries are (a NaN
+  propagates through the maximum, an inf is the maximum)."""
   rows_by_width: dict[int, list[jax.Array]] = {}
   for leaf in jax.tree_util.tree_leaves(observed):
     if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
