@@ -38,6 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lab.kernels import importable
+from jmp_lab.kernels import linear_cross_entropy as fused_kernels
+
 # The widest vocabulary block by default: its logits (tokens x block, in the
 # hidden's dtype) are the largest temporary. Compiled for an H100 with
 # GPT-2's shapes (8,192 tokens, 50,304 words), blocks of 8,384 move 7.24 GB
@@ -67,8 +70,31 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
                          labels: jax.Array, *,
                          where: Optional[jax.Array] = None,
                          block_size: Optional[int] = None,
-                         logit_soft_cap: Optional[float] = None) -> jax.Array:
+                         logit_soft_cap: Optional[float] = None,
+                         implementation: str = "auto") -> jax.Array:
   """Per-token fp32 cross-entropy of ``hidden @ kernel``, logits never stored.
+
+  Two implementations compute the same loss:
+
+  * ``"xla"`` -- the vocabulary in blocks of ``block_size`` columns, each
+    block's logits a GEMM XLA compiles for any target. A block's logits are
+    written to memory and read back (in the hidden's dtype), one block alive
+    at a time.
+  * ``"triton"`` -- three Pallas Triton kernels
+    (:mod:`jmp_lab.kernels.linear_cross_entropy`) that keep each tile of
+    logits in registers: nothing of size ``tokens x vocabulary`` touches
+    memory. For bf16 or fp16 hidden states whose width is a multiple of 16.
+    Compiled for an H100 with GPT-2-small's shapes, the loss moves 0.5 GB
+    a step against the XLA path's 7.2 (``benchmarks/RESULTS.md``).
+  * ``"interpret"`` -- the Triton kernels in Pallas interpret mode, on any
+    device (slow; for tests).
+
+  ``"auto"`` (the default) uses the Triton kernels in a step compiled for
+  CUDA when they take the call and this jax has Pallas' Triton backend, and
+  the XLA path otherwise: on a CPU, for fp32 hidden states (Triton would
+  run their dots in TF32), and for other widths. The choice is made by the
+  platform the step is compiled for (``jax.lax.platform_dependent``), as in
+  :func:`jmp_lab.attention.dot_product_attention`.
 
   Args:
     hidden: ``(..., D)`` the final hidden states (bf16 under a half policy).
@@ -85,6 +111,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
       padded and masked.
     logit_soft_cap: if set, logits become ``cap * tanh(logits / cap)``
       (Gemma 2's soft cap) before the softmax.
+    implementation: ``"auto"``, ``"triton"``, ``"interpret"`` or ``"xla"``
+      (above). ``block_size`` applies to ``"xla"`` only.
 
   Returns:
     ``(...)`` the loss of each token, fp32.
@@ -95,15 +123,50 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   """
   hidden, kernel, labels, where = _checked(hidden, kernel, labels, where,
                                            block_size, logit_soft_cap)
+  why_not_fused = _why_not_fused(implementation, hidden)
   vocab = kernel.shape[1]
-  block = _block_size(vocab, block_size)
-  flat = hidden.reshape(-1, hidden.shape[-1])
-  losses = _linear_cross_entropy(
-      flat, kernel, labels.reshape(-1).astype(jnp.int32),
-      where.reshape(-1),
-      _Blocking(block, vocab, jnp.dtype(kernel.dtype).name),
-      None if logit_soft_cap is None else float(logit_soft_cap))
+  cap = None if logit_soft_cap is None else float(logit_soft_cap)
+  flat = (hidden.reshape(-1, hidden.shape[-1]), kernel,
+          labels.reshape(-1).astype(jnp.int32), where.reshape(-1))
+
+  def with_xla():
+    blocking = _Blocking(_block_size(vocab, block_size), vocab,
+                         jnp.dtype(kernel.dtype).name)
+    return _linear_cross_entropy(*flat, blocking, cap)
+
+  def with_kernels(interpret):
+    layout = fused_kernels.Layout(hidden.shape[-1], vocab, cap)
+    return _fused_linear_cross_entropy(*flat, layout, interpret)
+
+  if implementation == "xla" or (implementation == "auto" and why_not_fused):
+    losses = with_xla()
+  elif implementation == "auto":
+    losses = jax.lax.platform_dependent(
+        cuda=functools.partial(with_kernels, False), default=with_xla)
+  else:
+    losses = with_kernels(implementation == "interpret")
   return losses.reshape(hidden.shape[:-1])
+
+
+IMPLEMENTATIONS = ("auto", "triton", "interpret", "xla")
+
+
+def _why_not_fused(implementation, hidden) -> str:
+  """Why the kernels cannot take this call ("" if they can); raises for an
+  explicit kernel implementation that cannot."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"linear_cross_entropy's implementation must be one of "
+                     f"{', '.join(map(repr, IMPLEMENTATIONS))}, got "
+                     f"{implementation!r}")
+  why = fused_kernels.supported(hidden.shape[-1], hidden.dtype)
+  if not why and not importable("jax.experimental.pallas.triton"):
+    why = "this jax has no Pallas Triton backend"
+    if implementation == "interpret":
+      why = ""  # interpret mode needs only Pallas itself
+  if why and implementation in ("triton", "interpret"):
+    raise ValueError(f"linear_cross_entropy's implementation "
+                     f"{implementation!r} cannot take this call: {why}")
+  return why
 
 
 def _checked(hidden, kernel, labels, where, block_size, logit_soft_cap):
@@ -299,5 +362,65 @@ def _backward_rule(blocking, cap, residuals, g):
 _linear_cross_entropy.defvjp(_forward_rule, _backward_rule)
 
 
-__all__ = ["DEFAULT_BLOCK", "linear_cross_entropy", "log_softmax", "softmax",
+# ---------------------------------------------------------------------------
+# The same loss by the Pallas kernels: no logits in memory.
+# ---------------------------------------------------------------------------
+
+
+def _padded(x, multiple: int, value=0):
+  """``x`` with its first axis padded to a multiple of ``multiple``."""
+  extra = -x.shape[0] % multiple
+  if not extra:
+    return x
+  return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1),
+                 constant_values=value)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_linear_cross_entropy(hidden, kernel, labels, where, layout,
+                                interpret):
+  return _fused_forward(hidden, kernel, labels, where, layout, interpret)[0]
+
+
+def _fused_forward_rule(hidden, kernel, labels, where, layout, interpret):
+  losses, residuals = _fused_forward(hidden, kernel, labels, where, layout,
+                                     interpret)
+  # The kernel's gradient is written in its dtype: a zero-size array of it
+  # carries the dtype (residuals are arrays).
+  return losses, (residuals, jnp.zeros((0,), kernel.dtype))
+
+
+def _fused_forward(hidden, kernel, labels, where, layout, interpret):
+  # Vocabulary rows, as the kernels read them: a tied embedding's kernel is
+  # table.T, so this is the table itself (the transposes cancel).
+  rows = _padded(kernel.astype(hidden.dtype).T,
+                 fused_kernels.VOCAB_MULTIPLE)
+  padded = (_padded(hidden, fused_kernels.TOKEN_MULTIPLE),
+            _padded(labels, fused_kernels.TOKEN_MULTIPLE))
+  lse, label_logit = fused_kernels.statistics(*padded[:1], rows, padded[1],
+                                              layout, interpret=interpret)
+  tokens = hidden.shape[0]
+  losses = jnp.where(where, lse[:tokens] - label_logit[:tokens], 0.0)
+  return losses, (padded, rows, where, lse)
+
+
+def _fused_backward(layout, interpret, residuals, g):
+  ((hidden, labels), rows, where, lse), kernel_dtype = residuals
+  kernel_dtype = kernel_dtype.dtype
+  tokens = where.shape[0]
+  g = _padded(jnp.where(where, g, 0.0).astype(jnp.float32),
+              fused_kernels.TOKEN_MULTIPLE)
+  d_hidden = fused_kernels.hidden_gradient(hidden, rows, labels, lse, g,
+                                           layout, interpret=interpret)
+  d_rows = fused_kernels.rows_gradient(hidden, rows, labels, lse, g, layout,
+                                       kernel_dtype, interpret=interpret)
+  return (d_hidden[:tokens], d_rows[:layout.vocab].T,
+          np.zeros((tokens,), jax.dtypes.float0),
+          np.zeros(where.shape, jax.dtypes.float0))
+
+
+_fused_linear_cross_entropy.defvjp(_fused_forward_rule, _fused_backward)
+
+
+__all__ = ["DEFAULT_BLOCK", "IMPLEMENTATIONS", "linear_cross_entropy", "log_softmax", "softmax",
            "softmax_cross_entropy_with_integer_labels"]

@@ -162,7 +162,7 @@ def test_a_policy_with_a_reduce_dtype_keeps_the_kernel_gradient_fp32():
   kernel's dtype: an fp32 kernel's gradient is summed across devices in fp32."""
   hidden, kernel, labels, _ = problem(jnp.bfloat16)
   grad = jax.grad(lambda k: losses.linear_cross_entropy(
-      hidden, k, labels, block_size=256).sum())
+      hidden, k, labels, block_size=256, implementation="xla").sum())
   jaxpr = jax.make_jaxpr(grad)(kernel).jaxpr
   weight_gemms = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"
                   and e.outvars[0].aval.shape[-1] == WIDTH]
@@ -170,6 +170,10 @@ def test_a_policy_with_a_reduce_dtype_keeps_the_kernel_gradient_fp32():
       np.dtype(e.params["preferred_element_type"]) == np.dtype(jnp.float32)
       for e in weight_gemms)
   chex.assert_type(grad(kernel), jnp.float32)
+  # The kernels accumulate in fp32 registers and write the kernel's dtype.
+  chex.assert_type(jax.grad(lambda k: losses.linear_cross_entropy(
+      hidden, k, labels, implementation="interpret").sum())(kernel),
+                   jnp.float32)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -209,7 +213,7 @@ def test_compiled_for_an_h100_each_blocks_logits_are_read_once_a_pass():
   kernel = jax.ShapeDtypeStruct((width, vocab), jnp.bfloat16)
   labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
   fn = jax.grad(lambda h, k, y: losses.linear_cross_entropy(
-      h, k, y, block_size=block).sum(), argnums=(0, 1))
+      h, k, y, block_size=block, implementation="xla").sum(), argnums=(0, 1))
   report = jmp_lab.diagnostics.compiled_report(fn, hidden, kernel, labels,
                                                target="h100")
   block_bytes = tokens * block * 2  # one block's bf16 logits
@@ -220,3 +224,143 @@ def test_compiled_for_an_h100_each_blocks_logits_are_read_once_a_pass():
   assert len(forward) == vocab // block, [k.name for k in forward]
   assert len(backward) == vocab // block, [k.name for k in backward]
   assert "f32[2048,128]" not in report.hlo_text  # a block's kernel gradient
+
+
+# --- the Pallas kernels (implementation="triton"; "interpret" on a CPU) -------
+
+
+def half_distance(fn, hidden, kernel, labels, where, cap=None):
+  """Relative distance of ``fn``'s half-precision per-token losses and
+  gradients from the fp32 stored-logits reference: worst token's loss, then
+  the worst element of each gradient. (The summed loss is no measure: its
+  tokens' errors cancel by chance.)"""
+  def per_token_and_grads(fn, hidden):
+    loss, vjp = jax.vjp(fn, hidden, kernel)
+    return loss, vjp(jnp.ones_like(loss))
+
+  exact = per_token_and_grads(lambda h, k: stored(h, k, labels, where, cap),
+                              hidden.astype(jnp.float32))
+  got = per_token_and_grads(fn, hidden)
+  return [float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact))]
+
+
+@pytest.mark.parametrize("tokens, width, vocab, cap, dtype", [
+    (48, 32, 1000, None, jnp.bfloat16),    # ragged last tile of 128 rows
+    (70, 48, 256, 8.0, jnp.float16),       # tokens padded to a tile; soft cap
+    (40, 1040, 130, None, jnp.bfloat16),   # wide: read per step, 5 groups
+], ids=["ragged vocab", "padded tokens, soft cap, fp16", "wide hidden"])
+def test_kernels_are_as_close_to_fp32_as_the_stored_half_path(
+    tokens, width, vocab, cap, dtype):
+  """The kernels (in interpret mode: the same bodies Triton compiles) with
+  masks and ignored labels, no farther from fp32 than the stored-logits
+  path in the same half dtype."""
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
+  hidden = jax.random.normal(k1, (tokens, width)).astype(dtype)
+  kernel = jax.random.normal(k2, (width, vocab)) * 0.1
+  where = jax.random.bernoulli(k4, 0.8, (tokens,))
+  labels = jnp.where(where, jax.random.randint(k3, (tokens,), 0, vocab), -100)
+  fused = half_distance(lambda h, k: losses.linear_cross_entropy(
+      h, k, labels, where=where, logit_soft_cap=cap,
+      implementation="interpret"), hidden, kernel, labels, where, cap)
+  half = half_distance(lambda h, k: stored(h, k, labels, where, cap),
+                       hidden, kernel, labels, where, cap)
+  for got, reference in zip(fused, half):
+    assert got <= 1.5 * reference + 1e-6, (fused, half)
+  losses_ = losses.linear_cross_entropy(hidden, kernel, labels, where=where,
+                                        implementation="interpret")
+  chex.assert_type(losses_, jnp.float32)
+  assert float(jnp.abs(jnp.where(where, 0.0, losses_)).max()) == 0.0
+
+
+def close_to_fp32(got, want):
+  """Within bf16 rounding of the fp32 reference: the kernels keep the logits
+  in fp32, XLA's path rounds them to bf16, so the two are compared with the
+  reference, not with each other."""
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a = a.astype(jnp.float32)
+    chex.assert_trees_all_close(a, b, rtol=0, atol=2e-2 * float(
+        jnp.abs(b).max()))
+
+
+class KernelJitTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_kernels_under_jit_and_grad(self):
+    hidden, kernel, labels, where = problem(jnp.bfloat16)
+    got = self.variant(functools.partial(value_and_grads, lambda h, k: (
+        losses.linear_cross_entropy(h, k, labels, where=where,
+                                    implementation="interpret"))))(
+                                        hidden, kernel)
+    close_to_fp32(got, value_and_grads(
+        lambda h, k: stored(h, k, labels, where),
+        hidden.astype(jnp.float32), kernel))
+    chex.assert_type(got[1], [jnp.bfloat16, jnp.float32])
+
+
+def test_tied_table_gradient_through_the_kernels():
+  hidden, _, labels, _ = problem(jnp.bfloat16)
+  table = jax.random.normal(jax.random.key(5), (VOCAB, WIDTH)) * 0.3
+  got = jax.grad(lambda t: losses.linear_cross_entropy(
+      hidden, t.T, labels, implementation="interpret").mean())(table)
+  want = jax.grad(lambda t: stored(hidden.astype(jnp.float32), t.T,
+                                   labels).mean())(table)
+  close_to_fp32(got, want)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"implementation": "cuda"}, "implementation must be one of"),
+    ({"implementation": "triton"}, "bf16 or fp16"),
+    ({"implementation": "interpret",
+      "hidden": jnp.ones((4, 40), jnp.bfloat16)}, "multiple of 16"),
+])
+def test_kernels_refuse_what_they_cannot_take(kwargs, match):
+  hidden, kernel, labels, _ = problem()   # fp32 hidden
+  args = {"hidden": hidden, "kernel": kernel, "labels": labels, **kwargs}
+  if args["hidden"].shape[-1] != WIDTH:
+    args["kernel"] = jnp.ones((40, 10))
+    args["labels"] = jnp.zeros((4,), jnp.int32)
+  with pytest.raises(ValueError, match=match):
+    losses.linear_cross_entropy(args.pop("hidden"), args.pop("kernel"),
+                                args.pop("labels"), **args)
+
+
+def test_auto_keeps_fp32_hidden_on_the_xla_path_everywhere():
+  """fp32 operands would run the kernels' dots in TF32: "auto" gives fp32
+  hidden states XLA's path even when compiled for CUDA."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  hidden = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+  kernel = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
+  labels = jax.ShapeDtypeStruct((256,), jnp.int32)
+  report = jmp_lab.diagnostics.compiled_report(
+      lambda h, k, y: losses.linear_cross_entropy(h, k, y).sum(), hidden,
+      kernel, labels, target="h100")
+  assert report.pallas_kernels == []
+
+
+def test_compiled_for_an_h100_auto_runs_the_kernels_without_the_logits():
+  """Compiled for an H100, "auto" runs the three Triton kernels: no buffer
+  of (tokens, block) logits, no register spill, no GEMM with an fp32
+  operand, and a fraction of the XLA path's bytes (GPT-2's shapes:
+  benchmarks/RESULTS.md)."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  tokens, width, vocab = 4096, 256, 16384
+  hidden = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((vocab, width), jnp.float32)   # tied
+  labels = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+
+  def report(implementation):
+    fn = jax.grad(lambda h, t, y: losses.linear_cross_entropy(
+        h, t.T, y, implementation=implementation).mean(), argnums=(0, 1))
+    return jmp_lab.diagnostics.compiled_report(fn, hidden, table, labels,
+                                               target="h100")
+
+  fused, xla = report("auto"), report("xla")
+  names = sorted(k.name for k in fused.pallas_kernels)
+  assert names == ["_hidden_gradient_kernel", "_rows_gradient_kernel",
+                   "_statistics_kernel"], names
+  assert all(k.spill_bytes == 0 for k in fused.pallas_kernels)
+  assert fused.fp32_gemms == []
+  assert f"[{tokens},{vocab}]" not in fused.hlo_text
+  assert fused.bytes_accessed <= 0.25 * xla.bytes_accessed, (
+      fused.bytes_accessed, xla.bytes_accessed)

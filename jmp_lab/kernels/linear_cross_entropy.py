@@ -1,0 +1,305 @@
+"""A linear layer and its cross-entropy in three Pallas Triton kernels.
+
+:func:`jmp_lab.losses.linear_cross_entropy` computed in XLA writes each
+vocabulary block's logits to memory and reads them back: compiled for an H100
+with GPT-2's shapes, 7 passes over 0.82 GB of bf16 logits a step. These
+kernels keep each ``(tokens, block)`` tile of logits in registers, as Apple's
+Cut Cross-Entropy does in Triton:
+
+* :func:`statistics` -- one program per tile of tokens walks the vocabulary:
+  the tile's logits (``hidden @ rows.T``, fp32 accumulation), their online
+  log-sum-exp and the correct-class logit, all in fp32;
+* :func:`hidden_gradient` -- one program per tile of tokens (and group of
+  hidden columns) walks the vocabulary again, recomputes the logits and sums
+  ``d_logits @ rows`` in fp32 registers;
+* :func:`rows_gradient` -- one program per tile of vocabulary rows (and
+  group of columns) walks the tokens and sums ``d_logits.T @ hidden``.
+
+Each gradient is written once, by the one program that owns it, so no atomic
+additions are needed (CCE adds its partial gradients atomically, moving a
+tile of each per pair of tiles). The price is compute: the logits GEMM runs
+three times (forward and once in each backward kernel), against twice in
+the XLA path. ``benchmarks/RESULTS.md`` has the compiled figures.
+
+Layout and limits. ``rows`` is the kernel as vocabulary rows, ``(V, D)``,
+padded to whole tiles (a tied embedding's table is this already); the
+hidden states are ``(N, D)``, padded to whole tiles of tokens. Operands are
+bf16 or fp16 (the GEMMs are half-precision tensor-core dots with fp32
+accumulation; fp32 operands would run in TF32, so fp32 stays on XLA's path).
+``D`` must be a multiple of 16. The tile sizes were chosen by compiling for
+an H100 without register spills or shared-memory overflow (each kernel's
+registers are reported by ``compiled_report``); they are not tuned on a GPU.
+
+The same bodies run in Pallas interpret mode (``interpret=True``) on any
+device, which is how the CPU tests check them against XLA's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Tokens per program in the forward kernel, vocabulary rows per step of its
+# loop; the padded vocabulary is a multiple of the largest vocabulary tile.
+FORWARD_TOKENS, FORWARD_VOCAB = 64, 128
+HIDDEN_GRAD_TOKENS, HIDDEN_GRAD_VOCAB = 32, 64
+ROWS_GRAD_TOKENS, ROWS_GRAD_VOCAB = 32, 32
+TOKEN_MULTIPLE = max(FORWARD_TOKENS, HIDDEN_GRAD_TOKENS, ROWS_GRAD_TOKENS)
+VOCAB_MULTIPLE = max(FORWARD_VOCAB, HIDDEN_GRAD_VOCAB, ROWS_GRAD_VOCAB)
+# The widest fp32 accumulator a backward program holds, in columns of D for
+# its tile: 32 x 768 fp32 is 96 registers a thread at 8 warps. Wider D is
+# split over programs, each recomputing the logits.
+MAX_ACCUMULATED_COLUMNS = 768
+NUM_WARPS = 8
+MAX_HELD_COLUMNS = 768
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The static shape of one call: hidden width, vocabulary, soft cap."""
+  width: int              # D
+  vocab: int              # V: rows at or past it are padding
+  cap: Optional[float]    # Gemma 2's logit soft cap, or None
+
+  @property
+  def chunk(self) -> int:
+    """Columns of D per dot: Triton's tiles are powers of two."""
+    for chunk in (256, 128, 64, 32, 16):
+      if self.width % chunk == 0:
+        return chunk
+    raise ValueError(f"the fused linear_cross_entropy needs a hidden width "
+                     f"that is a multiple of 16, got {self.width}")
+
+  @property
+  def chunks(self) -> int:
+    return self.width // self.chunk
+
+  @property
+  def chunks_per_group(self) -> int:
+    """Chunks of D whose gradient one backward program accumulates."""
+    most = max(1, MAX_ACCUMULATED_COLUMNS // self.chunk)
+    return max(n for n in range(1, most + 1) if self.chunks % n == 0)
+
+  @property
+  def groups(self) -> int:
+    return self.chunks // self.chunks_per_group
+
+
+def supported(width: int, dtype) -> str:
+  """Why the kernels cannot take this call ("" when they can)."""
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return (f"hidden is {jnp.dtype(dtype).name}: the kernels take bf16 or "
+            f"fp16 (fp32 dots would run in TF32)")
+  if width % 16:
+    return f"the hidden width {width} is not a multiple of 16"
+  return ""
+
+
+def _logits(hidden, rows_ref, vocab_slice, layout: Layout):
+  """A tile's fp32 logits (soft-capped) and ``tanh`` of the cap's argument
+  (None without a cap) for the backward pass. ``hidden`` is the held tile's
+  chunks, or ``(hidden_ref, token_slice)`` to read it chunk by chunk in a
+  loop (wide D: an unrolled sum would stage every chunk in shared memory)."""
+  def chunk_logits(hidden_chunk, c):
+    return pl.dot(hidden_chunk,
+                  rows_ref[vocab_slice, pl.ds(c * layout.chunk, layout.chunk)],
+                  trans_b=True).astype(jnp.float32)
+
+  if isinstance(hidden, list):
+    logits = sum(chunk_logits(h, c) for c, h in enumerate(hidden))
+  else:
+    hidden_ref, token_slice = hidden
+    zeros = jnp.zeros((token_slice.size, vocab_slice.size), jnp.float32)
+    logits = jax.lax.fori_loop(
+        0, layout.chunks, lambda c, acc: acc + chunk_logits(
+            hidden_ref[token_slice, pl.ds(c * layout.chunk, layout.chunk)],
+            c), zeros)
+  capped = None
+  if layout.cap is not None:
+    capped = jnp.tanh(logits / layout.cap)
+    logits = layout.cap * capped
+  return logits, capped
+
+
+def _hidden_chunks(hidden_ref, token_slice, layout: Layout):
+  return [hidden_ref[token_slice, pl.ds(c * layout.chunk, layout.chunk)]
+          for c in range(layout.chunks)]
+
+
+def _held_hidden(hidden_ref, token_slice, layout: Layout):
+  """The program's hidden tile, loaded once and held through the loop over
+  the vocabulary where it fits (D up to 768); None where it must be read
+  again at each step (from L2: the same tile each time)."""
+  if layout.width > MAX_HELD_COLUMNS:
+    return None
+  return _hidden_chunks(hidden_ref, token_slice, layout)
+
+
+def _statistics_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, label_ref,
+                       *, layout: Layout, vocab_tiles: int):
+  tokens = pl.ds(pl.program_id(0) * FORWARD_TOKENS, FORWARD_TOKENS)
+  labels = labels_ref[tokens]
+  held = _held_hidden(hidden_ref, tokens, layout)
+
+  def step(j, carry):
+    maximum, total, label_logit = carry
+    hidden = held or (hidden_ref, tokens)
+    logits, _ = _logits(hidden, rows_ref,
+                        pl.ds(j * FORWARD_VOCAB, FORWARD_VOCAB), layout)
+    ids = j * FORWARD_VOCAB + jnp.arange(FORWARD_VOCAB)
+    logits = jnp.where(ids[None, :] < layout.vocab, logits, -jnp.inf)
+    label_logit = label_logit + jnp.sum(
+        jnp.where(ids[None, :] == labels[:, None], logits, 0.0), axis=1)
+    new_max = jnp.maximum(maximum, jnp.max(logits, axis=1))
+    # The first tile always has a real row, so new_max is finite and
+    # exp(-inf - new_max) is 0.
+    total = total * jnp.exp(maximum - new_max) + jnp.sum(
+        jnp.exp(logits - new_max[:, None]), axis=1)
+    return new_max, total, label_logit
+
+  zeros = jnp.zeros((FORWARD_TOKENS,), jnp.float32)
+  maximum, total, label_logit = jax.lax.fori_loop(
+      0, vocab_tiles, step, (zeros - jnp.inf, zeros, zeros))
+  lse_ref[tokens] = maximum + jnp.log(total)
+  label_ref[tokens] = label_logit
+
+
+def _logits_gradient(logits, capped, ids, labels, lse, g, layout: Layout,
+                     dtype):
+  """``g * (softmax - onehot)`` of a tile, through the soft cap, in the
+  operands' dtype for the gradient GEMMs."""
+  probs = jnp.exp(logits - lse[:, None])
+  onehot = (ids[None, :] == labels[:, None]).astype(jnp.float32)
+  d_logits = (probs - onehot) * g[:, None]
+  if capped is not None:
+    d_logits = d_logits * (1.0 - capped * capped)
+  return jnp.where(ids[None, :] < layout.vocab, d_logits, 0.0).astype(dtype)
+
+
+def _hidden_gradient_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, g_ref,
+                            d_hidden_ref, *, layout: Layout, vocab_tiles: int):
+  tokens = pl.ds(pl.program_id(0) * HIDDEN_GRAD_TOKENS, HIDDEN_GRAD_TOKENS)
+  first_chunk = pl.program_id(1) * layout.chunks_per_group
+  labels, lse, g = labels_ref[tokens], lse_ref[tokens], g_ref[tokens]
+  held = _held_hidden(hidden_ref, tokens, layout)
+
+  def columns(c):
+    return pl.ds((first_chunk + c) * layout.chunk, layout.chunk)
+
+  def step(j, sums):
+    vocab = pl.ds(j * HIDDEN_GRAD_VOCAB, HIDDEN_GRAD_VOCAB)
+    hidden = held or (hidden_ref, tokens)
+    logits, capped = _logits(hidden, rows_ref, vocab, layout)
+    ids = j * HIDDEN_GRAD_VOCAB + jnp.arange(HIDDEN_GRAD_VOCAB)
+    d_logits = _logits_gradient(logits, capped, ids, labels, lse, g, layout,
+                                hidden_ref.dtype)
+    return tuple(s + pl.dot(d_logits, rows_ref[vocab, columns(c)])
+                 for c, s in enumerate(sums))
+
+  sums = jax.lax.fori_loop(
+      0, vocab_tiles, step,
+      tuple(jnp.zeros((HIDDEN_GRAD_TOKENS, layout.chunk), jnp.float32)
+            for _ in range(layout.chunks_per_group)))
+  for c, s in enumerate(sums):
+    d_hidden_ref[tokens, columns(c)] = s.astype(d_hidden_ref.dtype)
+
+
+def _rows_gradient_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, g_ref,
+                          d_rows_ref, *, layout: Layout, token_tiles: int):
+  vocab = pl.ds(pl.program_id(0) * ROWS_GRAD_VOCAB, ROWS_GRAD_VOCAB)
+  first_chunk = pl.program_id(1) * layout.chunks_per_group
+  ids = pl.program_id(0) * ROWS_GRAD_VOCAB + jnp.arange(ROWS_GRAD_VOCAB)
+
+  def step(i, sums):
+    tokens = pl.ds(i * ROWS_GRAD_TOKENS, ROWS_GRAD_TOKENS)
+    held = _held_hidden(hidden_ref, tokens, layout)
+    logits, capped = _logits(held or (hidden_ref, tokens), rows_ref, vocab,
+                             layout)
+    d_logits = _logits_gradient(logits, capped, ids, labels_ref[tokens],
+                                lse_ref[tokens], g_ref[tokens], layout,
+                                hidden_ref.dtype)
+    # This program's group of columns of the hidden states.
+    mine = held if layout.groups == 1 and held else [
+        hidden_ref[tokens, pl.ds((first_chunk + c) * layout.chunk,
+                                 layout.chunk)]
+        for c in range(layout.chunks_per_group)]
+    return tuple(s + pl.dot(d_logits, h, trans_a=True)
+                 for h, s in zip(mine, sums))
+
+  sums = jax.lax.fori_loop(
+      0, token_tiles, step,
+      tuple(jnp.zeros((ROWS_GRAD_VOCAB, layout.chunk), jnp.float32)
+            for _ in range(layout.chunks_per_group)))
+  for c, s in enumerate(sums):
+    d_rows_ref[vocab, pl.ds((first_chunk + c) * layout.chunk,
+                            layout.chunk)] = s.astype(d_rows_ref.dtype)
+
+
+def _whole(shape):
+  """The whole array for every program: each kernel slices its own tiles
+  (Triton's blocks must be powers of two; D and V need not be)."""
+  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _call(kernel, grid, operands, out_shape, interpret: bool, num_stages: int):
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as pltriton  # GPU only
+    from jmp_lab.kernels import quiet_triton_deprecation
+    quiet_triton_deprecation()
+    compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS,
+                                              num_stages=num_stages)
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=[_whole(x.shape) for x in operands],
+      out_specs=jax.tree.map(lambda s: _whole(s.shape), out_shape),
+      out_shape=out_shape, compiler_params=compiler_params,
+      interpret=interpret)(*operands)
+
+
+def _check_padding(hidden, rows):
+  if hidden.shape[0] % TOKEN_MULTIPLE or rows.shape[0] % VOCAB_MULTIPLE:
+    raise ValueError(f"hidden {hidden.shape} and rows {rows.shape} must be "
+                     f"padded to multiples of {TOKEN_MULTIPLE} tokens and "
+                     f"{VOCAB_MULTIPLE} vocabulary rows")
+
+
+def statistics(hidden, rows, labels, layout: Layout, *, interpret=False):
+  """Per token: fp32 log-sum-exp of the logits and the label's logit."""
+  _check_padding(hidden, rows)
+  tokens = hidden.shape[0]
+  kernel = functools.partial(_statistics_kernel, layout=layout,
+                             vocab_tiles=rows.shape[0] // FORWARD_VOCAB)
+  out = (jax.ShapeDtypeStruct((tokens,), jnp.float32),) * 2
+  # One stage: two would double the shared memory of the held hidden tile.
+  return _call(kernel, (tokens // FORWARD_TOKENS,), (hidden, rows, labels),
+               out, interpret, num_stages=1)
+
+
+def hidden_gradient(hidden, rows, labels, lse, g, layout: Layout, *,
+                    interpret=False):
+  """``d_logits @ rows`` without the logits, in the hidden's dtype."""
+  _check_padding(hidden, rows)
+  kernel = functools.partial(_hidden_gradient_kernel, layout=layout,
+                             vocab_tiles=rows.shape[0] // HIDDEN_GRAD_VOCAB)
+  grid = (hidden.shape[0] // HIDDEN_GRAD_TOKENS, layout.groups)
+  return _call(kernel, grid, (hidden, rows, labels, lse, g),
+               jax.ShapeDtypeStruct(hidden.shape, hidden.dtype), interpret,
+               num_stages=2)
+
+
+def rows_gradient(hidden, rows, labels, lse, g, layout: Layout, dtype, *,
+                  interpret=False):
+  """``d_logits.T @ hidden`` without the logits, accumulated in fp32 and
+  written in ``dtype`` (the kernel's)."""
+  _check_padding(hidden, rows)
+  kernel = functools.partial(_rows_gradient_kernel, layout=layout,
+                             token_tiles=hidden.shape[0] // ROWS_GRAD_TOKENS)
+  grid = (rows.shape[0] // ROWS_GRAD_VOCAB, layout.groups)
+  return _call(kernel, grid, (hidden, rows, labels, lse, g),
+               jax.ShapeDtypeStruct(rows.shape, dtype), interpret,
+               num_stages=2)
