@@ -6,7 +6,8 @@ compiled for the target on a CPU-only machine, forward and backward. The
 shapes are GPT-2-small's by default: batch 8, T 1024, 12 heads of 64, bf16.
 For each the script prints bytes, temporaries, kernels and compile seconds.
 With ``--loss`` it does the same for ``jmp_lab.losses.linear_cross_entropy``
-at several block sizes against the stored-logits cross-entropy (8,192 tokens,
+(XLA's path at several block sizes, and its Pallas Triton kernels, which
+``"auto"`` runs on CUDA) against the stored-logits cross-entropy (8,192 tokens,
 width 768, vocabulary 50,304).
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/attention.py --loss
@@ -74,12 +75,17 @@ def loss_rows(args) -> list[str]:
                        "| cublas", "| cublas"))
   for block in (4096, 8384, 16768, None):
     fn = lambda h, t, y, b=block: losses.linear_cross_entropy(  # noqa: E731
-        h, t.T, y, block_size=b).mean()
-    name = (f"linear_cross_entropy, block {block}" if block else
-            f"linear_cross_entropy, default block "
+        h, t.T, y, block_size=b, implementation="xla").mean()
+    name = (f"linear_cross_entropy, XLA, block {block}" if block else
+            f"linear_cross_entropy, XLA, default block "
             f"({losses._block_size(args.vocab, None)})")
     rows.append(_row(name, jax.grad(fn, argnums=(0, 1)), hidden, table,
                      labels, target=args.target))
+  fused = lambda h, t, y: losses.linear_cross_entropy(  # noqa: E731
+      h, t.T, y).mean()
+  rows.append(_row("linear_cross_entropy, Pallas Triton kernels (auto)",
+                   jax.grad(fused, argnums=(0, 1)), hidden, table, labels,
+                   target=args.target))
   return rows
 
 

@@ -11,9 +11,14 @@
   ``(tokens, vocabulary)`` logits are never stored, in any dtype: at
   GPT-2's 50,304 words and 8,192 tokens a step, they are 0.8 GB in bf16 and
   1.6 GB in fp32, read and written several times; at a 262k vocabulary,
-  8.6 GB in fp32. The design is that of Apple's Cut Cross-Entropy and
-  Liger's FusedLinearCrossEntropy, written in JAX (as Levanter's blockwise
-  cross-entropy is) so that XLA compiles it for any target.
+  8.6 GB in fp32. On CUDA it runs three Pallas Triton kernels
+  (:mod:`jmp_lab.kernels.linear_cross_entropy`, the design of Apple's Cut
+  Cross-Entropy) that keep each tile of logits in registers; elsewhere, XLA
+  computes it over vocabulary blocks (as Levanter's blockwise cross-entropy
+  and Liger's FusedLinearCrossEntropy do), one block's logits in memory at
+  a time. Pallas is reused for the kernels: its Triton backend compiles for
+  an H100 without a GPU, and its interpret mode runs the same kernel bodies
+  on a CPU for the tests.
 
 Example::
 
@@ -74,7 +79,7 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
                          implementation: str = "auto") -> jax.Array:
   """Per-token fp32 cross-entropy of ``hidden @ kernel``, logits never stored.
 
-  Two implementations compute the same loss:
+  The same loss has three implementations:
 
   * ``"xla"`` -- the vocabulary in blocks of ``block_size`` columns, each
     block's logits a GEMM XLA compiles for any target. A block's logits are
@@ -84,8 +89,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
     (:mod:`jmp_lab.kernels.linear_cross_entropy`) that keep each tile of
     logits in registers: nothing of size ``tokens x vocabulary`` touches
     memory. For bf16 or fp16 hidden states whose width is a multiple of 16.
-    Compiled for an H100 with GPT-2-small's shapes, the loss moves 0.5 GB
-    a step against the XLA path's 7.2 (``benchmarks/RESULTS.md``).
+    Compiled for an H100 with GPT-2-small's shapes, the loss moves 0.67 GB
+    a step against the XLA path's 7.24 (``benchmarks/RESULTS.md``).
   * ``"interpret"`` -- the Triton kernels in Pallas interpret mode, on any
     device (slow; for tests).
 
@@ -94,7 +99,9 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   the XLA path otherwise: on a CPU, for fp32 hidden states (Triton would
   run their dots in TF32), and for other widths. The choice is made by the
   platform the step is compiled for (``jax.lax.platform_dependent``), as in
-  :func:`jmp_lab.attention.dot_product_attention`.
+  :func:`jmp_lab.attention.dot_product_attention`. The kernels keep the
+  logits in fp32, where XLA's path rounds them to the hidden's dtype (as a
+  half-precision LM head does), so the two differ by that rounding.
 
   Args:
     hidden: ``(..., D)`` the final hidden states (bf16 under a half policy).

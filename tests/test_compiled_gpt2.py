@@ -173,16 +173,16 @@ def test_flat_fused_update_is_one_kernel_pass_on_h100(config):
 
 def test_gpt2_small_lean_step_against_bf16_and_fp32():
   """GPT-2-small, all 12 layers: cuDNN's attention (fp32 softmax inside the
-  kernel) and jmp_lab.losses.linear_cross_entropy against today's
-  mixed_bfloat16 step. Measured 2026-11-24: 0.46x the bytes (33.1 GB against
-  72.0; 0.48x before the loss's one-pass log-sum-exp), 0.44x the args+temp
-  and 0.27x fp32-highest's (benchmarks/RESULTS.md). The issue's 0.40x bytes
-  is not met; these bounds hold what was reached."""
+  kernel) and jmp_lab.losses.linear_cross_entropy (its Pallas Triton
+  kernels: no logits in memory) against today's mixed_bfloat16 step.
+  Measured 2026-11-25: 0.37x the bytes (26.8 GB against 72.0; 0.46x with
+  the loss's XLA path), 0.42x the args+temp and 0.27x fp32-highest's
+  (benchmarks/RESULTS.md): the issue's targets are 0.40x, 0.5x and 0.33x."""
   lean = gpt2_report("bf16-lean")
   bf16 = gpt2_report("bf16", 12)
   fp32 = gpt2_report("fp32-highest", 12)
   memory = lambda r: r.memory["argument"] + r.memory["temp"]  # noqa: E731
-  assert lean.bytes_accessed <= 0.47 * bf16.bytes_accessed
+  assert lean.bytes_accessed <= 0.40 * bf16.bytes_accessed
   assert memory(lean) <= 0.5 * memory(bf16)
   assert memory(lean) <= 0.33 * memory(fp32)
   assert lean.fp32_gemms == [] and lean.gemm_flop_share("16-bit") == 1.0
@@ -190,6 +190,10 @@ def test_gpt2_small_lean_step_against_bf16_and_fp32():
            if k.opcode == "custom-call"]
   assert calls.count("dot_product_attention_fwd") == 12
   assert calls.count("dot_product_attention_bwd") == 12
+  assert sorted(k.name for k in lean.pallas_kernels) == [
+      "_hidden_gradient_kernel", "_rows_gradient_kernel",
+      "_statistics_kernel"]
+  assert all(k.spill_bytes == 0 for k in lean.pallas_kernels)
   # No stored (batch, heads, T, T) scores, no (tokens, vocabulary) logits,
   # in any dtype.
   for shape in ("[8,12,1024,1024]", "[8,1024,50304]", "[8192,50304]"):

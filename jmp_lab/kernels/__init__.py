@@ -1,5 +1,8 @@
 """Fused optimizer kernels and the backend chooser.
 
+(The package also holds :mod:`.linear_cross_entropy`, the Pallas kernels of
+:func:`jmp_lab.losses.linear_cross_entropy`, which that function chooses.)
+
 Backends, one per file:
 
 * ``"triton"`` (:mod:`.pallas_triton`) -- Pallas' Triton backend, for NVIDIA
