@@ -402,27 +402,22 @@ def _fused_forward(hidden, kernel, labels, where, layout, interpret):
   # table.T, so this is the table itself (the transposes cancel).
   rows = _padded(kernel.astype(hidden.dtype).T,
                  fused_kernels.VOCAB_MULTIPLE)
-  padded = (_padded(hidden, fused_kernels.TOKEN_MULTIPLE),
-            _padded(labels, fused_kernels.TOKEN_MULTIPLE))
-  lse, label_logit = fused_kernels.statistics(*padded[:1], rows, padded[1],
-                                              layout, interpret=interpret)
-  tokens = hidden.shape[0]
-  losses = jnp.where(where, lse[:tokens] - label_logit[:tokens], 0.0)
-  return losses, (padded, rows, where, lse)
+  lse, label_logit = fused_kernels.statistics(hidden, rows, labels, layout,
+                                              interpret=interpret)
+  losses = jnp.where(where, lse - label_logit, 0.0)
+  return losses, (hidden, rows, labels, where, lse)
 
 
 def _fused_backward(layout, interpret, residuals, g):
-  ((hidden, labels), rows, where, lse), kernel_dtype = residuals
-  kernel_dtype = kernel_dtype.dtype
-  tokens = where.shape[0]
-  g = _padded(jnp.where(where, g, 0.0).astype(jnp.float32),
-              fused_kernels.TOKEN_MULTIPLE)
+  (hidden, rows, labels, where, lse), kernel_dtype = residuals
+  g = jnp.where(where, g, 0.0).astype(jnp.float32)
   d_hidden = fused_kernels.hidden_gradient(hidden, rows, labels, lse, g,
                                            layout, interpret=interpret)
   d_rows = fused_kernels.rows_gradient(hidden, rows, labels, lse, g, layout,
-                                       kernel_dtype, interpret=interpret)
-  return (d_hidden[:tokens], d_rows[:layout.vocab].T,
-          np.zeros((tokens,), jax.dtypes.float0),
+                                       kernel_dtype.dtype,
+                                       interpret=interpret)
+  return (d_hidden, d_rows[:layout.vocab].T,
+          np.zeros(labels.shape, jax.dtypes.float0),
           np.zeros(where.shape, jax.dtypes.float0))
 
 

@@ -364,3 +364,38 @@ def test_compiled_for_an_h100_auto_runs_the_kernels_without_the_logits():
   assert f"[{tokens},{vocab}]" not in fused.hlo_text
   assert fused.bytes_accessed <= 0.25 * xla.bytes_accessed, (
       fused.bytes_accessed, xla.bytes_accessed)
+
+
+def test_kernels_split_by_tokens_across_devices():
+  """Batch-sharded under jit, each device runs the kernels on its own tokens
+  (no gathered hidden states) and the kernel's gradient is summed across
+  devices; the result equals one device's."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  hidden, kernel, labels, where = problem(jnp.bfloat16)
+  fn = jax.jit(functools.partial(value_and_grads, lambda h, k: (
+      losses.linear_cross_entropy(h, k, labels, where=where,
+                                  implementation="interpret"))))
+  sharded = jax.device_put(hidden, NamedSharding(mesh, P("data")))
+  chex.assert_trees_all_close(fn(sharded, kernel), fn(hidden, kernel),
+                              rtol=1e-5, atol=1e-6)
+  hlo = fn.lower(sharded, kernel).compile().as_text()
+  assert "all-gather" not in hlo
+
+
+def test_compiled_on_8_h100s_each_device_runs_its_own_tokens():
+  """Data parallel on 8 H100s: the kernels see 1/8 of the tokens each, and
+  the only collective is the kernel gradient's all-reduce (which any
+  data-parallel step has)."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  tokens, width, vocab = 4096, 256, 8192
+  fn = jax.grad(lambda h, t, y: losses.linear_cross_entropy(
+      h, t.T, y).mean(), argnums=(0, 1))
+  report = jmp_lab.diagnostics.compiled_report(
+      fn, jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16),
+      jax.ShapeDtypeStruct((vocab, width), jnp.float32),
+      jax.ShapeDtypeStruct((tokens,), jnp.int32), target="h100", devices=8,
+      in_specs=(P("data"), P(), P("data")))
+  assert len(report.pallas_kernels) == 3
+  assert [c.kind for c in report.collectives] == ["all-reduce"]
+  assert f"bf16[{tokens // 8},{width}]" in report.hlo_text
+  assert f"bf16[{tokens},{width}]" not in report.hlo_text

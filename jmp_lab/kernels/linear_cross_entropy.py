@@ -261,45 +261,148 @@ def _call(kernel, grid, operands, out_shape, interpret: bool, num_stages: int):
       interpret=interpret)(*operands)
 
 
-def _check_padding(hidden, rows):
-  if hidden.shape[0] % TOKEN_MULTIPLE or rows.shape[0] % VOCAB_MULTIPLE:
-    raise ValueError(f"hidden {hidden.shape} and rows {rows.shape} must be "
-                     f"padded to multiples of {TOKEN_MULTIPLE} tokens and "
+def _check_rows(rows):
+  if rows.shape[0] % VOCAB_MULTIPLE:
+    raise ValueError(f"rows {rows.shape} must be padded to a multiple of "
                      f"{VOCAB_MULTIPLE} vocabulary rows")
 
 
-def statistics(hidden, rows, labels, layout: Layout, *, interpret=False):
-  """Per token: fp32 log-sum-exp of the logits and the label's logit."""
-  _check_padding(hidden, rows)
+def _pad_tokens(*per_token):
+  """Pads each array's first axis (tokens) to whole tiles: zero hidden
+  states, label 0, and a zero gradient, so padded tokens add nothing."""
+  extra = -per_token[0].shape[0] % TOKEN_MULTIPLE
+  if not extra:
+    return per_token
+  return tuple(jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+               for x in per_token)
+
+
+def _local_statistics(hidden, rows, labels, layout, interpret):
   tokens = hidden.shape[0]
+  hidden, labels = _pad_tokens(hidden, labels)
   kernel = functools.partial(_statistics_kernel, layout=layout,
                              vocab_tiles=rows.shape[0] // FORWARD_VOCAB)
-  out = (jax.ShapeDtypeStruct((tokens,), jnp.float32),) * 2
+  out = (jax.ShapeDtypeStruct(labels.shape, jnp.float32),) * 2
   # One stage: two would double the shared memory of the held hidden tile.
-  return _call(kernel, (tokens // FORWARD_TOKENS,), (hidden, rows, labels),
-               out, interpret, num_stages=1)
+  lse, label_logit = _call(kernel, (hidden.shape[0] // FORWARD_TOKENS,),
+                           (hidden, rows, labels), out, interpret,
+                           num_stages=1)
+  return lse[:tokens], label_logit[:tokens]
 
 
-def hidden_gradient(hidden, rows, labels, lse, g, layout: Layout, *,
-                    interpret=False):
-  """``d_logits @ rows`` without the logits, in the hidden's dtype."""
-  _check_padding(hidden, rows)
+def _local_hidden_gradient(hidden, rows, labels, lse, g, layout, interpret):
+  tokens = hidden.shape[0]
+  hidden, labels, lse, g = _pad_tokens(hidden, labels, lse, g)
   kernel = functools.partial(_hidden_gradient_kernel, layout=layout,
                              vocab_tiles=rows.shape[0] // HIDDEN_GRAD_VOCAB)
   grid = (hidden.shape[0] // HIDDEN_GRAD_TOKENS, layout.groups)
   return _call(kernel, grid, (hidden, rows, labels, lse, g),
                jax.ShapeDtypeStruct(hidden.shape, hidden.dtype), interpret,
-               num_stages=2)
+               num_stages=2)[:tokens]
 
 
-def rows_gradient(hidden, rows, labels, lse, g, layout: Layout, dtype, *,
-                  interpret=False):
-  """``d_logits.T @ hidden`` without the logits, accumulated in fp32 and
-  written in ``dtype`` (the kernel's)."""
-  _check_padding(hidden, rows)
+def _local_rows_gradient(hidden, rows, labels, lse, g, layout, interpret,
+                         dtype):
+  hidden, labels, lse, g = _pad_tokens(hidden, labels, lse, g)
   kernel = functools.partial(_rows_gradient_kernel, layout=layout,
                              token_tiles=hidden.shape[0] // ROWS_GRAD_TOKENS)
   grid = (rows.shape[0] // ROWS_GRAD_VOCAB, layout.groups)
   return _call(kernel, grid, (hidden, rows, labels, lse, g),
                jax.ShapeDtypeStruct(rows.shape, dtype), interpret,
                num_stages=2)
+
+
+# ---------------------------------------------------------------------------
+# Across devices. A pallas_call has no partitioning rule of its own: under
+# jit with batch-sharded hidden states XLA would gather them and run the
+# whole batch's loss on every device. These rules split the kernels by
+# tokens (jax's custom_partitioning, as its cuDNN attention uses): each
+# device runs its own tokens, the vocabulary rows are replicated, and the
+# rows' gradient is summed over the devices that split the tokens. Under
+# shard_map, or on one device, the kernels run as they are.
+# ---------------------------------------------------------------------------
+
+
+def _token_axes(sharding) -> tuple:
+  """The mesh axes that split an operand's first axis (tokens)."""
+  spec = getattr(sharding, "spec", None)
+  if not spec or spec[0] is None:
+    return ()
+  return tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
+
+
+def _token_sharded(mesh, axes, ndim):
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  first = (axes if len(axes) > 1 else axes[0]) if axes else None
+  return NamedSharding(mesh, P(first, *(None,) * (ndim - 1)))
+
+
+def _partitioner(local_fn, static: int, reduce_over_tokens: bool):
+  """``local_fn`` under custom_partitioning: its operands are split by
+  tokens, its last ``static`` arguments are static."""
+  from jax.experimental.custom_partitioning import custom_partitioning
+  operands = local_fn.__code__.co_argcount - static
+  wrapped = custom_partitioning(
+      local_fn, static_argnums=tuple(range(operands, operands + static)))
+
+  def partition(*args):
+    statics, (mesh, arg_shapes, result_shape) = args[:static], args[static:]
+    axes = _token_axes(arg_shapes[0].sharding)
+    arg_shardings = tuple(
+        _token_sharded(mesh, axes if i != 1 else (), shape.ndim)
+        for i, shape in enumerate(arg_shapes))     # operand 1: the rows
+
+    def lower(*xs):
+      out = local_fn(*xs, *statics)
+      return jax.lax.psum(out, axes) if reduce_over_tokens and axes else out
+
+    results = jax.tree.map(
+        lambda r: _token_sharded(mesh, () if reduce_over_tokens else axes,
+                                 r.ndim), result_shape)
+    return mesh, lower, results, arg_shardings
+
+  def infer(*args):
+    mesh, arg_shapes, result_shape = args[static:]
+    axes = () if reduce_over_tokens else _token_axes(arg_shapes[0].sharding)
+    return jax.tree.map(lambda r: _token_sharded(mesh, axes, r.ndim),
+                        result_shape)
+
+  rule = {  # n: tokens, d: hidden width, v: vocabulary rows
+      3: "n d, v d, n -> n, n",
+      5: "n d, v d, n, n, n -> " + ("v d" if reduce_over_tokens else "n d"),
+  }[operands]
+  wrapped.def_partition(
+      partition=partition, infer_sharding_from_operands=infer,
+      sharding_rule=rule, need_replication_factors=("d", "v"),
+      **({"reduction_factors": ("n",)} if reduce_over_tokens else {}))
+  return wrapped
+
+
+_statistics = _partitioner(_local_statistics, 2, reduce_over_tokens=False)
+_hidden_gradient = _partitioner(_local_hidden_gradient, 2,
+                                reduce_over_tokens=False)
+_rows_gradient = _partitioner(_local_rows_gradient, 3,
+                              reduce_over_tokens=True)
+
+
+def statistics(hidden, rows, labels, layout: Layout, *, interpret=False):
+  """Per token: fp32 log-sum-exp of the logits and the label's logit."""
+  _check_rows(rows)
+  return _statistics(hidden, rows, labels, layout, interpret)
+
+
+def hidden_gradient(hidden, rows, labels, lse, g, layout: Layout, *,
+                    interpret=False):
+  """``d_logits @ rows`` without the logits, in the hidden's dtype."""
+  _check_rows(rows)
+  return _hidden_gradient(hidden, rows, labels, lse, g, layout, interpret)
+
+
+def rows_gradient(hidden, rows, labels, lse, g, layout: Layout, dtype, *,
+                  interpret=False):
+  """``d_logits.T @ hidden`` without the logits, accumulated in fp32 and
+  written in ``dtype`` (the kernel's); summed over the devices that split
+  the tokens."""
+  _check_rows(rows)
+  return _rows_gradient(hidden, rows, labels, lse, g, layout, interpret,
+                        jnp.dtype(dtype).name)
