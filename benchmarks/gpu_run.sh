@@ -7,7 +7,9 @@
 #
 #   kernels       the kernel correctness tests on the real backends: the
 #                 Triton and Mosaic GPU kernels against the jnp reference
-#                 (tests/test_kernels.py, which skips them on a CPU);
+#                 (tests/test_kernels.py, which skips them on a CPU), and
+#                 linear_cross_entropy's Triton kernels against fp32
+#                 (tests/test_losses.py -k triton);
 #   fused_update  benchmarks/fused_update.py at 10M, 100M and 1B params (with
 #                 torch's AdamW(fused=True) + GradScaler when torch has CUDA):
 #                 issue 12's GPU targets;
@@ -17,7 +19,7 @@
 #                 scaling) against bf16, and the 1.3B-class GPT's lean step
 #                 with fp8 against bf16: issue 16's item 5 and issue 27;
 #   lean          GPT-2-small's lean step (cuDNN's fused attention and the
-#                 blockwise loss) against bf16, and the largest batch of each:
+#                 loss's Pallas kernels) against bf16, and the largest batch of each:
 #                 issue 25's step time.
 #
 # e.g. three calls: `... "$OUT" kernels fused_update`, `... "$OUT" train_step`,
@@ -81,7 +83,9 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on fail
 [ -z "$dry" ] || echo "dry run: the commands, not run"
 for part in "${parts[@]}"; do
   case "$part" in
-    kernels) run kernels 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs ;;
+    kernels) run kernels 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs
+             run loss_kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_losses.py \
+               -k "triton" -rs ;;
     fused_update) run fused_update 250 python3 benchmarks/fused_update.py --no-torch
                   run fused_update_torch 100 python3 benchmarks/fused_update.py --torch-only ;;
     train_step) run train_step 420 python3 benchmarks/train_step.py --no-torch --plot "$out/train_step.png"

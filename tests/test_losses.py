@@ -250,11 +250,15 @@ def half_distance(fn, hidden, kernel, labels, where, cap=None):
     (70, 48, 256, 8.0, jnp.float16),       # tokens padded to a tile; soft cap
     (40, 1040, 130, None, jnp.bfloat16),   # wide: read per step, 5 groups
 ], ids=["ragged vocab", "padded tokens, soft cap, fp16", "wide hidden"])
+@pytest.mark.parametrize("implementation", ["interpret", "triton"])
 def test_kernels_are_as_close_to_fp32_as_the_stored_half_path(
-    tokens, width, vocab, cap, dtype):
-  """The kernels (in interpret mode: the same bodies Triton compiles) with
-  masks and ignored labels, no farther from fp32 than the stored-logits
-  path in the same half dtype."""
+    tokens, width, vocab, cap, dtype, implementation):
+  """The kernels with masks and ignored labels, no farther from fp32 than
+  the stored-logits path in the same half dtype. On a CPU in interpret
+  mode (the same bodies Triton compiles); on a GPU, Triton itself
+  (benchmarks/gpu_run.sh's kernels part runs it)."""
+  if implementation == "triton" and jax.devices()[0].platform != "gpu":
+    pytest.skip("Triton runs on a GPU (benchmarks/gpu_run.sh runs it)")
   k1, k2, k3, k4 = jax.random.split(jax.random.key(3), 4)
   hidden = jax.random.normal(k1, (tokens, width)).astype(dtype)
   kernel = jax.random.normal(k2, (width, vocab)) * 0.1
@@ -262,13 +266,13 @@ def test_kernels_are_as_close_to_fp32_as_the_stored_half_path(
   labels = jnp.where(where, jax.random.randint(k3, (tokens,), 0, vocab), -100)
   fused = half_distance(lambda h, k: losses.linear_cross_entropy(
       h, k, labels, where=where, logit_soft_cap=cap,
-      implementation="interpret"), hidden, kernel, labels, where, cap)
+      implementation=implementation), hidden, kernel, labels, where, cap)
   half = half_distance(lambda h, k: stored(h, k, labels, where, cap),
                        hidden, kernel, labels, where, cap)
   for got, reference in zip(fused, half):
     assert got <= 1.5 * reference + 1e-6, (fused, half)
   losses_ = losses.linear_cross_entropy(hidden, kernel, labels, where=where,
-                                        implementation="interpret")
+                                        implementation=implementation)
   chex.assert_type(losses_, jnp.float32)
   assert float(jnp.abs(jnp.where(where, 0.0, losses_)).max()) == 0.0
 
