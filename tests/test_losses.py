@@ -246,10 +246,12 @@ def half_distance(fn, hidden, kernel, labels, where, cap=None):
 
 
 @pytest.mark.parametrize("tokens, width, vocab, cap, dtype", [
-    (48, 32, 1000, None, jnp.bfloat16),    # ragged last tile of 128 rows
+    (48, 32, 100, None, jnp.bfloat16),     # one tile of 128 rows
+    (48, 32, 1000, None, jnp.bfloat16),    # many tiles, the last ragged
     (70, 48, 256, 8.0, jnp.float16),       # tokens padded to a tile; soft cap
     (40, 1040, 130, None, jnp.bfloat16),   # wide: read per step, 5 groups
-], ids=["ragged vocab", "padded tokens, soft cap, fp16", "wide hidden"])
+], ids=["one tile", "ragged vocab", "padded tokens, soft cap, fp16",
+        "wide hidden"])
 @pytest.mark.parametrize("implementation", ["interpret", "triton"])
 def test_kernels_are_as_close_to_fp32_as_the_stored_half_path(
     tokens, width, vocab, cap, dtype, implementation):
