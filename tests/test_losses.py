@@ -405,3 +405,26 @@ def test_compiled_on_8_h100s_each_device_runs_its_own_tokens():
   assert [c.kind for c in report.collectives] == ["all-reduce"]
   assert f"bf16[{tokens // 8},{width}]" in report.hlo_text
   assert f"bf16[{tokens},{width}]" not in report.hlo_text
+
+
+def test_kernels_under_vmap_equal_one_call_per_example():
+  """vmap over examples: per-example losses and both gradients (the
+  kernel's per example, and a batched kernel) equal unbatched calls."""
+  hidden, kernel, labels, where = problem(jnp.bfloat16)
+  kernels = jnp.stack([kernel, kernel * 0.5])
+
+  def loss(h, k, y, w):
+    return losses.linear_cross_entropy(h, k, y, where=w,
+                                       implementation="interpret").sum()
+
+  grads = jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)))
+  got = grads(hidden, kernels, labels, where)
+  want = [jax.value_and_grad(loss, argnums=(0, 1))(
+      hidden[i], kernels[i], labels[i], where[i]) for i in range(2)]
+  chex.assert_trees_all_close(got, jax.tree.map(lambda *x: jnp.stack(x),
+                                                *want), rtol=1e-5, atol=1e-6)
+  shared = jax.vmap(loss, in_axes=(0, None, 0, 0))(hidden, kernel, labels,
+                                                   where)
+  chex.assert_trees_all_close(shared, jnp.stack(
+      [loss(hidden[i], kernel, labels[i], where[i]) for i in range(2)]),
+                              rtol=1e-5)

@@ -385,17 +385,46 @@ _rows_gradient = _partitioner(_local_rows_gradient, 3,
                               reduce_over_tokens=True)
 
 
+def _vmappable(fn, per_token: bool):
+  """``fn(*operands)`` with a ``vmap`` rule (custom_partitioning has none).
+
+  A batch over tokens that shares the vocabulary rows is more tokens, for
+  kernels whose results are per token (``per_token``): they run once on
+  the flattened batch. Anything else (per-example rows' gradients, batched
+  rows) runs one batch element at a time (``lax.map``)."""
+  batchable = jax.custom_batching.custom_vmap(fn)
+
+  @batchable.def_vmap
+  def rule(axis_size, in_batched, *operands):
+    full = [x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+            for x, batched in zip(operands, in_batched)]
+    if per_token and not in_batched[1]:
+      flat = [x.reshape((-1,) + x.shape[2:]) for x in full]
+      flat[1] = operands[1]
+      out = batchable(*flat)
+      out = jax.tree.map(
+          lambda r: r.reshape((axis_size, -1) + r.shape[1:]), out)
+    else:
+      out = jax.lax.map(lambda xs: batchable(*xs), tuple(full))
+    return out, jax.tree.map(lambda _: True, out)
+
+  return batchable
+
+
 def statistics(hidden, rows, labels, layout: Layout, *, interpret=False):
   """Per token: fp32 log-sum-exp of the logits and the label's logit."""
   _check_rows(rows)
-  return _statistics(hidden, rows, labels, layout, interpret)
+  return _vmappable(lambda h, r, y: _statistics(h, r, y, layout, interpret),
+                    per_token=True)(hidden, rows, labels)
 
 
 def hidden_gradient(hidden, rows, labels, lse, g, layout: Layout, *,
                     interpret=False):
   """``d_logits @ rows`` without the logits, in the hidden's dtype."""
   _check_rows(rows)
-  return _hidden_gradient(hidden, rows, labels, lse, g, layout, interpret)
+  return _vmappable(
+      lambda *xs: _hidden_gradient(*xs, layout, interpret),
+      per_token=True)(hidden, rows, labels, lse, g)
 
 
 def rows_gradient(hidden, rows, labels, lse, g, layout: Layout, dtype, *,
@@ -404,5 +433,7 @@ def rows_gradient(hidden, rows, labels, lse, g, layout: Layout, dtype, *,
   written in ``dtype`` (the kernel's); summed over the devices that split
   the tokens."""
   _check_rows(rows)
-  return _rows_gradient(hidden, rows, labels, lse, g, layout, interpret,
-                        jnp.dtype(dtype).name)
+  name = jnp.dtype(dtype).name
+  return _vmappable(
+      lambda *xs: _rows_gradient(*xs, layout, interpret, name),
+      per_token=False)(hidden, rows, labels, lse, g)
