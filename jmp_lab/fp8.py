@@ -128,6 +128,11 @@ def _fp8_max(tensor: str) -> float:
   return float(jnp.finfo(E5M2 if tensor == "output_grad" else E4M3).max)
 
 
+# XLA GPU's longest row reduction that it compiles into one kernel
+# (ReductionIsRaceFree: 1,024 threads x 16 elements).
+_ONE_KERNEL_ROW = 16384
+
+
 def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
   """What one step observes of ``x``, as the cotangents of its scale and
@@ -138,12 +143,22 @@ def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
   :func:`next_meta` finishes the reduction for all tensors at once: XLA
   compiles a reduction of a large tensor to one number into two kernels,
   and the second, a one-block kernel per tensor, was most of what fp8's
-  amaxes cost in kernels. Otherwise (a tensor smaller than the history)
-  the scale slot holds the amax, and the history slot zeros.
+  amaxes cost in kernels. Each part is at most 16,384 elements long, or
+  taken from up to 8 strided chunks when it is longer (a reduction over
+  ``(chunks, parts, part)``'s first and last axes): XLA splits a row
+  reduction longer than that into two kernels, and one whose reduced major
+  axis is at most 8 it keeps in one (its race-free bounds), so the
+  quantizing kernel computes the parts (GPT-2 small's fp8 step loses the
+  24 second-stage kernels of its 3,072-wide MLP tensors). Otherwise (a
+  tensor smaller than the history) the scale slot holds the amax, and the
+  history slot zeros.
   """
   length = amax_history.shape[-1]
   if amax_history.ndim == 1 and x.size >= length and x.size % length == 0:
-    parts = jnp.max(jnp.abs(x).reshape(length, -1), axis=1)
+    per_part = x.size // length
+    chunks = next((c for c in range(1, 9) if per_part % c == 0
+                   and per_part // c <= _ONE_KERNEL_ROW), 1)
+    parts = jnp.max(jnp.abs(x).reshape(chunks, length, -1), axis=(0, 2))
     return jnp.zeros_like(scale), parts.astype(jnp.float32)
   return (jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(jnp.shape(scale)),
           jnp.zeros_like(amax_history))
@@ -163,8 +178,9 @@ def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
   Compiled for the H100 (``benchmarks/fp8_breakdown.py``), the barrier on
   every operand and output gradient, with the amaxes split in parts
   (:func:`_observation`), takes GPT-2 small's fp8 step from 75.0 to
-  72.4 GB and 1,892 to 1,746 kernels, and the 1.3B-class lean step from
-  199.9 to 194.0 GB and 3,659 to 3,417. (Leaving the output gradients
+  72.4 GB and 1,892 to 1,746 kernels (1,721 once long parts are read in
+  strided chunks), and the 1.3B-class lean step from 199.9 to 194.0 GB and
+  3,659 to 3,417. (Leaving the output gradients
   without it saves 2.1 GB more on the 1.3B-class step, but costs GPT-2
   small 3.2 GB.) The barrier changes no value.
   """

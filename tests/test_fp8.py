@@ -119,6 +119,27 @@ def test_a_tensor_that_does_not_split_into_history_parts_is_observed_whole():
   np.testing.assert_array_equal(new["kernel_amax_history"], [1.0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("position", [0, 16383, 16384, 5 * 16384 + 7, -1])
+def test_a_long_tensor_is_observed_in_strided_parts_that_keep_its_amax(
+    position):
+  """A tensor whose parts would be longer than 16,384 elements is observed
+  in strided chunks (one kernel on a GPU). Wherever its largest value
+  lies, the history slot's maximum is it, and every part's maximum is a
+  value of the tensor."""
+  history = 4
+  x = jax.random.uniform(jax.random.key(1), (8, 4 * 16384), minval=-1.0,
+                         maxval=1.0).astype(jnp.bfloat16)   # parts of 131,072
+  x = x.reshape(-1).at[position].set(-9.0).reshape(x.shape)
+  meta = fp8.init_meta(history_length=history)
+  w = jnp.ones((4 * 16384, 2), jnp.bfloat16)
+  observed = jax.grad(lambda m: jnp.sum(
+      fp8.dot_general(x, w, DIMS, meta=m).astype(jnp.float32)))(meta)
+  parts = observed["input_amax_history"]
+  assert float(observed["input_scale"]) == 0.0
+  assert float(parts.max()) == 9.0
+  assert np.isin(np.asarray(parts), np.abs(np.asarray(x, np.float32))).all()
+
+
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
 def test_a_non_finite_partial_amax_poisons_the_gradients(bad):
   """skip_unless_finite sees a non-finite amax in any slot, a history
@@ -550,9 +571,10 @@ def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
   1.39x the bf16 step's kernels, 377 / 272 (2.15x before the scaling state was
   updated for the whole model at once and the scales were stored as
   scalars).
-  Issue 27's goal is 1.3x; the rest is XLA's two-stage amax reductions and
-  the transposed fp8 copies the weight-gradient GEMMs read
-  (benchmarks/fp8_breakdown.py)."""
+  Issue 27's 1.3x is for GPT-2-small, where the per-layer bookkeeping
+  weighs less (1.2989x, tests/test_compiled_gpt2.py); at this width the
+  transposed fp8 copies the weight-gradient GEMMs read and the scaling
+  state's kernels weigh more (benchmarks/fp8_breakdown.py)."""
   pytest.importorskip("jax_cuda12_plugin")
   from benchmarks import train_step
   size = _small_gpt()
@@ -568,7 +590,9 @@ def test_fp8_amaxes_are_computed_in_the_kernels_that_quantize_on_h100():
   by a reduction that reads the tensor again: compiled for the H100, the
   lean step of a 2-layer, width-2048 GPT spends 0.01% of its bytes in
   amax-only kernels (12.7%, 58 kernels, before the fp8 tensor sat behind
-  an optimization barrier and the amaxes were observed in parts)."""
+  an optimization barrier and the amaxes were observed in parts), and since
+  the parts of its 8,192-wide MLP tensors are read in strided chunks, none
+  (4 second-stage reductions before)."""
   pytest.importorskip("jax_cuda12_plugin")
   from benchmarks import fp8_breakdown, train_step
   size = train_step.ModelSize(layers=2, width=2048, heads=16, seq_len=1024,
@@ -578,6 +602,7 @@ def test_fp8_amaxes_are_computed_in_the_kernels_that_quantize_on_h100():
   report = train_step.compiled_step_report(config, size, "h100")
   amax_kernels, amax_bytes = fp8_breakdown.breakdown(report)["amax"]
   assert amax_bytes < 0.01 * report.bytes_accessed, (amax_kernels, amax_bytes)
+  assert amax_kernels == 0, amax_kernels
 
 
 class _ScannedBlock(nn.Module):
