@@ -304,6 +304,19 @@ class KernelJitTest(chex.TestCase):
     chex.assert_type(got[1], [jnp.bfloat16, jnp.float32])
 
 
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+def test_no_tokens_gives_no_losses_and_zero_gradients(implementation):
+  """An empty batch (every sequence filtered out) is a valid call."""
+  hidden = jnp.ones((0, WIDTH), jnp.bfloat16)
+  labels = jnp.zeros((0,), jnp.int32)
+  kernel = jnp.ones((WIDTH, VOCAB))
+  fn = lambda k: losses.linear_cross_entropy(  # noqa: E731
+      hidden, k, labels, implementation=implementation)
+  chex.assert_shape(fn(kernel), (0,))
+  chex.assert_trees_all_equal(jax.grad(lambda k: fn(k).sum())(kernel),
+                              jnp.zeros_like(kernel))
+
+
 def test_tied_table_gradient_through_the_kernels():
   hidden, _, labels, _ = problem(jnp.bfloat16)
   table = jax.random.normal(jax.random.key(5), (VOCAB, WIDTH)) * 0.3

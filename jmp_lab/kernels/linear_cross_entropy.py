@@ -268,9 +268,11 @@ def _check_rows(rows):
 
 
 def _pad_tokens(*per_token):
-  """Pads each array's first axis (tokens) to whole tiles: zero hidden
-  states, label 0, and a zero gradient, so padded tokens add nothing."""
-  extra = -per_token[0].shape[0] % TOKEN_MULTIPLE
+  """Pads each array's first axis (tokens) to whole tiles, at least one:
+  zero hidden states, label 0, and a zero gradient, so padded tokens add
+  nothing."""
+  tokens = per_token[0].shape[0]
+  extra = -tokens % TOKEN_MULTIPLE if tokens else TOKEN_MULTIPLE
   if not extra:
     return per_token
   return tuple(jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
