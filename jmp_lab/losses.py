@@ -97,7 +97,10 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   ``"auto"`` (the default) uses the Triton kernels in a step compiled for
   CUDA when they take the call and this jax has Pallas' Triton backend, and
   the XLA path otherwise: on a CPU, for fp32 hidden states (Triton would
-  run their dots in TF32), and for other widths. The choice is made by the
+  run their dots in TF32), for widths that are not a multiple of 16, and
+  for widths over 768, where the kernels split their gradient sums over
+  programs that each recompute the logits and the roofline model prices
+  the extra products above the bytes they save. The choice is made by the
   platform the step is compiled for (``jax.lax.platform_dependent``), as in
   :func:`jmp_lab.attention.dot_product_attention`. The kernels keep the
   logits in fp32, where XLA's path rounds them to the hidden's dtype (as a
@@ -145,6 +148,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
     layout = fused_kernels.Layout(hidden.shape[-1], vocab, cap)
     return _fused_linear_cross_entropy(*flat, layout, interpret)
 
+  if implementation == "auto" and not why_not_fused:
+    why_not_fused = fused_kernels.worth_it(hidden.shape[-1])
   if implementation == "xla" or (implementation == "auto" and why_not_fused):
     losses = with_xla()
   elif implementation == "auto":

@@ -383,6 +383,35 @@ def test_compiled_for_an_h100_auto_runs_the_kernels_without_the_logits():
   assert f"[{tokens},{vocab}]" not in fused.hlo_text
   assert fused.bytes_accessed <= 0.25 * xla.bytes_accessed, (
       fused.bytes_accessed, xla.bytes_accessed)
+  # The roofline model counts the kernels' products: the logits once
+  # forward, then recomputed and multiplied once in each gradient kernel.
+  product = 2.0 * tokens * width * vocab
+  assert sum(g.flops * g.times for g in fused.gemms if g.kind == "pallas") == (
+      5 * product)
+  assert {g.math for g in fused.gemms} == {"16-bit"}
+
+
+def test_compiled_for_an_h100_auto_keeps_wide_hidden_on_the_xla_path():
+  """Over 768 columns the gradient kernels would recompute the logits per
+  group of columns: "auto" keeps XLA's path, "triton" still runs them."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  tokens, width, vocab = 1024, 1024, 4096
+  args = (jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16),
+          jax.ShapeDtypeStruct((vocab, width), jnp.float32),
+          jax.ShapeDtypeStruct((tokens,), jnp.int32))
+
+  def kernels(implementation):
+    fn = jax.grad(lambda h, t, y: losses.linear_cross_entropy(
+        h, t.T, y, implementation=implementation).mean(), argnums=(0, 1))
+    return jmp_lab.diagnostics.compiled_report(fn, *args, target="h100")
+
+  assert kernels("auto").pallas_kernels == []
+  forced = kernels("triton")
+  assert len(forced.pallas_kernels) == 3
+  # 2 groups of 512 columns: each gradient kernel computes the logits twice.
+  product = 2.0 * tokens * width * vocab
+  assert sum(g.flops for g in forced.gemms if g.kind == "pallas") == (
+      7 * product)
 
 
 def test_kernels_split_by_tokens_across_devices():

@@ -54,6 +54,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp_lab.diagnostics import hlo
+from jmp_lab.kernels import linear_cross_entropy as loss_kernels
 from jmp_lab.diagnostics.memory import compiled_memory
 
 # --------------------------------------------------------------------------
@@ -303,7 +304,8 @@ _PALLAS_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu")
 class GemmRecord:
   """One GEMM (or convolution) of the compiled module."""
 
-  kind: str                 # "cublas", "triton", "fused dot" or "cudnn conv"
+  kind: str                 # "cublas", "triton", "fused dot", "cudnn conv"
+                            # or "pallas" (jmp_lab's loss kernels)
   lhs: hlo.Array
   rhs: hlo.Array
   out: hlo.Array
@@ -485,7 +487,10 @@ class CompiledReport:
     """A lower bound on the step time: a model, not a measurement.
 
     Memory time is ``bytes_accessed`` over the target's bandwidth; GEMM time
-    is each GEMM's FLOPs over the data-sheet dense peak of its math. Overlap
+    is each GEMM's FLOPs over the data-sheet dense peak of its math. GEMMs
+    are cuBLAS calls, XLA's dots and the products inside jmp_lab's Pallas
+    loss kernels (``jmp_lab.kernels.linear_cross_entropy.gemm_flops``); the
+    matmuls inside cuDNN's attention are not counted. Overlap
     would make the step faster than the sum, every other inefficiency slower.
     """
     moved = self.bytes_accessed or float(self.kernel_io_bytes)
@@ -662,6 +667,12 @@ class _Walker:
     elif target.startswith(_PALLAS_TARGETS):
       name = config.get("name") or _pallas_name(inst)
       self.pallas.append((name, "mosaic" if "mosaic" in target else "triton"))
+      if len(inst.operand_types) >= 2:
+        lhs, rhs = inst.operand_types[0][0], inst.operand_types[1][0]
+        flops = loss_kernels.gemm_flops(name, lhs.dims, rhs.dims)
+        if flops:  # jmp_lab's own kernels that are GEMMs inside
+          self.gemms.append(GemmRecord("pallas", lhs, rhs, result[0],
+                                       "DEFAULT", flops, times))
 
   def fusion(self, inst: hlo.Instruction, times: int) -> None:
     kind = (inst.backend_config().get("fusion_backend_config", {})

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -91,12 +91,48 @@ class Layout:
 
 
 def supported(width: int, dtype) -> str:
-  """Why the kernels cannot take this call ("" when they can)."""
+  """Why the kernels cannot take this call ("" when they can). See
+  :func:`worth_it` for whether ``"auto"`` should use them."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return (f"hidden is {jnp.dtype(dtype).name}: the kernels take bf16 or "
             f"fp16 (fp32 dots would run in TF32)")
   if width % 16:
     return f"the hidden width {width} is not a multiple of 16"
+  return ""
+
+
+def gemm_flops(kernel_name: str, hidden_dims: Sequence[int],
+               rows_dims: Sequence[int]) -> Optional[float]:
+  """The matmul FLOPs one call of this module's kernel ``kernel_name`` runs,
+  from its first two operands' shapes (hidden ``(N, D)``, rows ``(V, D)``);
+  None for another kernel. Pallas' Triton lowering drops a ``pallas_call``'s
+  cost estimate, so :func:`jmp_lab.diagnostics.compiled_report` asks here
+  for the roofline model. One ``(N, D) x (D, V)`` product is ``2 N D V``:
+  the forward kernel runs it once; each gradient kernel recomputes the
+  logits once per group of columns and then runs its own product."""
+  if len(hidden_dims) != 2 or len(rows_dims) != 2:
+    return None
+  (tokens, width), vocab = hidden_dims, rows_dims[0]
+  product = 2.0 * tokens * width * vocab
+  if kernel_name == "_statistics_kernel":
+    return product
+  if kernel_name in ("_hidden_gradient_kernel", "_rows_gradient_kernel"):
+    return product * (Layout(width, vocab, None).groups + 1)
+  return None
+
+
+def worth_it(width: int) -> str:
+  """Why ``"auto"`` keeps XLA's path for this width ("" if it need not).
+
+  A width whose gradient sums do not fit one program's registers (over
+  :data:`MAX_ACCUMULATED_COLUMNS`) splits them over groups of programs
+  that each recompute the logits: at 2,048, 11 logits-sized products a
+  step against XLA's 4, which the roofline model prices above the bytes
+  the kernels save (``benchmarks/RESULTS.md``)."""
+  if width > MAX_ACCUMULATED_COLUMNS:
+    return (f"the hidden width {width} is over {MAX_ACCUMULATED_COLUMNS}, "
+            f"where the kernels recompute the logits for each group of "
+            f"columns")
   return ""
 
 
