@@ -148,15 +148,16 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
     layout = fused_kernels.Layout(hidden.shape[-1], vocab, cap)
     return _fused_linear_cross_entropy(*flat, layout, interpret)
 
-  if implementation == "auto" and not why_not_fused:
-    why_not_fused = fused_kernels.worth_it(hidden.shape[-1])
-  if implementation == "xla" or (implementation == "auto" and why_not_fused):
+  if implementation == "auto":
+    if why_not_fused or fused_kernels.why_xla_is_cheaper(hidden.shape[-1]):
+      losses = with_xla()
+    else:  # the kernels where the step is compiled for CUDA
+      losses = jax.lax.platform_dependent(
+          cuda=functools.partial(with_kernels, False), default=with_xla)
+  elif implementation == "xla":
     losses = with_xla()
-  elif implementation == "auto":
-    losses = jax.lax.platform_dependent(
-        cuda=functools.partial(with_kernels, False), default=with_xla)
   else:
-    losses = with_kernels(implementation == "interpret")
+    losses = with_kernels(interpret=implementation == "interpret")
   return losses.reshape(hidden.shape[:-1])
 
 
@@ -170,7 +171,7 @@ def _why_not_fused(implementation, hidden) -> str:
     raise ValueError(f"linear_cross_entropy's implementation must be one of "
                      f"{', '.join(map(repr, IMPLEMENTATIONS))}, got "
                      f"{implementation!r}")
-  why = fused_kernels.supported(hidden.shape[-1], hidden.dtype)
+  why = fused_kernels.why_unsupported(hidden.shape[-1], hidden.dtype)
   if not why and not importable("jax.experimental.pallas.triton"):
     why = "this jax has no Pallas Triton backend"
     if implementation == "interpret":

@@ -56,6 +56,9 @@ VOCAB_MULTIPLE = max(FORWARD_VOCAB, HIDDEN_GRAD_VOCAB, ROWS_GRAD_VOCAB)
 # split over programs, each recomputing the logits.
 MAX_ACCUMULATED_COLUMNS = 768
 NUM_WARPS = 8
+# The widest hidden tile a program loads once and holds through its loop
+# over the vocabulary; wider ones it reads again at each step (an unrolled
+# sum over more chunks overflows shared memory when compiled for an H100).
 MAX_HELD_COLUMNS = 768
 
 
@@ -90,9 +93,9 @@ class Layout:
     return self.chunks // self.chunks_per_group
 
 
-def supported(width: int, dtype) -> str:
+def why_unsupported(width: int, dtype) -> str:
   """Why the kernels cannot take this call ("" when they can). See
-  :func:`worth_it` for whether ``"auto"`` should use them."""
+  :func:`why_xla_is_cheaper` for whether ``"auto"`` should use them."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return (f"hidden is {jnp.dtype(dtype).name}: the kernels take bf16 or "
             f"fp16 (fp32 dots would run in TF32)")
@@ -110,7 +113,7 @@ def gemm_flops(kernel_name: str, hidden_dims: Sequence[int],
   for the roofline model. One ``(N, D) x (D, V)`` product is ``2 N D V``:
   the forward kernel runs it once; each gradient kernel recomputes the
   logits once per group of columns and then runs its own product."""
-  if len(hidden_dims) != 2 or len(rows_dims) != 2:
+  if len(hidden_dims) != 2 or len(rows_dims) != 2 or hidden_dims[1] % 16:
     return None
   (tokens, width), vocab = hidden_dims, rows_dims[0]
   product = 2.0 * tokens * width * vocab
@@ -121,7 +124,7 @@ def gemm_flops(kernel_name: str, hidden_dims: Sequence[int],
   return None
 
 
-def worth_it(width: int) -> str:
+def why_xla_is_cheaper(width: int) -> str:
   """Why ``"auto"`` keeps XLA's path for this width ("" if it need not).
 
   A width whose gradient sums do not fit one program's registers (over
