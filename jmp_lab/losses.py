@@ -146,7 +146,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
 
   def with_kernels(interpret):
     layout = fused_kernels.Layout(hidden.shape[-1], vocab, cap)
-    return _fused_linear_cross_entropy(*flat, layout, interpret)
+    return _fused_linear_cross_entropy(*flat, layout, interpret,
+                                       jnp.dtype(kernel.dtype).name)
 
   if implementation == "auto":
     if why_not_fused or fused_kernels.why_xla_is_cheaper(hidden.shape[-1]):
@@ -380,55 +381,38 @@ _linear_cross_entropy.defvjp(_forward_rule, _backward_rule)
 # ---------------------------------------------------------------------------
 
 
-def _padded(x, multiple: int, value=0):
-  """``x`` with its first axis padded to a multiple of ``multiple``."""
-  extra = -x.shape[0] % multiple
-  if not extra:
-    return x
-  return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1),
-                 constant_values=value)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _fused_linear_cross_entropy(hidden, kernel, labels, where, layout,
-                                interpret):
-  return _fused_forward(hidden, kernel, labels, where, layout, interpret)[0]
+                                interpret, kernel_dtype):
+  return _fused_forward(hidden, kernel, labels, where, layout, interpret,
+                        kernel_dtype)[0]
 
 
-def _fused_forward_rule(hidden, kernel, labels, where, layout, interpret):
-  losses, residuals = _fused_forward(hidden, kernel, labels, where, layout,
-                                     interpret)
-  # The kernel's gradient is written in its dtype: a zero-size array of it
-  # carries the dtype (residuals are arrays).
-  return losses, (residuals, jnp.zeros((0,), kernel.dtype))
-
-
-def _fused_forward(hidden, kernel, labels, where, layout, interpret):
-  # Vocabulary rows, as the kernels read them: a tied embedding's kernel is
-  # table.T, so this is the table itself (the transposes cancel).
-  rows = _padded(kernel.astype(hidden.dtype).T,
-                 fused_kernels.VOCAB_MULTIPLE)
+def _fused_forward(hidden, kernel, labels, where, layout, interpret,
+                   kernel_dtype):
+  del kernel_dtype  # the backward pass's: the kernel gradient's dtype
+  rows = fused_kernels.vocabulary_rows(kernel, hidden.dtype)
   lse, label_logit = fused_kernels.statistics(hidden, rows, labels, layout,
                                               interpret=interpret)
   losses = jnp.where(where, lse - label_logit, 0.0)
   return losses, (hidden, rows, labels, where, lse)
 
 
-def _fused_backward(layout, interpret, residuals, g):
-  (hidden, rows, labels, where, lse), kernel_dtype = residuals
+def _fused_backward(layout, interpret, kernel_dtype, residuals, g):
+  hidden, rows, labels, where, lse = residuals
   g = jnp.where(where, g, 0.0).astype(jnp.float32)
   d_hidden = fused_kernels.hidden_gradient(hidden, rows, labels, lse, g,
                                            layout, interpret=interpret)
   d_rows = fused_kernels.rows_gradient(hidden, rows, labels, lse, g, layout,
-                                       kernel_dtype.dtype,
-                                       interpret=interpret)
+                                       kernel_dtype, interpret=interpret)
   return (d_hidden, d_rows[:layout.vocab].T,
           np.zeros(labels.shape, jax.dtypes.float0),
           np.zeros(where.shape, jax.dtypes.float0))
 
 
-_fused_linear_cross_entropy.defvjp(_fused_forward_rule, _fused_backward)
+_fused_linear_cross_entropy.defvjp(_fused_forward, _fused_backward)
 
 
-__all__ = ["DEFAULT_BLOCK", "IMPLEMENTATIONS", "linear_cross_entropy", "log_softmax", "softmax",
+__all__ = ["DEFAULT_BLOCK", "IMPLEMENTATIONS", "linear_cross_entropy",
+           "log_softmax", "softmax",
            "softmax_cross_entropy_with_integer_labels"]

@@ -306,16 +306,30 @@ def _check_rows(rows):
                      f"{VOCAB_MULTIPLE} vocabulary rows")
 
 
+def _pad_first_axis(x, multiple: int, at_least: int = 0):
+  """``x`` with zeros appended along its first axis, to a multiple of
+  ``multiple`` (and at least ``at_least`` long)."""
+  length = max(x.shape[0], at_least)
+  extra = length + -length % multiple - x.shape[0]
+  if not extra:
+    return x
+  return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
 def _pad_tokens(*per_token):
   """Pads each array's first axis (tokens) to whole tiles, at least one:
   zero hidden states, label 0, and a zero gradient, so padded tokens add
   nothing."""
-  tokens = per_token[0].shape[0]
-  extra = -tokens % TOKEN_MULTIPLE if tokens else TOKEN_MULTIPLE
-  if not extra:
-    return per_token
-  return tuple(jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+  return tuple(_pad_first_axis(x, TOKEN_MULTIPLE, at_least=1)
                for x in per_token)
+
+
+def vocabulary_rows(kernel, dtype):
+  """The ``(D, V)`` kernel as the kernels read it: ``(V, D)`` rows in
+  ``dtype``, padded with zero rows to whole tiles (rows at or past ``V``
+  are masked). A tied embedding's kernel is ``table.T``, so its rows are the
+  table itself: the transposes cancel."""
+  return _pad_first_axis(kernel.astype(dtype).T, VOCAB_MULTIPLE)
 
 
 def _local_statistics(hidden, rows, labels, layout, interpret):
