@@ -180,9 +180,9 @@ def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
   (:func:`_observation`), takes GPT-2 small's fp8 step from 75.0 to
   72.4 GB and 1,892 to 1,746 kernels (1,721 once long parts are read in
   strided chunks), and the 1.3B-class lean step from 199.9 to 194.0 GB and
-  3,659 to 3,417. (Leaving the output gradients
-  without it saves 2.1 GB more on the 1.3B-class step, but costs GPT-2
-  small 3.2 GB.) The barrier changes no value.
+  3,659 to 3,417. (Leaving the output gradients without it saves 2.1 GB
+  more on the 1.3B-class step, but costs GPT-2 small 3.2 GB.) The barrier
+  changes no value.
   """
   quantized = fp8_ops.quantize(x, q_dtype, scale, x.dtype)
   quantized = jax.lax.optimization_barrier(quantized)

@@ -54,8 +54,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jmp_lab.diagnostics import hlo
-from jmp_lab.kernels import linear_cross_entropy as loss_kernels
 from jmp_lab.diagnostics.memory import compiled_memory
+from jmp_lab.kernels import linear_cross_entropy as loss_kernels
 
 # --------------------------------------------------------------------------
 # Targets.

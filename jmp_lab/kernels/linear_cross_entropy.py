@@ -43,6 +43,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 # Tokens per program in the forward kernel, vocabulary rows per step of its
 # loop; the padded vocabulary is a multiple of the largest vocabulary tile.
@@ -387,16 +389,16 @@ def _token_axes(sharding) -> tuple:
 
 
 def _token_sharded(mesh, axes, ndim):
-  from jax.sharding import NamedSharding, PartitionSpec as P
   first = (axes if len(axes) > 1 else axes[0]) if axes else None
-  return NamedSharding(mesh, P(first, *(None,) * (ndim - 1)))
+  return NamedSharding(mesh, PartitionSpec(first, *(None,) * (ndim - 1)))
 
 
-def _partitioner(local_fn, static: int, reduce_over_tokens: bool):
-  """``local_fn`` under custom_partitioning: its operands are split by
-  tokens, its last ``static`` arguments are static."""
-  from jax.experimental.custom_partitioning import custom_partitioning
-  operands = local_fn.__code__.co_argcount - static
+def _partitioner(local_fn, rule: str, static: int,
+                 reduce_over_tokens: bool):
+  """``local_fn`` under custom_partitioning: its operands, named by the
+  Shardy ``rule`` (n: tokens, d: hidden width, v: vocabulary rows), are
+  split by tokens; its last ``static`` arguments are static."""
+  operands = rule.split("->")[0].count(",") + 1
   wrapped = custom_partitioning(
       local_fn, static_argnums=tuple(range(operands, operands + static)))
 
@@ -422,10 +424,6 @@ def _partitioner(local_fn, static: int, reduce_over_tokens: bool):
     return jax.tree.map(lambda r: _token_sharded(mesh, axes, r.ndim),
                         result_shape)
 
-  rule = {  # n: tokens, d: hidden width, v: vocabulary rows
-      3: "n d, v d, n -> n, n",
-      5: "n d, v d, n, n, n -> " + ("v d" if reduce_over_tokens else "n d"),
-  }[operands]
   wrapped.def_partition(
       partition=partition, infer_sharding_from_operands=infer,
       sharding_rule=rule, need_replication_factors=("d", "v"),
@@ -433,10 +431,13 @@ def _partitioner(local_fn, static: int, reduce_over_tokens: bool):
   return wrapped
 
 
-_statistics = _partitioner(_local_statistics, 2, reduce_over_tokens=False)
-_hidden_gradient = _partitioner(_local_hidden_gradient, 2,
+_statistics = _partitioner(_local_statistics, "n d, v d, n -> n, n",
+                           static=2, reduce_over_tokens=False)
+_hidden_gradient = _partitioner(_local_hidden_gradient,
+                                "n d, v d, n, n, n -> n d", static=2,
                                 reduce_over_tokens=False)
-_rows_gradient = _partitioner(_local_rows_gradient, 3,
+_rows_gradient = _partitioner(_local_rows_gradient,
+                              "n d, v d, n, n, n -> v d", static=3,
                               reduce_over_tokens=True)
 
 
