@@ -256,6 +256,11 @@ class PolicyModule:
     model_params = traverse_util.flatten_dict(
         flax.core.unfreeze(variables.get("params", {})))
 
+    # Each call runs as apply runs it (inputs and outputs cast to the
+    # policy's dtypes), so code that checks dtypes (an explicit fused
+    # kernel that takes only half precision) sees what apply gives it.
+    as_applied = self._interceptor({})
+
     def record(next_fun, call_args, call_kwargs, context):
       policy = self.module_policy(context.module)
       path = tuple(context.module.path)
@@ -266,10 +271,7 @@ class PolicyModule:
                          (policy or self.policy).reduce_dtype)
       if names:
         attach[path] = names
-      # Marked as apply marks it: code that asks for the compute dtype
-      # (a fused attention) sees the same answer.
-      with autocast_scope((policy or self.policy).compute_dtype):
-        return next_fun(*call_args, **call_kwargs)
+      return as_applied(next_fun, call_args, call_kwargs, context)
 
     def run(variables):
       with nn.intercept_methods(record):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import flax.linen as nn
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -470,3 +471,42 @@ def test_kernels_under_vmap_equal_one_call_per_example():
   chex.assert_trees_all_close(shared, jnp.stack(
       [loss(hidden[i], kernel, labels[i], where[i]) for i in range(2)]),
                               rtol=1e-5)
+
+
+class _PinnedFloat32LM(nn.Module):
+  """A language model as public code writes it: every layer pins
+  dtype=float32, the head is the embedding table (tied), and it returns
+  its loss from the last hidden states."""
+
+  @nn.compact
+  def __call__(self, tokens, targets, implementation):
+    embed = nn.Embed(VOCAB, WIDTH, dtype=jnp.float32,
+                     param_dtype=jnp.float32)
+    x = embed(tokens)
+    x = x + nn.Dense(WIDTH, dtype=jnp.float32,
+                     param_dtype=jnp.float32)(nn.gelu(x))
+    x = nn.LayerNorm(dtype=jnp.float32)(x)
+    return losses.linear_cross_entropy(x, embed.embedding.T, targets,
+                                       implementation=implementation)
+
+
+def test_kernels_under_a_policy_on_a_model_that_pins_float32():
+  """with_policy reaches the pinned layers, so the hidden states arrive in
+  bf16 and the kernels take them (they refuse fp32); the tied table's
+  gradient comes back fp32 and matches the fp32 model's."""
+  tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, VOCAB)
+  targets = jnp.roll(tokens, -1, axis=1)
+  model = jl.with_policy(_PinnedFloat32LM(), "mixed_bfloat16")
+  params = model.init(jax.random.key(1), tokens, targets, "xla")
+
+  def grads(module, implementation):
+    return jax.value_and_grad(lambda p: module.apply(
+        p, tokens, targets, implementation).mean())(params)
+
+  loss, got = grads(model, "interpret")
+  loss32, want = grads(_PinnedFloat32LM(), "xla")
+  chex.assert_type(jax.tree.leaves(got), jnp.float32)
+  np.testing.assert_allclose(loss, loss32, rtol=2e-2)
+  close_to_fp32(got, want)
+  with pytest.raises(ValueError, match="bf16 or fp16"):
+    _PinnedFloat32LM().apply(params, tokens, targets, "interpret")
