@@ -243,7 +243,8 @@ def _field(path) -> tuple[Optional[str], tuple]:
 
 
 def next_meta(meta: Any, observed: Any, step: Any) -> Any:
-  """The delayed-scaling state after a step, for every matmul in ``meta``.
+  """The delayed-scaling state after a step, for every matmul in ``meta``:
+  :func:`write_amaxes`, then :func:`rescale`.
 
   ``meta`` is any tree of :data:`Fp8Meta` dicts (a model's
   ``_overwrite_with_gradient`` collection, an NNX state of
@@ -277,32 +278,47 @@ def next_meta(meta: Any, observed: Any, step: Any) -> Any:
   >>> new["Dense_0"]["kernel_scale"].tolist()   # nothing seen: scale kept
   1.0
   """
-  step = _check_step(step)
-  leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(meta)
-  rows = []  # (tensor, index of its scale, index of its history)
-  for owner, fields in _group_fields(leaves_with_paths).items():
-    missing = _FIELDS - set(fields)
-    if missing:
-      raise TypeError(
-          f"next_meta's meta must hold whole jmp_lab.fp8.init_meta() dicts; "
-          f"the one at {jax.tree_util.keystr(owner)} lacks {sorted(missing)}")
-    rows += [(t, fields[f"{t}_scale"], fields[f"{t}_amax_history"])
-             for t in _TENSORS]
+  return rescale(_write_amaxes(meta, observed, step, "next_meta"))
+
+
+def write_amaxes(meta: Any, observed: Any, step: Any) -> Any:
+  """``meta`` with the step's amaxes written into its histories (entry
+  ``step % history_length`` of each), its scales unchanged: the first half
+  of :func:`next_meta` (arguments as there).
+
+  A train step that may skip the step writes the amaxes, keeps the old
+  state on a skipped step, and then calls :func:`rescale` on what it kept,
+  rather than computing the scales before the skip: the reduction over the
+  histories then reads the kept histories, written in place, where before
+  it read the step's inputs, which the in-place write overwrites, and XLA
+  copied every donated history first (one kernel each: 76 of a 1.3B-class
+  GPT's 81 scaling-state kernels; ``benchmarks/fp8_breakdown.py``).
+
+  >>> import jax.numpy as jnp
+  >>> meta = {"Dense_0": init_meta(history_length=3)}
+  >>> observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
+  >>> observed["Dense_0"]["input_scale"] = jnp.array(8.96)
+  >>> written = write_amaxes(meta, observed, step=4)
+  >>> written["Dense_0"]["input_amax_history"].tolist()
+  [0.0, 8.960000038146973, 0.0]
+  >>> written["Dense_0"]["input_scale"].tolist()   # not yet rescaled
+  1.0
+  """
+  return _write_amaxes(meta, observed, step, "write_amaxes")
+
+
+def _write_amaxes(meta: Any, observed: Any, step: Any, caller: str) -> Any:
+  step = _check_step(step, caller)
+  leaves, treedef, by_length = _histories_by_length(meta, caller)
   try:
     seen = treedef.flatten_up_to(observed)
   except (ValueError, TypeError) as error:
     raise TypeError(
-        f"next_meta's observed must have meta's structure (the gradient "
+        f"{caller}'s observed must have meta's structure (the gradient "
         f"with respect to meta): {error}") from None
-  new = [leaf for _, leaf in leaves_with_paths]
-  by_length: dict[int, list[tuple[str, int, int]]] = {}
-  for row in rows:
-    by_length.setdefault(new[row[2]].shape[-1], []).append(row)
+  new = list(leaves)
   for length, group in by_length.items():
-    # Each tensor's rows among the group's (a history stacked by nn.scan is
-    # one row per layer).
-    offsets = np.cumsum([0] + [new[s].size for _, s, _ in group])
-    slices = list(zip(offsets[:-1], offsets[1:]))
+    slices = _row_slices(leaves, group)
     # The step's amaxes: each the largest of its scale slot and of the
     # partial maxima in its history slot (see _observation), reduced for
     # all tensors together.
@@ -318,30 +334,80 @@ def next_meta(meta: Any, observed: Any, step: Any) -> Any:
     for (_, _, h), (begin, end) in zip(group, slices):
       new[h] = jnp.where(
           written, amax[begin:end].reshape(new[h].shape[:-1] + (1,)), new[h])
-    # The scales: every history's maximum in one reduction, then each
-    # scale from its slice of them, elementwise (slicing one concatenated
-    # scale array instead would cost a copy per output).
-    largest = jnp.max(jnp.concatenate(
-        [new[h].reshape(-1, length) for _, _, h in group]), axis=1)
-    for (t, s, _), (begin, end) in zip(group, slices):
-      new[s] = fp8_ops.compute_scale(
-          largest[begin:end].reshape(new[s].shape), new[s],
-          jnp.float32(_fp8_max(t)))
   return treedef.unflatten(new)
 
 
-def _check_step(step: Any) -> jax.Array:
+def rescale(meta: Any, applied: Any = True) -> Any:
+  """``meta`` with each scale computed from its history: ``max(history) /
+  fp8_max``, the old scale while that is zero or not finite; the second
+  half of :func:`next_meta`. Where the scalar bool ``applied`` is False (a
+  skipped step), the scales are kept as they are.
+
+  >>> import jax.numpy as jnp
+  >>> meta = init_meta(history_length=2)
+  >>> meta["output_grad_amax_history"] = jnp.array([0.0, 5734.4])
+  >>> float(rescale(meta)["output_grad_scale"])   # 5734.4 / 57344 (E5M2)
+  0.10000000149011612
+  >>> float(rescale(meta, applied=jnp.array(False))["output_grad_scale"])
+  1.0
+  """
+  leaves, treedef, by_length = _histories_by_length(meta, "rescale")
+  applied = jnp.asarray(applied)
+  if applied.dtype != jnp.bool_ or applied.ndim != 0:
+    raise TypeError(f"rescale's applied must be a scalar bool, got "
+                    f"{applied!r}")
+  new = list(leaves)
+  for length, group in by_length.items():
+    # Every history's maximum in one reduction, then each scale from its
+    # slice of them, elementwise (slicing one concatenated scale array
+    # instead would cost a copy per output).
+    largest = jnp.max(jnp.concatenate(
+        [leaves[h].reshape(-1, length) for _, _, h in group]), axis=1)
+    for (t, s, _), (begin, end) in zip(group, _row_slices(leaves, group)):
+      new[s] = jnp.where(applied, fp8_ops.compute_scale(
+          largest[begin:end].reshape(leaves[s].shape), leaves[s],
+          jnp.float32(_fp8_max(t))), leaves[s])
+  return treedef.unflatten(new)
+
+
+def _histories_by_length(meta: Any, caller: str):
+  """``meta``'s leaves, treedef, and its tensors grouped by history length:
+  ``{length: [(tensor, index of its scale, index of its history)]}``."""
+  leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(meta)
+  by_length: dict[int, list[tuple[str, int, int]]] = {}
+  for owner, fields in _group_fields(leaves_with_paths, caller).items():
+    missing = _FIELDS - set(fields)
+    if missing:
+      raise TypeError(
+          f"{caller}'s meta must hold whole jmp_lab.fp8.init_meta() dicts; "
+          f"the one at {jax.tree_util.keystr(owner)} lacks {sorted(missing)}")
+    for t in _TENSORS:
+      history = fields[f"{t}_amax_history"]
+      by_length.setdefault(leaves_with_paths[history][1].shape[-1], []).append(
+          (t, fields[f"{t}_scale"], history))
+  return [leaf for _, leaf in leaves_with_paths], treedef, by_length
+
+
+def _row_slices(leaves: list, group: list) -> list[tuple[int, int]]:
+  """Each tensor's rows among its group's (a history stacked by nn.scan is
+  one row per layer)."""
+  offsets = np.cumsum([0] + [leaves[s].size for _, s, _ in group])
+  return list(zip(offsets[:-1], offsets[1:]))
+
+
+def _check_step(step: Any, caller: str) -> jax.Array:
   dtype = jnp.result_type(step) if hasattr(step, "dtype") or isinstance(
       step, int) else None
   if (isinstance(step, bool) or dtype is None
       or not jnp.issubdtype(dtype, jnp.integer) or jnp.ndim(step) != 0):
     raise TypeError(
-        f"next_meta's step must be an integer scalar (the number of steps "
+        f"{caller}'s step must be an integer scalar (the number of steps "
         f"applied so far, e.g. TrainState.step); got {step!r}")
   return jnp.asarray(step)
 
 
-def _group_fields(leaves_with_paths) -> dict[tuple, dict[str, int]]:
+def _group_fields(leaves_with_paths, caller: str
+                  ) -> dict[tuple, dict[str, int]]:
   """The leaves' indices by matmul (the path before the field's key) and
   field; a TypeError for a leaf that is no meta field."""
   groups: dict[tuple, dict[str, int]] = {}
@@ -349,7 +415,7 @@ def _group_fields(leaves_with_paths) -> dict[tuple, dict[str, int]]:
     field, owner = _field(path)
     if field is None:
       raise TypeError(
-          f"next_meta's meta must hold jmp_lab.fp8.init_meta() dicts; the "
+          f"{caller}'s meta must hold jmp_lab.fp8.init_meta() dicts; the "
           f"leaf at {jax.tree_util.keystr(path)} is not one of their fields "
           f"{sorted(_FIELDS)}")
     groups.setdefault(owner, {})[field] = index

@@ -899,10 +899,13 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
     treedef = jax.tree_util.tree_structure(fp8_observed)
     old = treedef.unflatten(jax.tree_util.tree_leaves(
         nnx.state(model, Fp8Meta)))
-    new = fp8.next_meta(old, fp8_observed, steps_before)
-    nnx.update(model, treedef.unflatten(select_tree(
-        applied, jax.tree_util.tree_leaves(new),
-        jax.tree_util.tree_leaves(old))))
+    # next_meta in two halves, the scales from the kept histories (see
+    # fp8.write_amaxes).
+    written = fp8.write_amaxes(old, fp8_observed, steps_before)
+    kept = treedef.unflatten(select_tree(
+        applied, jax.tree_util.tree_leaves(written),
+        jax.tree_util.tree_leaves(old)))
+    nnx.update(model, fp8.rescale(kept, applied))
   metrics.update(loss=loss, loss_scale=loss_scale.loss_scale,
                  grads_finite=applied, skipped_steps=optimizer.skipped_steps)
   return metrics

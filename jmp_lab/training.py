@@ -362,20 +362,27 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
   warn_unless_half(state.policy, matmuls, lambda: jax.make_jaxpr(normalized)(
       state.params, fp8_meta, state, batch), "jmp_lab.train_step")
   if fp8_meta is not None:
+    # next_meta in two halves: the amaxes written now, the scales computed
+    # from the histories the skip decision kept (see fp8.write_amaxes).
     model_state = {**state.model_state, **model_state,
-                   fp8.COLLECTION: fp8.next_meta(fp8_meta, fp8_observed,
-                                                  state.step)}
+                   fp8.COLLECTION: fp8.write_amaxes(fp8_meta, fp8_observed,
+                                                    state.step)}
     scaled_grads = fp8.skip_unless_finite(scaled_grads, fp8_observed)
 
   # 4-5. Unscale, check, update the fp32 master or skip; adjust the scale.
   # On a skipped step the model state, fp8 scaling state included, is kept.
   new_state = state.apply_gradients(grads=scaled_grads,
                                     model_state=model_state)
+  applied = last_step_applied(new_state.opt_state)
+  if fp8_meta is not None:
+    kept = new_state.model_state
+    new_state = new_state.replace(model_state={
+        **kept, fp8.COLLECTION: fp8.rescale(kept[fp8.COLLECTION], applied)})
 
   metrics.update(
       loss=loss,
       loss_scale=loss_scale.loss_scale,
-      grads_finite=last_step_applied(new_state.opt_state),
+      grads_finite=applied,
       skipped_steps=new_state.skipped_steps)
   return new_state, metrics
 

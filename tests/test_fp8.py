@@ -234,6 +234,48 @@ def test_next_meta_updates_histories_stacked_by_scan_layer_by_layer():
   chex.assert_trees_all_equal(new["kernel_scale"], meta["kernel_scale"])
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_write_amaxes_then_rescale_is_next_meta_and_a_skip_keeps_the_scales(
+    jit):
+  """The train steps' two halves of next_meta: the amaxes written (scales
+  untouched), then the scales from the histories; rescale with
+  ``applied=False`` (a skipped step) keeps every scale, even one that does
+  not match its history."""
+  meta = {"a": fp8.init_meta(history_length=4),
+          "b": jax.tree_util.tree_map(lambda x: jnp.stack([x] * 2),
+                                      fp8.init_meta(history_length=2))}
+  meta["a"]["kernel_amax_history"] = jnp.array([44.8, 0.0, 0.0, 0.0])
+  meta["b"]["input_scale"] = jnp.array([0.5, 0.25])
+  observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
+  observed["a"]["input_scale"] = jnp.array(8.96)
+  observed["b"]["output_grad_amax_history"] = jnp.array(
+      [[0.0, 5734.4], [573.44, 0.0]])
+  write = jax.jit(fp8.write_amaxes) if jit else fp8.write_amaxes
+  written = write(meta, observed, jnp.int32(5))
+  chex.assert_trees_all_equal(  # the scales are not touched
+      {k: v for k, v in written["a"].items() if k.endswith("_scale")},
+      {k: v for k, v in meta["a"].items() if k.endswith("_scale")})
+  np.testing.assert_array_equal(written["a"]["input_amax_history"],
+                                np.float32([0.0, 8.96, 0.0, 0.0]))
+  np.testing.assert_array_equal(written["b"]["output_grad_amax_history"],
+                                np.float32([[0.0, 5734.4], [0.0, 573.44]]))
+  rescale = jax.jit(fp8.rescale) if jit else fp8.rescale
+  chex.assert_trees_all_close(rescale(written),
+                              fp8.next_meta(meta, observed, 5))
+  rescaled = rescale(written)
+  np.testing.assert_allclose(rescaled["a"]["kernel_scale"], 0.1, rtol=1e-6)
+  np.testing.assert_allclose(rescaled["b"]["output_grad_scale"],
+                             [0.1, 0.01], rtol=1e-6)
+  # b's input scales (0.5, 0.25) have an all-zero history: kept.
+  np.testing.assert_array_equal(rescaled["b"]["input_scale"],
+                                np.float32([0.5, 0.25]))
+  chex.assert_trees_all_equal(rescale(written, jnp.array(False)), written)
+  with pytest.raises(TypeError, match="applied must be a scalar bool"):
+    fp8.rescale(written, jnp.array([True, False]))
+  with pytest.raises(TypeError, match="rescale's meta must hold whole"):
+    fp8.rescale({"a": {"input_scale": jnp.ones(())}})
+
+
 def test_next_meta_names_bad_arguments():
   meta = {"Dense_0": fp8.init_meta(history_length=2)}
   observed = jax.tree_util.tree_map(jnp.zeros_like, meta)
@@ -585,7 +627,20 @@ def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
   assert kernels["bf16-fp8"] <= 1.45 * kernels["bf16"], kernels
 
 
-def test_fp8_amaxes_are_computed_in_the_kernels_that_quantize_on_h100():
+@pytest.fixture(scope="module")
+def wide_lean_fp8_report():
+  """The lean fp8 step of a 2-layer, width-2048 GPT, compiled for the H100."""
+  pytest.importorskip("jax_cuda12_plugin")
+  from benchmarks import train_step
+  size = train_step.ModelSize(layers=2, width=2048, heads=16, seq_len=1024,
+                              vocab=1024, batch=4)
+  config = next(c for c in train_step.ALL_CONFIGS
+                if c.name == "bf16-fp8-lean")
+  return train_step.compiled_step_report(config, size, "h100")
+
+
+def test_fp8_amaxes_are_computed_in_the_kernels_that_quantize_on_h100(
+    wide_lean_fp8_report):
   """Each amax is reduced in the kernel that casts its tensor to fp8, not
   by a reduction that reads the tensor again: compiled for the H100, the
   lean step of a 2-layer, width-2048 GPT spends 0.01% of its bytes in
@@ -593,16 +648,24 @@ def test_fp8_amaxes_are_computed_in_the_kernels_that_quantize_on_h100():
   an optimization barrier and the amaxes were observed in parts), and since
   the parts of its 8,192-wide MLP tensors are read in strided chunks, none
   (4 second-stage reductions before)."""
-  pytest.importorskip("jax_cuda12_plugin")
-  from benchmarks import fp8_breakdown, train_step
-  size = train_step.ModelSize(layers=2, width=2048, heads=16, seq_len=1024,
-                              vocab=1024, batch=4)
-  config = next(c for c in train_step.ALL_CONFIGS
-                if c.name == "bf16-fp8-lean")
-  report = train_step.compiled_step_report(config, size, "h100")
+  from benchmarks import fp8_breakdown
+  report = wide_lean_fp8_report
   amax_kernels, amax_bytes = fp8_breakdown.breakdown(report)["amax"]
   assert amax_bytes < 0.01 * report.bytes_accessed, (amax_kernels, amax_bytes)
   assert amax_kernels == 0, amax_kernels
+
+
+def test_fp8_scaling_state_is_updated_in_a_few_kernels_on_h100(
+    wide_lean_fp8_report):
+  """The 36 histories and scales of the same step are updated in 4 kernels
+  (the amaxes, the histories' write, their maxima, the scales). Before the
+  train step computed the scales from the histories its skip decision kept
+  (jmp_lab.fp8.write_amaxes, then rescale), the maxima read the donated
+  histories that the write overwrites in place, and XLA copied each one
+  first: 40 kernels."""
+  from benchmarks import fp8_breakdown
+  kernels, _ = fp8_breakdown.breakdown(wide_lean_fp8_report)["scaling state"]
+  assert kernels <= 6, kernels
 
 
 class _ScannedBlock(nn.Module):
