@@ -77,6 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
+from jmp_lab.kernels import cast_transpose
+
 
 E4M3 = jnp.float8_e4m3fn  # inputs and kernels
 E5M2 = jnp.float8_e5m2    # output gradients
@@ -184,9 +186,14 @@ def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
   more on the 1.3B-class step, but costs GPT-2 small 3.2 GB.) The barrier
   changes no value.
   """
-  quantized = fp8_ops.quantize(x, q_dtype, scale, x.dtype)
-  quantized = jax.lax.optimization_barrier(quantized)
-  return fp8_ops.dequantize(quantized, x.dtype, scale)
+  return fp8_ops.dequantize(_quantize(x, q_dtype, scale), x.dtype, scale)
+
+
+def _quantize(x: jax.Array, q_dtype, scale: jax.Array) -> jax.Array:
+  """``x`` as fp8 (Flax's ``fp8_ops.quantize``), behind the optimization
+  barrier of :func:`_quantize_dequantize`."""
+  return jax.lax.optimization_barrier(
+      fp8_ops.quantize(x, q_dtype, scale, x.dtype))
 
 
 # --- delayed scaling: quantize with the stored scale, observe the amax -------
@@ -527,6 +534,91 @@ def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
   return quantize_output_gradient(quantized_product(lhs, rhs, meta), meta)
 
 
+# --- a Dense layer's product: the backward written out -------------------------
+
+
+def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers
+                       ) -> int:
+  """How many axes a Dense-like ``dot_general`` contracts (``lhs``'s last
+  ones with ``rhs``'s first ones, no batch axes), or 0 for another kind."""
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = (
+      dimension_numbers)
+  n = len(lhs_contracting)
+  if (lhs_batch or rhs_batch or n == 0 or n != len(rhs_contracting)
+      or tuple(lhs_contracting) != tuple(range(lhs.ndim - n, lhs.ndim))
+      or tuple(rhs_contracting) != tuple(range(n))):
+    return 0
+  return n
+
+
+@jax.custom_vjp
+def _delayed_matmul(x: jax.Array, w: jax.Array, meta: Fp8Meta) -> jax.Array:
+  return _delayed_matmul_fwd(x, w, meta)[0]
+
+
+def _delayed_matmul_fwd(x, w, meta):
+  qx = _quantize(x, E4M3, meta["input_scale"])
+  qw = _quantize(w, E4M3, meta["kernel_scale"])
+  y = jax.lax.dot_general(
+      fp8_ops.dequantize(qx, x.dtype, meta["input_scale"]),
+      fp8_ops.dequantize(qw, w.dtype, meta["kernel_scale"]),
+      (((1,), (0,)), ((), ())))
+  observed = (
+      _observation(x, meta["input_scale"], meta["input_amax_history"]),
+      _observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
+  # The fp8 operands are the residuals: the backward GEMMs read them (fp8
+  # on the H100 under nn.scan too, where a 16-bit residual would cross the
+  # loop), and the weights are quantized once a step.
+  return y, (qx, qw, meta, observed)
+
+
+def _delayed_matmul_bwd(residuals, g):
+  qx, qw, meta, (input_seen, kernel_seen) = residuals
+  dtype = g.dtype
+  scale, history = meta["output_grad_scale"], meta["output_grad_amax_history"]
+  programs = history.shape[-1] if history.ndim == 1 else 1
+  # Both fp8 layouts of the output gradient from one read of it: the input
+  # gradient's GEMM reads q_g, the weight gradient's q_g.T, whose token axis
+  # (the contracted one) is innermost, as Hopper's fp8 GEMMs read it.
+  q_g, q_g_t, maxima = cast_transpose.quantize_transpose(
+      g, scale, E5M2, programs,
+      lambda x, s: _quantize(x, E5M2, s))
+  g_seen = (jnp.zeros_like(scale), maxima.reshape(history.shape))
+  if history.ndim != 1:  # an unusual history: the amax in the scale slot
+    g_seen = (jnp.max(maxima).reshape(jnp.shape(scale)),
+              jnp.zeros_like(history))
+  x = fp8_ops.dequantize(qx, dtype, meta["input_scale"])
+  w = fp8_ops.dequantize(qw, dtype, meta["kernel_scale"])
+  d_x = jax.lax.dot_general(fp8_ops.dequantize(q_g, dtype, scale), w,
+                            (((1,), (1,)), ((), ())))
+  d_w = jax.lax.dot_general(x, fp8_ops.dequantize(q_g_t, dtype, scale),
+                            (((0,), (1,)), ((), ())))
+  seen = {"input_scale": input_seen[0], "input_amax_history": input_seen[1],
+          "kernel_scale": kernel_seen[0],
+          "kernel_amax_history": kernel_seen[1],
+          "output_grad_scale": g_seen[0],
+          "output_grad_amax_history": g_seen[1]}
+  return d_x.astype(dtype), d_w.astype(dtype), seen
+
+
+_delayed_matmul.defvjp(_delayed_matmul_fwd, _delayed_matmul_bwd)
+
+
+def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Fp8Meta,
+                   contracted: int) -> jax.Array:
+  """A Dense layer's fp8 product with delayed scaling, as one 2-D matmul
+  whose backward is written out: its output gradient is quantized once
+  into both layouts the two gradient GEMMs read
+  (:func:`jmp_lab.kernels.cast_transpose.quantize_transpose`), where
+  autodiff's backward left XLA to transpose the quantized gradient in a
+  second pass."""
+  compute = rhs.dtype
+  width = int(np.prod(rhs.shape[:contracted]))
+  x = lhs.astype(compute).reshape(-1, width)
+  y = _delayed_matmul(x, rhs.reshape(width, -1), meta)
+  return y.reshape(lhs.shape[:lhs.ndim - contracted] + rhs.shape[contracted:])
+
+
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
                 meta: Optional[Fp8Meta] = None, out_sharding=None
@@ -541,6 +633,13 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   accumulates in fp32 and returns the compute dtype.
   """
   del precision, preferred_element_type
+  contracted = _dense_contraction(lhs, rhs, dimension_numbers)
+  if meta is not None and contracted:
+    if out_sharding is not None:
+      raise ValueError(f"an fp8 matmul does not take out_sharding (got "
+                       f"{out_sharding!r})")
+    _check_meta(meta)
+    return _dense_product(lhs, rhs, meta, contracted)
   return _fp8_product(
       lambda a, b: jax.lax.dot_general(a, b, dimension_numbers),
       lhs, rhs, meta, out_sharding)

@@ -414,3 +414,100 @@ def test_multi_tensor_kernels_match_the_reference(backend, mode, finite,
   got_stats = kernels.tree_grad_stats(backend, g, jnp.float32(256.0))
   assert bool(got_stats[1]) == bool(want_stats[1])
   np.testing.assert_allclose(float(got_stats[0]), float(want_stats[0]), rtol=1e-5)
+
+
+# --- the fp8 cast-transpose kernel --------------------------------------------
+
+
+from jmp_lab.kernels import cast_transpose  # noqa: E402
+
+
+def _xla_quantized(x, scale, dtype):
+  """XLA's quantization as the GPU compiles it: fp32 division, clipped."""
+  fp8_max = float(jnp.finfo(dtype).max)
+  return jnp.clip(x.astype(jnp.float32) / scale, -fp8_max,
+                  fp8_max).astype(dtype)
+
+
+@pytest.mark.parametrize("shape,programs", [
+    ((64, 128), 2), ((256, 96), 4), ((256, 768), 64), ((96, 64), 3)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("fp8", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+def test_cast_transpose_kernel_equals_xla_quantization(shape, programs, dtype,
+                                                       fp8):
+  """Both layouts bit for bit as XLA quantizes (values past the format's
+  largest are clipped to it), and partial maxima whose maximum is the
+  amax, in interpret mode."""
+  key = jax.random.PRNGKey(shape[0] + shape[1])
+  x = (jax.random.normal(key, shape) * 64).astype(dtype)
+  x = x.at[3, 5].set(jnp.asarray(-60000.0 if dtype == jnp.float16 else 1e6,
+                                 dtype))  # saturates
+  scale = jnp.float32(0.37)
+  lay = cast_transpose.layout(shape, programs)
+  assert lay is not None and lay.programs == programs
+  q, q_t, maxima = cast_transpose.cast_transpose(x, scale, fp8, lay,
+                                                 interpret=True)
+  expected = _xla_quantized(x, scale, fp8)
+  chex.assert_type([q, q_t], fp8)
+  chex.assert_shape(q_t, shape[::-1])
+  np.testing.assert_array_equal(np.asarray(q, np.float32),
+                                np.asarray(expected, np.float32))
+  np.testing.assert_array_equal(np.asarray(q_t, np.float32),
+                                np.asarray(expected, np.float32).T)
+  chex.assert_shape(maxima, (programs,))
+  assert float(maxima.max()) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+  assert float(jnp.abs(q.astype(jnp.float32)).max()) == float(
+      jnp.finfo(fp8).max)
+
+
+def test_cast_transpose_layout_tiles_over_exactly_the_programs_or_none():
+  lay = cast_transpose.layout((8192, 2048), 1024)
+  assert (8192 // lay.tile_rows) * (2048 // lay.tile_cols) == (
+      lay.tiles_per_program * 1024)
+  assert cast_transpose.layout((100, 768), 1024) is None   # ragged rows
+  assert cast_transpose.layout((64, 64), 1024) is None     # too few tiles
+  assert cast_transpose.layout((64, 64, 2), 4) is None     # not 2-D
+
+
+def test_quantize_transpose_off_cuda_is_xla_quantization_and_its_parts():
+  x = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128).astype(
+      jnp.bfloat16)
+  quantize = lambda x, s: _xla_quantized(x, s, jnp.float8_e5m2)  # noqa: E731
+  q, q_t, maxima = jax.jit(
+      lambda x: cast_transpose.quantize_transpose(
+          x, jnp.float32(2.0), jnp.float8_e5m2, 4, quantize))(x)
+  chex.assert_trees_all_equal(q, quantize(x, 2.0))
+  chex.assert_trees_all_equal(q_t, quantize(x, 2.0).T)
+  np.testing.assert_array_equal(
+      maxima, np.abs(np.asarray(x, np.float32)).reshape(4, -1).max(axis=1))
+
+
+@pytest.mark.parametrize("shape", [(16, 4), (0, 8), (3, 5)])
+def test_quantize_transpose_of_a_tensor_smaller_than_the_programs(shape):
+  """Fewer (or not a multiple of) elements than maxima slots: each slot
+  holds the amax (a shape an NNX Linear's 16 x 4 gradient has)."""
+  x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape).astype(
+      jnp.bfloat16) - 7
+  quantize = lambda x, s: _xla_quantized(x, s, jnp.float8_e4m3fn)  # noqa: E731
+  q, q_t, maxima = cast_transpose.quantize_transpose(
+      x, jnp.float32(1.0), jnp.float8_e4m3fn, 1024, quantize)
+  chex.assert_shape([q, q_t.T], shape)
+  amax = float(jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0))
+  np.testing.assert_array_equal(maxima, np.full(1024, amax, np.float32))
+
+
+def test_cast_transpose_compiles_for_the_h100_as_one_kernel_without_spills():
+  """One Triton kernel reads the 16-bit tensor once and writes both fp8
+  layouts: 4 bytes an element (XLA's quantize-then-transpose moves 5)."""
+  pytest.importorskip("jax_cuda12_plugin")
+  from jmp_lab.diagnostics import compiled_report
+  shape = (8192, 3072)
+  lay = cast_transpose.layout(shape, 1024)
+  report = compiled_report(
+      lambda x, s: cast_transpose.cast_transpose(x, s, jnp.float8_e5m2, lay),
+      jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+      jax.ShapeDtypeStruct((), jnp.float32))
+  assert report.kernels == 1
+  [kernel] = report.pallas_kernels
+  assert kernel.backend == "triton" and kernel.spill_bytes == 0, kernel
+  assert report.bytes_accessed == pytest.approx(4 * 8192 * 3072, rel=1e-3)

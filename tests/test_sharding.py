@@ -98,9 +98,10 @@ def test_data_parallel_and_zero1_equal_the_single_device_run(optimizer, zero1):
 def test_zero1_fp8_scaling_state_equals_the_single_device_run():
   """Under ZeRO-1 on 2 devices the fp8 step observes each tensor's amax over
   the whole batch (both halves), updates the scaling state once, replicated,
-  and keeps it on the step that one device's inf makes non-finite: histories
-  and scales equal one device's run bit for bit (a max does not depend on
-  the order), the params to the rounding of the gradient sum's order."""
+  and keeps it on the step that one device's inf makes non-finite: from the
+  same params, histories and scales equal one device's run bit for bit (a
+  max does not depend on the order); after, to the rounding of the gradient
+  sum's order, as the params do."""
   mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
 
   def fp8_state():
@@ -123,20 +124,28 @@ def test_zero1_fp8_scaling_state_equals_the_single_device_run():
   step = jmp_lab.make_train_step(
       fp8_loss, state_sharding=layout,
       batch_sharding=NamedSharding(mesh, P("data")))
-  metas = []
+  metas, single_metas = [], []
   for batch in batches(6, poison_at=(3,)):
     single, _ = single_step(single, batch)
     state, _ = step(state, batch)
     metas.append(jax.device_get(state.model_state))
+    single_metas.append(jax.device_get(single.model_state))
   assert int(state.skipped_steps) == 1 == int(single.skipped_steps)
   chex.assert_trees_all_equal(metas[3], metas[2])  # kept on the skipped step
-  chex.assert_trees_all_equal(jax.device_get(state.model_state),
-                              jax.device_get(single.model_state))
+  # From the same params, the same amaxes bit for bit: the first step's.
+  chex.assert_trees_all_equal(metas[0], single_metas[0])
+  # Later steps start from params that differ by the gradient sum's
+  # rounding, which can move an activation's amax by one bf16 step.
+  chex.assert_trees_all_close(jax.device_get(state.model_state),
+                              jax.device_get(single.model_state), rtol=1e-2)
   history = state.model_state["_overwrite_with_gradient"]["Dense_0"][
       "Fp8DotGeneral_0"]["input_amax_history"]
   assert np.count_nonzero(np.asarray(history)) == 4  # 5 applied steps, ring of 4
+  # The weight gradients are sums over the batch in another order (each
+  # device's half, then across devices), and AdamW turns a gradient near
+  # zero whose rounding differs into up to half a step of lr = 1e-2.
   chex.assert_trees_all_close(state.master_params, single.master_params,
-                              rtol=1e-2, atol=5e-4)
+                              rtol=1e-2, atol=5e-3)
 
 
 class OddMLP(nn.Module):

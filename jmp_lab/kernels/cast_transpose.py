@@ -1,0 +1,242 @@
+"""Cast to fp8 and transpose in one pass: a Pallas Triton kernel.
+
+An fp8 weight-gradient GEMM on Hopper reads both operands with the
+contracted (token) axis innermost, so it needs the transposed fp8 copy of
+each output gradient, while the input-gradient GEMM reads the untransposed
+one. XLA writes the first copy in the kernel that quantizes the gradient
+(with its amax) and the second by reading it back and transposing it: 2 + 1
+bytes, then 1 + 1, per element. Transformer Engine's ``cast_transpose``
+writes both copies from one read of the 16-bit tensor (2 + 1 + 1 bytes),
+and so does :func:`cast_transpose` here, which also computes the maxima
+of ``|x|`` that delayed scaling records (see :func:`jmp_lab.fp8.write_amaxes`).
+
+Each program owns a fixed set of ``(rows, cols)`` tiles and writes their
+largest ``|x|`` into its own slot of ``maxima``: no atomics, and the slots'
+maximum is ``x``'s amax. The tile sizes are chosen so that the programs
+number exactly ``len(maxima)`` (the fp8 history's length), each walking
+``tiles_per_program`` tiles, so the maxima need no second reduction. Shapes
+that do not split so, or whose rows or columns are not multiples of 32,
+stay on XLA's path (:func:`layout` returns None).
+
+The quantization is the one XLA compiles for the GPU from Flax's
+``fp8_ops.quantize``: ``x / scale`` in fp32, clipped to the format's
+largest finite value, rounded to the nearest even fp8 value. The same body
+runs in Pallas interpret mode (``interpret=True``) on any device, which is
+how the CPU tests check it. The tile sizes come from compiling for an H100
+without register spills, not from timings on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+# Tile edges tried, largest first: a tile of 64 x 128 16-bit values is 32
+# registers a thread at 4 warps, read once and written twice.
+_ROW_TILES = (64, 32)
+_COL_TILES = (128, 64, 32)
+NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How :func:`cast_transpose` splits an ``(rows, cols)`` tensor."""
+
+  tile_rows: int
+  tile_cols: int
+  tiles_per_program: int
+  programs: int
+
+
+def layout(shape: tuple[int, ...], programs: int) -> Optional[Layout]:
+  """The tiling of a 2-D ``shape`` over exactly ``programs`` programs, or
+  None when there is none (XLA's path then quantizes).
+
+  >>> layout((8192, 768), 1024)
+  Layout(tile_rows=64, tile_cols=32, tiles_per_program=3, programs=1024)
+  >>> layout((100, 768), 1024) is None   # rows not a multiple of 32
+  True
+  """
+  if len(shape) != 2 or programs < 1:
+    return None
+  rows, cols = shape
+  for tile_rows in _ROW_TILES:
+    for tile_cols in _COL_TILES:
+      if rows % tile_rows or cols % tile_cols:
+        continue
+      tiles = (rows // tile_rows) * (cols // tile_cols)
+      if tiles >= programs and tiles % programs == 0:
+        return Layout(tile_rows, tile_cols, tiles // programs, programs)
+  return None
+
+
+def _kernel(scale_ref, x_ref, q_ref, q_t_ref, maxima_ref, *, layout: Layout,
+            col_tiles: int, fp8_max: float):
+  program = pl.program_id(0)
+  scale = scale_ref[0]
+  rows, cols = layout.tile_rows, layout.tile_cols
+
+  def tile(k, running_max):
+    index = program * layout.tiles_per_program + k
+    row = pl.ds(pl.multiple_of((index // col_tiles) * rows, rows), rows)
+    col = pl.ds(pl.multiple_of((index % col_tiles) * cols, cols), cols)
+    x = x_ref[row, col].astype(jnp.float32)
+    q = jnp.clip(x / scale, -fp8_max, fp8_max)
+    q_ref[row, col] = q.astype(q_ref.dtype)
+    q_t_ref[col, row] = q.T.astype(q_t_ref.dtype)
+    return jnp.maximum(running_max, jnp.max(jnp.abs(x)))
+
+  largest = jax.lax.fori_loop(0, layout.tiles_per_program, tile,
+                              jnp.float32(0))
+  maxima_ref[...] = jnp.full((1,), largest, jnp.float32)
+
+
+def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
+                   interpret: bool = False
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(q, q.T, maxima)``: ``x`` (2-D, 16-bit) quantized to the fp8
+  ``dtype`` with ``scale`` (``q = x / scale``, clipped), its transpose, and
+  ``layout.programs`` partial maxima of ``|x|`` (fp32).
+
+  >>> import jax.numpy as jnp
+  >>> x = jnp.tile(jnp.arange(128, dtype=jnp.bfloat16) / 8, (64, 1))
+  >>> x_layout = layout(x.shape, 2)   # two programs: 64 columns each
+  >>> q, q_t, maxima = cast_transpose(x, jnp.float32(0.5), jnp.float8_e5m2,
+  ...                                 x_layout, interpret=True)
+  >>> q.dtype, q_t.shape, maxima.tolist()
+  (dtype(float8_e5m2), (128, 64), [7.875, 15.875])
+  >>> bool((q_t.T == q).all()), float(q[0, 2])   # (2 / 8) / 0.5
+  (True, 0.5)
+  """
+  rows, cols = x.shape
+  fp8_max = float(jnp.finfo(dtype).max)
+  kernel = functools.partial(
+      _kernel, layout=layout, col_tiles=cols // layout.tile_cols,
+      fp8_max=fp8_max)
+  whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as pltriton  # GPU only
+    from jmp_lab.kernels import quiet_triton_deprecation
+    quiet_triton_deprecation()
+    compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS,
+                                              num_stages=2)
+  return pl.pallas_call(
+      kernel, grid=(layout.programs,),
+      in_specs=[whole((1,)), whole(x.shape)],
+      out_specs=(whole(x.shape), whole((cols, rows)),
+                 pl.BlockSpec((1,), lambda p: (p,))),
+      out_shape=(jax.ShapeDtypeStruct(x.shape, dtype),
+                 jax.ShapeDtypeStruct((cols, rows), dtype),
+                 jax.ShapeDtypeStruct((layout.programs,), jnp.float32)),
+      compiler_params=compiler_params, interpret=interpret,
+      name="fp8_cast_transpose",
+  )(jnp.reshape(scale.astype(jnp.float32), (1,)), x)
+
+
+# ---------------------------------------------------------------------------
+# The op: the kernel where it runs (CUDA, a layout), XLA's quantization
+# elsewhere; split by rows across devices; a vmap rule.
+# ---------------------------------------------------------------------------
+
+
+def _xla_path(x, scale, quantize: Callable, programs: int):
+  q = quantize(x, scale)
+  magnitude = jnp.abs(x).astype(jnp.float32)
+  if x.size and x.size % programs == 0:
+    maxima = jnp.max(magnitude.reshape(programs, -1), axis=1)
+  else:  # every slot the amax: their maximum is still x's amax
+    maxima = jnp.full((programs,), jnp.max(magnitude, initial=0.0))
+  return q, q.T, maxima
+
+
+def _local(x, scale, dtype_name: str, programs: int, quantize: Callable):
+  """One device's rows: the kernel, or XLA's path where its rows do not
+  tile (``quantize`` is XLA's formula)."""
+  local_layout = layout(x.shape, programs)
+  if local_layout is None:
+    return _xla_path(x, scale, quantize, programs)
+  return cast_transpose(x, scale, jnp.dtype(dtype_name), local_layout)
+
+
+def _row_axes(sharding) -> tuple:
+  spec = getattr(sharding, "spec", None)
+  if not spec or spec[0] is None:
+    return ()
+  return tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
+
+
+def _partition(dtype_name, programs, quantize, mesh, arg_shapes,
+               result_shape):
+  axes = _row_axes(arg_shapes[0].sharding)
+  rows = (axes if len(axes) > 1 else axes[0]) if axes else None
+  by_rows = NamedSharding(mesh, PartitionSpec(rows, None))
+  whole = NamedSharding(mesh, PartitionSpec())
+
+  def lower(x, scale):
+    q, q_t, maxima = _local(x, scale, dtype_name, programs, quantize)
+    return q, q_t, jax.lax.pmax(maxima, axes) if axes else maxima
+
+  results = (by_rows, NamedSharding(mesh, PartitionSpec(None, rows)), whole)
+  return mesh, lower, results, (by_rows, whole)
+
+
+def _infer(dtype_name, programs, quantize, mesh, arg_shapes, result_shape):
+  del dtype_name, programs, quantize, result_shape
+  axes = _row_axes(arg_shapes[0].sharding)
+  rows = (axes if len(axes) > 1 else axes[0]) if axes else None
+  return (NamedSharding(mesh, PartitionSpec(rows, None)),
+          NamedSharding(mesh, PartitionSpec(None, rows)),
+          NamedSharding(mesh, PartitionSpec()))
+
+
+_partitioned = custom_partitioning(_local, static_argnums=(2, 3, 4))
+_partitioned.def_partition(
+    partition=_partition, infer_sharding_from_operands=_infer,
+    sharding_rule="m n, s -> m n, n m, p", need_replication_factors=("n",))
+
+
+def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
+                       programs: int, quantize: Callable
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(q, q.T, maxima)`` of a 2-D ``x``: :func:`cast_transpose` in a step
+  compiled for CUDA where ``x`` is 16-bit and :func:`layout` tiles it over
+  ``programs``; elsewhere XLA's path: ``quantize(x, scale)`` (the fp8
+  tensor), its transpose, and ``x``'s maxima over ``programs`` equal parts.
+
+  Used by :func:`jmp_lab.fp8.dot_general` for output gradients, which XLA
+  would otherwise quantize and then transpose in a second pass. Across
+  devices it runs on each device's rows (``custom_partitioning``, the
+  maxima combined with a ``pmax``); under ``vmap`` it takes XLA's path.
+  """
+  if (x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16)
+      or layout(x.shape, programs) is None):
+    return _xla_path(x, scale, quantize, programs)
+  dtype_name = jnp.dtype(dtype).name
+  scale = jnp.reshape(scale.astype(jnp.float32), (1,))
+
+  def xla(x, scale):
+    return _xla_path(x, scale[0], quantize, programs)
+
+  def kernel(x, scale):
+    return _partitioned(x, scale, dtype_name, programs, quantize)
+
+  dispatch = jax.custom_batching.custom_vmap(
+      lambda x, scale: jax.lax.platform_dependent(x, scale, cuda=kernel,
+                                                  default=xla))
+
+  @dispatch.def_vmap
+  def _batched(axis_size, in_batched, x, scale):
+    del axis_size
+    out = jax.vmap(xla, in_axes=tuple(0 if b else None for b in in_batched)
+                   )(x, scale)
+    return out, (True, True, True)
+
+  return dispatch(x, scale)
