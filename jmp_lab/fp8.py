@@ -14,6 +14,18 @@ and ``out_qdq``, the functions behind ``Fp8DotGeneralOp``) rather than
 ``jax.nn.scaled_dot_general``, which takes per-block scales (MX formats,
 Blackwell) rather than Hopper's per-tensor ones.
 
+**A Dense layer's backward** (a ``dot_general`` of ``lhs``'s last axes
+with the kernel's first, as flax's Dense and DenseGeneral and NNX's Linear
+and LinearGeneral call it) is written out rather than left to autodiff,
+under delayed scaling: its output gradient is quantized once into the two
+fp8 layouts its gradient GEMMs read (the weight gradient's with the token
+axis innermost, as Hopper's fp8 GEMMs read both operands), by the Pallas
+Triton kernel of :mod:`jmp_lab.kernels.cast_transpose` in a step compiled
+for CUDA, where XLA wrote the transposed copy in a second pass over the
+first. The forward's fp8 operands are the residuals the backward reads.
+Other products (einsums, batched dot_generals) are differentiated by
+autodiff around the same quantize-dequantize pattern.
+
 **Scaling.** Transformer Engine's scale is ``fp8_max / amax``; the stored
 ``*_scale`` here is its reciprocal, ``amax / fp8_max`` (what a value is
 multiplied by after quantization), as in Flax's ``fp8_ops``:

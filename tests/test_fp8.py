@@ -614,7 +614,7 @@ def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
   updated for the whole model at once and the scales were stored as
   scalars).
   Issue 27's 1.3x is for GPT-2-small, where the per-layer bookkeeping
-  weighs less (1.2989x, tests/test_compiled_gpt2.py); at this width the
+  weighs less (1.24x, tests/test_compiled_gpt2.py); at this width the
   transposed fp8 copies the weight-gradient GEMMs read and the scaling
   state's kernels weigh more (benchmarks/fp8_breakdown.py)."""
   pytest.importorskip("jax_cuda12_plugin")

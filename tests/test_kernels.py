@@ -433,11 +433,14 @@ def _xla_quantized(x, scale, dtype):
     ((64, 128), 2), ((256, 96), 4), ((256, 768), 64), ((96, 64), 3)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("fp8", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("implementation", ["interpret", "triton"])
 def test_cast_transpose_kernel_equals_xla_quantization(shape, programs, dtype,
-                                                       fp8):
+                                                       fp8, implementation):
   """Both layouts bit for bit as XLA quantizes (values past the format's
   largest are clipped to it), and partial maxima whose maximum is the
-  amax, in interpret mode."""
+  amax: in interpret mode, and on a GPU (the GPU script's kernels part)."""
+  if implementation == "triton" and jax.devices()[0].platform != "gpu":
+    pytest.skip("the Triton kernel runs on a GPU")
   key = jax.random.PRNGKey(shape[0] + shape[1])
   x = (jax.random.normal(key, shape) * 64).astype(dtype)
   x = x.at[3, 5].set(jnp.asarray(-60000.0 if dtype == jnp.float16 else 1e6,
@@ -445,8 +448,8 @@ def test_cast_transpose_kernel_equals_xla_quantization(shape, programs, dtype,
   scale = jnp.float32(0.37)
   lay = cast_transpose.layout(shape, programs)
   assert lay is not None and lay.programs == programs
-  q, q_t, maxima = cast_transpose.cast_transpose(x, scale, fp8, lay,
-                                                 interpret=True)
+  q, q_t, maxima = cast_transpose.cast_transpose(
+      x, scale, fp8, lay, interpret=implementation == "interpret")
   expected = _xla_quantized(x, scale, fp8)
   chex.assert_type([q, q_t], fp8)
   chex.assert_shape(q_t, shape[::-1])
