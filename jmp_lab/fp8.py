@@ -546,7 +546,7 @@ def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
   return quantize_output_gradient(quantized_product(lhs, rhs, meta), meta)
 
 
-# --- a Dense layer's product: the backward written out -------------------------
+# --- a Dense layer's product: the backward written out -----------------------
 
 
 def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers

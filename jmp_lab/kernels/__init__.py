@@ -112,6 +112,27 @@ def quiet_triton_deprecation() -> None:
                           category=DeprecationWarning)
 
 
+def leading_mesh_axes(sharding) -> tuple:
+  """The mesh axes that split an operand's first axis (its tokens or rows),
+  read from a ``NamedSharding``; ``()`` when it is whole. Shared by the
+  kernels' ``custom_partitioning`` rules, which split by that axis."""
+  spec = getattr(sharding, "spec", None)
+  if not spec or spec[0] is None:
+    return ()
+  return tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
+
+
+def split_over(mesh, axes: tuple, ndim: int, dim: int = 0):
+  """The ``NamedSharding`` of an ``ndim``-dimensional array whose axis
+  ``dim`` is split over the mesh ``axes`` (whole when there are none)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  entry = (axes if len(axes) > 1 else axes[0]) if axes else None
+  spec = [None] * ndim
+  if ndim:
+    spec[dim] = entry
+  return NamedSharding(mesh, PartitionSpec(*spec))
+
+
 def _local_gpu_capability() -> Optional[float]:
   for device in jax.local_devices():
     if device.platform == "gpu":

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+
+from jmp_lab.kernels import leading_mesh_axes, split_over
 
 # Tile edges tried, largest first: a tile of 64 x 128 16-bit values is 32
 # registers a thread at 4 warps, read once and written twice.
@@ -120,7 +121,8 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
   kernel = functools.partial(
       _kernel, layout=layout, col_tiles=cols // layout.tile_cols,
       fp8_max=fp8_max)
-  whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))  # noqa: E731
+  def whole(shape):  # each program slices its own tiles
+    return pl.BlockSpec(shape, lambda p: (0,) * len(shape))
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # GPU only
@@ -166,35 +168,25 @@ def _local(x, scale, dtype_name: str, programs: int, quantize: Callable):
   return cast_transpose(x, scale, jnp.dtype(dtype_name), local_layout)
 
 
-def _row_axes(sharding) -> tuple:
-  spec = getattr(sharding, "spec", None)
-  if not spec or spec[0] is None:
-    return ()
-  return tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
-
-
 def _partition(dtype_name, programs, quantize, mesh, arg_shapes,
                result_shape):
-  axes = _row_axes(arg_shapes[0].sharding)
-  rows = (axes if len(axes) > 1 else axes[0]) if axes else None
-  by_rows = NamedSharding(mesh, PartitionSpec(rows, None))
-  whole = NamedSharding(mesh, PartitionSpec())
+  axes = leading_mesh_axes(arg_shapes[0].sharding)
 
   def lower(x, scale):
     q, q_t, maxima = _local(x, scale, dtype_name, programs, quantize)
     return q, q_t, jax.lax.pmax(maxima, axes) if axes else maxima
 
-  results = (by_rows, NamedSharding(mesh, PartitionSpec(None, rows)), whole)
-  return mesh, lower, results, (by_rows, whole)
+  return (mesh, lower, _infer(dtype_name, programs, quantize, mesh,
+                              arg_shapes, result_shape),
+          (split_over(mesh, axes, 2), split_over(mesh, (), 1)))
 
 
 def _infer(dtype_name, programs, quantize, mesh, arg_shapes, result_shape):
+  """``q`` split by rows as ``x`` is, ``q.T`` by columns, the maxima whole."""
   del dtype_name, programs, quantize, result_shape
-  axes = _row_axes(arg_shapes[0].sharding)
-  rows = (axes if len(axes) > 1 else axes[0]) if axes else None
-  return (NamedSharding(mesh, PartitionSpec(rows, None)),
-          NamedSharding(mesh, PartitionSpec(None, rows)),
-          NamedSharding(mesh, PartitionSpec()))
+  axes = leading_mesh_axes(arg_shapes[0].sharding)
+  return (split_over(mesh, axes, 2), split_over(mesh, axes, 2, dim=1),
+          split_over(mesh, (), 1))
 
 
 _partitioned = custom_partitioning(_local, static_argnums=(2, 3, 4))

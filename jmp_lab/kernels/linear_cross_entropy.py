@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+
+from jmp_lab.kernels import leading_mesh_axes, split_over
 
 # Tokens per program in the forward kernel, vocabulary rows per step of its
 # loop; the padded vocabulary is a multiple of the largest vocabulary tile.
@@ -380,19 +381,6 @@ def _local_rows_gradient(hidden, rows, labels, lse, g, layout, interpret,
 # ---------------------------------------------------------------------------
 
 
-def _token_axes(sharding) -> tuple:
-  """The mesh axes that split an operand's first axis (tokens)."""
-  spec = getattr(sharding, "spec", None)
-  if not spec or spec[0] is None:
-    return ()
-  return tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
-
-
-def _token_sharded(mesh, axes, ndim):
-  first = (axes if len(axes) > 1 else axes[0]) if axes else None
-  return NamedSharding(mesh, PartitionSpec(first, *(None,) * (ndim - 1)))
-
-
 def _partitioner(local_fn, rule: str, static: int,
                  reduce_over_tokens: bool):
   """``local_fn`` under custom_partitioning: its operands, named by the
@@ -404,9 +392,9 @@ def _partitioner(local_fn, rule: str, static: int,
 
   def partition(*args):
     statics, (mesh, arg_shapes, result_shape) = args[:static], args[static:]
-    axes = _token_axes(arg_shapes[0].sharding)
+    axes = leading_mesh_axes(arg_shapes[0].sharding)
     arg_shardings = tuple(
-        _token_sharded(mesh, axes if i != 1 else (), shape.ndim)
+        split_over(mesh, axes if i != 1 else (), shape.ndim)
         for i, shape in enumerate(arg_shapes))     # operand 1: the rows
 
     def lower(*xs):
@@ -414,14 +402,15 @@ def _partitioner(local_fn, rule: str, static: int,
       return jax.lax.psum(out, axes) if reduce_over_tokens and axes else out
 
     results = jax.tree.map(
-        lambda r: _token_sharded(mesh, () if reduce_over_tokens else axes,
+        lambda r: split_over(mesh, () if reduce_over_tokens else axes,
                                  r.ndim), result_shape)
     return mesh, lower, results, arg_shardings
 
   def infer(*args):
     mesh, arg_shapes, result_shape = args[static:]
-    axes = () if reduce_over_tokens else _token_axes(arg_shapes[0].sharding)
-    return jax.tree.map(lambda r: _token_sharded(mesh, axes, r.ndim),
+    axes = (() if reduce_over_tokens
+            else leading_mesh_axes(arg_shapes[0].sharding))
+    return jax.tree.map(lambda r: split_over(mesh, axes, r.ndim),
                         result_shape)
 
   wrapped.def_partition(
