@@ -37,10 +37,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jmp_lab.kernels import leading_mesh_axes, split_over
+from jmp_lab.kernels import (leading_mesh_axes, quiet_triton_deprecation,
+                             split_over)
 
-# Tile edges tried, largest first: a tile of 64 x 128 16-bit values is 32
-# registers a thread at 4 warps, read once and written twice.
+# Tile edges tried, largest first: a 64 x 128 tile is 64 values a thread at
+# 4 warps, read once and written twice (80 registers, no spills, compiled
+# for the H100: tests/test_kernels.py).
 _ROW_TILES = (64, 32)
 _COL_TILES = (128, 64, 32)
 NUM_WARPS = 4
@@ -121,12 +123,13 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
   kernel = functools.partial(
       _kernel, layout=layout, col_tiles=cols // layout.tile_cols,
       fp8_max=fp8_max)
+
   def whole(shape):  # each program slices its own tiles
     return pl.BlockSpec(shape, lambda p: (0,) * len(shape))
+
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # GPU only
-    from jmp_lab.kernels import quiet_triton_deprecation
     quiet_triton_deprecation()
     compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS,
                                               num_stages=2)
