@@ -564,37 +564,45 @@ def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers
 
 
 @jax.custom_vjp
-def _delayed_matmul(x: jax.Array, w: jax.Array, meta: Fp8Meta) -> jax.Array:
-  return _delayed_matmul_fwd(x, w, meta)[0]
+def _delayed_matmul(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
+                    meta: Fp8Meta) -> jax.Array:
+  return _delayed_matmul_fwd(x, w, b, meta)[0]
 
 
-def _delayed_matmul_fwd(x, w, meta):
+def _delayed_matmul_fwd(x, w, b, meta):
   qx = _quantize(x, E4M3, meta["input_scale"])
   qw = _quantize(w, E4M3, meta["kernel_scale"])
   y = jax.lax.dot_general(
       fp8_ops.dequantize(qx, x.dtype, meta["input_scale"]),
       fp8_ops.dequantize(qw, w.dtype, meta["kernel_scale"]),
       (((1,), (0,)), ((), ())))
+  if b is not None:
+    # Added to the 2-D product, a bias is the GEMM's epilogue (cuBLASLt's
+    # bias vector); added to a 4-D output, as flax's DenseGeneral adds a
+    # (heads, head_dim) bias, XLA broadcast it into a full matrix first.
+    y = y + b.astype(y.dtype)[None, :]
   observed = (
       _observation(x, meta["input_scale"], meta["input_amax_history"]),
       _observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
   # The fp8 operands are the residuals: the backward GEMMs read them (fp8
   # on the H100 under nn.scan too, where a 16-bit residual would cross the
   # loop), and the weights are quantized once a step.
-  return y, (qx, qw, meta, observed)
+  return y, (qx, qw, meta, observed, b)
 
 
 def _delayed_matmul_bwd(residuals, g):
-  qx, qw, meta, (input_seen, kernel_seen) = residuals
+  qx, qw, meta, (input_seen, kernel_seen), bias = residuals
   dtype = g.dtype
   scale, history = meta["output_grad_scale"], meta["output_grad_amax_history"]
   programs = history.shape[-1] if history.ndim == 1 else 1
   # Both fp8 layouts of the output gradient from one read of it: the input
   # gradient's GEMM reads q_g, the weight gradient's q_g.T, whose token axis
-  # (the contracted one) is innermost, as Hopper's fp8 GEMMs read it.
-  q_g, q_g_t, maxima = cast_transpose.quantize_transpose(
+  # (the contracted one) is innermost, as Hopper's fp8 GEMMs read it; and
+  # the bias gradient, the column sums, from the same read.
+  q_g, q_g_t, maxima, *column_sums = cast_transpose.quantize_transpose(
       g, scale, E5M2, programs,
-      lambda x, s: _quantize(x, E5M2, s))
+      lambda x, s: _quantize(x, E5M2, s), column_sums=bias is not None)
+  d_b = None if bias is None else column_sums[0].astype(bias.dtype)  # (N,)
   g_seen = (jnp.zeros_like(scale), maxima.reshape(history.shape))
   if history.ndim != 1:  # an unusual history: the amax in the scale slot
     g_seen = (jnp.max(maxima).reshape(jnp.shape(scale)),
@@ -610,30 +618,46 @@ def _delayed_matmul_bwd(residuals, g):
           "kernel_amax_history": kernel_seen[1],
           "output_grad_scale": g_seen[0],
           "output_grad_amax_history": g_seen[1]}
-  return d_x.astype(dtype), d_w.astype(dtype), seen
+  return d_x.astype(dtype), d_w.astype(dtype), d_b, seen
 
 
 _delayed_matmul.defvjp(_delayed_matmul_fwd, _delayed_matmul_bwd)
 
 
 def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Fp8Meta,
-                   contracted: int) -> jax.Array:
-  """A Dense layer's fp8 product with delayed scaling, as one 2-D matmul
-  whose backward is written out: its output gradient is quantized once
-  into both layouts the two gradient GEMMs read
+                   contracted: int, bias: Optional[jax.Array] = None
+                   ) -> jax.Array:
+  """A Dense layer's fp8 product with delayed scaling (plus ``bias``), as
+  one 2-D matmul whose backward is written out: its output gradient is
+  quantized once into both layouts the two gradient GEMMs read, and summed
+  into the bias gradient in the same pass
   (:func:`jmp_lab.kernels.cast_transpose.quantize_transpose`), where
   autodiff's backward left XLA to transpose the quantized gradient in a
-  second pass."""
+  second pass and to read it once more for the bias."""
   compute = rhs.dtype
   width = int(np.prod(rhs.shape[:contracted]))
   x = lhs.astype(compute).reshape(-1, width)
-  y = _delayed_matmul(x, rhs.reshape(width, -1), meta)
+  flat_bias = None if bias is None else bias.reshape(-1)
+  y = _delayed_matmul(x, rhs.reshape(width, -1), flat_bias, meta)
   return y.reshape(lhs.shape[:lhs.ndim - contracted] + rhs.shape[contracted:])
+
+
+def _check_bias(bias: Any, features: tuple[int, ...]) -> None:
+  if bias is None:
+    return
+  if not (hasattr(bias, "shape") and hasattr(bias, "dtype")
+          and jnp.issubdtype(bias.dtype, jnp.floating)):
+    raise TypeError(f"bias must be a floating-point array, got {bias!r}")
+  if tuple(bias.shape) != tuple(features):
+    raise ValueError(
+        f"bias must have the product's feature shape {tuple(features)} (the "
+        f"trailing axes of the result), got shape {tuple(bias.shape)}")
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
-                meta: Optional[Fp8Meta] = None, out_sharding=None
+                meta: Optional[Fp8Meta] = None,
+                bias: Optional[jax.Array] = None, out_sharding=None
                 ) -> jax.Array:
   """``lax.dot_general`` as an fp8 GEMM: E4M3 operands, E5M2 gradient.
 
@@ -643,6 +667,27 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   updated meta (overwrite-with-gradient); without, it is current scaling.
   ``precision`` and ``preferred_element_type`` are not used: an fp8 GEMM
   accumulates in fp32 and returns the compute dtype.
+
+  ``bias`` (shaped as the result's trailing, ``rhs``'s free, axes; any
+  float dtype) is added to the result. For a Dense-like product (``lhs``'s
+  last axes with ``rhs``'s first) under delayed scaling it is added to the
+  2-D product, where XLA makes it the GEMM's bias epilogue, and its
+  gradient, summed in fp32 and returned in its own dtype, comes out of the
+  kernel that quantizes the output gradient (Transformer Engine's
+  ``cast_transpose_dbias``). The linen and NNX policies pass a Dense
+  layer's bias here. Otherwise it is added to the result.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x, w = jnp.full((8, 4), 3.0, jnp.bfloat16), jnp.ones((4, 2), jnp.bfloat16)
+  >>> meta = init_meta(4)
+  >>> y = dot_general(x, w, (((1,), (0,)), ((), ())), meta=meta,
+  ...                 bias=jnp.array([0.5, -1.0]))
+  >>> y.dtype, y[0].tolist()   # scales of 1: 12 + bias
+  (dtype(bfloat16), [12.5, 11.0])
+  >>> loss = lambda b: dot_general(x, w, (((1,), (0,)), ((), ())), meta=meta,
+  ...                              bias=b).astype(jnp.float32).sum()
+  >>> jax.grad(loss)(jnp.zeros(2)).tolist()   # summed over the 8 rows
+  [8.0, 8.0]
   """
   del precision, preferred_element_type
   contracted = _dense_contraction(lhs, rhs, dimension_numbers)
@@ -651,10 +696,16 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       raise ValueError(f"an fp8 matmul does not take out_sharding (got "
                        f"{out_sharding!r})")
     _check_meta(meta)
-    return _dense_product(lhs, rhs, meta, contracted)
-  return _fp8_product(
+    _check_bias(bias, rhs.shape[contracted:])
+    return _dense_product(lhs, rhs, meta, contracted, bias)
+  out = _fp8_product(
       lambda a, b: jax.lax.dot_general(a, b, dimension_numbers),
       lhs, rhs, meta, out_sharding)
+  if bias is None:
+    return out
+  _check_bias(bias, out.shape[out.ndim - jnp.ndim(bias):]
+              if hasattr(bias, "shape") else ())
+  return out + bias.astype(out.dtype)
 
 
 def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, precision=None,
@@ -719,14 +770,15 @@ def operands_in(matmul: Callable[..., jax.Array], dtype: Any, *,
   return cast_then_multiply
 
 
-def delayed_dot_general(meta: Fp8Meta) -> Callable[..., jax.Array]:
-  """:func:`dot_general` with delayed scaling from ``meta``, with the
-  signature of ``lax.dot_general``."""
+def delayed_dot_general(meta: Fp8Meta, bias: Optional[jax.Array] = None
+                        ) -> Callable[..., jax.Array]:
+  """:func:`dot_general` with delayed scaling from ``meta`` (and ``bias``
+  added inside the product), with the signature of ``lax.dot_general``."""
 
   def fn(lhs, rhs, dimension_numbers, precision=None,
          preferred_element_type=None, out_sharding=None):
     return dot_general(lhs, rhs, dimension_numbers, precision,
-                       preferred_element_type, meta=meta,
+                       preferred_element_type, meta=meta, bias=bias,
                        out_sharding=out_sharding)
 
   return fn

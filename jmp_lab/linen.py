@@ -358,7 +358,9 @@ def _attached_params(module: nn.Module, policy: Policy) -> tuple[str, ...]:
       and not _is_fp8_einsum(module, policy)):
     names.append("kernel")
   if (_runs_its_own_call(module, _BIAS_MODULES) and module.use_bias
-      and not getattr(module, "batch_dims", ())):
+      and not getattr(module, "batch_dims", ())
+      and not _fp8_bias_inside(module, policy)):
+    # (The fp8 product sums its bias gradient in fp32, across devices too.)
     names.append("bias")
   return tuple(names)
 
@@ -444,13 +446,17 @@ class Fp8DotGeneral(nn.Module):
   gradients (the amaxes the step observed)."""
 
   history_length: int = fp8.AMAX_HISTORY_LENGTH
+  # Where the policy adds the layer's bias inside the fp8 product: a
+  # function that returns the layer's bias param (see _fp8_bias_param).
+  bias_param: Optional[Any] = None
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None):
-    return fp8.dot_general(lhs, rhs, dimension_numbers, precision,
-                           preferred_element_type,
-                           meta=_fp8_meta(self, self.history_length))
+    return fp8.dot_general(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type,
+        meta=_fp8_meta(self, self.history_length),
+        bias=None if self.bias_param is None else self.bias_param())
 
 
 def _fp8_meta(module: nn.Module, history_length: int) -> fp8.Fp8Meta:
@@ -532,6 +538,15 @@ def _matmul_override(module: nn.Module, policy: Policy, history_length: int):
       # Fp8DotGeneral is a module, whose inputs the interceptor casts).
       override = _set_for_one_call(module, "dot_general", fp8.operands_in(
           fp8.current_dot_general, policy.compute_dtype))
+    elif _fp8_bias_inside(module, policy):
+      override = contextlib.ExitStack()
+      override.enter_context(_set_for_one_call(
+          module, "dot_general_cls", functools.partial(
+              Fp8DotGeneral, history_length=history_length,
+              bias_param=functools.partial(_fp8_bias_param, module))))
+      # flax's call then neither creates nor adds the bias: the fp8
+      # product does both.
+      override.enter_context(_set_for_one_call(module, "use_bias", False))
     else:
       override = _set_for_one_call(module, "dot_general_cls", functools.partial(
           Fp8DotGeneral, history_length=history_length))
@@ -539,6 +554,38 @@ def _matmul_override(module: nn.Module, policy: Policy, history_length: int):
     override = _reduced_gradients(module, policy.reduce_dtype)
   with override:
     yield
+
+
+def _fp8_bias_inside(module: nn.Module, policy: Policy) -> bool:
+  """Whether the delayed-scaling fp8 product adds this layer's bias: a
+  Dense or DenseGeneral (flax's own call, no ``batch_dims``, flax's
+  matmul) with a bias. Added to the 2-D product, the bias is the fp8
+  GEMM's epilogue, and its gradient comes out of the kernel that quantizes
+  the output gradient (:func:`jmp_lab.fp8.dot_general`), where flax's add
+  left XLA to read that gradient once more (and, for a DenseGeneral's
+  ``(heads, head_dim)`` bias, to broadcast the bias into a full matrix)."""
+  return (policy.matmul not in (None, "fp8_current")
+          and _runs_its_own_call(module, _FP8_MODULES) and module.use_bias
+          and not getattr(module, "batch_dims", ())
+          and module.dot_general is None and module.dot_general_cls is None)
+
+
+def _fp8_bias_param(module: nn.Module) -> jax.Array:
+  """The bias param of a Dense or DenseGeneral as flax creates it: the
+  same name, shape, dtype and initializer (called with the flat shape, as
+  DenseGeneral calls it; a Dense's shape is already flat), in the layer's
+  scope, after its kernel (so from the same random key). Called by the
+  layer's :class:`Fp8DotGeneral` during the layer's call."""
+  features = tuple(np.atleast_1d(module.features).tolist())
+
+  def init(rng, shape, dtype=jnp.float32):
+    bias = module.bias_init(rng, (int(np.prod(shape)),), dtype)
+    if isinstance(bias, flax.core.meta.AxisMetadata):
+      return flax.core.meta.replace_boxed(bias, jnp.reshape(bias.unbox(),
+                                                             shape))
+    return jnp.reshape(bias, shape)
+
+  return module.param("bias", init, features, module.param_dtype)
 
 
 def _is_fp8_einsum(module: nn.Module, policy: Policy) -> bool:

@@ -289,17 +289,23 @@ def _policy_class(base: type, compute: np.dtype, output: np.dtype,
       stack.enter_context(autocast_scope(compute))
       stack.enter_context(_MODULE_CALLS.enter())
       entry = _fp8_entry(self)
+      bias_inside = fp8_delayed and _fp8_bias_inside(self)
       if fp8_delayed:
         # The layer calls its matmul attribute: for this call, the fp8
-        # matmul that reads (and, differentiated, updates) its scaling state.
+        # matmul that reads (and, differentiated, updates) its scaling state
+        # (and adds the layer's bias: see _fp8_bias_inside).
         _, attribute, _, _, delayed = entry
+        matmul = delayed(self.fp8_meta.get_value())
+        if bias_inside:
+          matmul = delayed(self.fp8_meta.get_value(), bias=self.bias[...])
+          stack.enter_context(_swapped(self, "bias", None))
+          stack.enter_context(_swapped(self, "use_bias", False))
         stack.enter_context(_swapped(self, attribute, fp8.operands_in(
-            delayed(self.fp8_meta.get_value()), compute,
-            einsum=attribute == "einsum_op")))
+            matmul, compute, einsum=attribute == "einsum_op")))
       elif entry is not None and getattr(self, entry[1]) is entry[3]:
         stack.enter_context(_swapped(self, entry[1], fp8.operands_in(
             entry[3], compute, einsum=entry[1] == "einsum_op")))
-      if reduce_bias is not None:
+      if reduce_bias is not None and not bias_inside:
         bias = stack.enter_context(_detached(self.bias))
       out = base.__call__(self, *args, **kwargs)
     if bias is not None:
@@ -415,6 +421,20 @@ _FP8_MODULES = (
     (nnx.Einsum, "einsum_op", jnp.einsum, fp8.current_einsum,
      fp8.delayed_einsum),
 )
+
+
+def _fp8_bias_inside(module: nnx.Module) -> bool:
+  """Whether a delayed-scaling fp8 layer's bias is added inside its fp8
+  product (:func:`jmp_lab.fp8.dot_general`): a Linear, or a LinearGeneral
+  without batch axes, that has a bias. There the GEMM adds it (cuBLASLt's
+  bias epilogue) and the kernel that quantizes the output gradient sums
+  its gradient in fp32, in the same pass; flax's own add left XLA to read
+  that gradient once more (and a LinearGeneral's multi-axis bias to be
+  broadcast into a full matrix first)."""
+  base = _base_class(module)
+  return (base in (nnx.Linear, nnx.LinearGeneral)
+          and getattr(module, "bias", None) is not None
+          and not getattr(module, "batch_axis", None))
 
 
 def _fp8_entry(module: nnx.Module) -> Optional[tuple]:

@@ -463,6 +463,37 @@ def test_cast_transpose_kernel_equals_xla_quantization(shape, programs, dtype,
       jnp.finfo(fp8).max)
 
 
+@pytest.mark.parametrize("shape,programs,strips", [
+    ((256, 256), 4, True), ((96, 64), 3, True), ((256, 768), 64, False),
+    ((256, 768), 8, False)])
+@pytest.mark.parametrize("implementation", ["interpret", "triton"])
+def test_cast_transpose_kernel_sums_the_columns(shape, programs, strips,
+                                                implementation):
+  """With column sums (a Dense layer's bias gradient), the same fp8
+  tensors and maxima, and partial sums whose sum over rows is each
+  column's sum in fp32: by column strips where each program's tiles share
+  their columns, else a row of sums for each tile."""
+  if implementation == "triton" and jax.devices()[0].platform != "gpu":
+    pytest.skip("the Triton kernel runs on a GPU")
+  x = (jax.random.normal(jax.random.PRNGKey(7), shape) * 4).astype(
+      jnp.bfloat16)
+  scale = jnp.float32(0.25)
+  lay = cast_transpose.layout(shape, programs, column_sums=True)
+  assert lay.strips == strips and lay.programs == programs
+  plain = cast_transpose.cast_transpose(
+      x, scale, jnp.float8_e5m2, cast_transpose.layout(shape, programs),
+      interpret=implementation == "interpret")
+  q, q_t, maxima, sums = cast_transpose.cast_transpose(
+      x, scale, jnp.float8_e5m2, lay, interpret=implementation == "interpret")
+  chex.assert_trees_all_equal((q, q_t), plain[:2])
+  assert float(maxima.max()) == float(plain[2].max())
+  chex.assert_shape(sums, (lay.sum_rows(shape[0]), shape[1]))
+  chex.assert_type(sums, jnp.float32)
+  np.testing.assert_allclose(
+      np.asarray(sums).sum(axis=0),
+      np.asarray(x, np.float64).sum(axis=0), rtol=1e-5, atol=1e-4)
+
+
 def test_cast_transpose_layout_tiles_over_exactly_the_programs_or_none():
   lay = cast_transpose.layout((8192, 2048), 1024)
   assert (8192 // lay.tile_rows) * (2048 // lay.tile_cols) == (
@@ -483,6 +514,9 @@ def test_quantize_transpose_off_cuda_is_xla_quantization_and_its_parts():
   chex.assert_trees_all_equal(q_t, quantize(x, 2.0).T)
   np.testing.assert_array_equal(
       maxima, np.abs(np.asarray(x, np.float32)).reshape(4, -1).max(axis=1))
+  *_, sums = cast_transpose.quantize_transpose(
+      x, jnp.float32(2.0), jnp.float8_e5m2, 4, quantize, column_sums=True)
+  np.testing.assert_array_equal(sums, np.asarray(x, np.float32).sum(axis=0))
 
 
 @pytest.mark.parametrize("shape", [(16, 4), (0, 8), (3, 5)])
@@ -499,13 +533,18 @@ def test_quantize_transpose_of_a_tensor_smaller_than_the_programs(shape):
   np.testing.assert_array_equal(maxima, np.full(1024, amax, np.float32))
 
 
-def test_cast_transpose_compiles_for_the_h100_as_one_kernel_without_spills():
+@pytest.mark.parametrize("shape,column_sums", [
+    ((8192, 3072), False), ((8192, 3072), True), ((8192, 2048), True)])
+def test_cast_transpose_compiles_for_the_h100_as_one_kernel_without_spills(
+    shape, column_sums):
   """One Triton kernel reads the 16-bit tensor once and writes both fp8
-  layouts: 4 bytes an element (XLA's quantize-then-transpose moves 5)."""
+  layouts: 4 bytes an element (XLA's quantize-then-transpose moves 5), and
+  with the column sums (a bias gradient) their partial sums more: a row a
+  tile where 3 tiles a program cross strips (3,072 columns), a row a strip
+  where 2 do not (2,048)."""
   pytest.importorskip("jax_cuda12_plugin")
   from jmp_lab.diagnostics import compiled_report
-  shape = (8192, 3072)
-  lay = cast_transpose.layout(shape, 1024)
+  lay = cast_transpose.layout(shape, 1024, column_sums)
   report = compiled_report(
       lambda x, s: cast_transpose.cast_transpose(x, s, jnp.float8_e5m2, lay),
       jax.ShapeDtypeStruct(shape, jnp.bfloat16),
@@ -513,4 +552,7 @@ def test_cast_transpose_compiles_for_the_h100_as_one_kernel_without_spills():
   assert report.kernels == 1
   [kernel] = report.pallas_kernels
   assert kernel.backend == "triton" and kernel.spill_bytes == 0, kernel
-  assert report.bytes_accessed == pytest.approx(4 * 8192 * 3072, rel=1e-3)
+  sums = 4 * lay.sum_rows(shape[0]) * shape[1] if column_sums else 0
+  assert lay.strips == (shape[1] == 2048)
+  assert report.bytes_accessed == pytest.approx(4 * shape[0] * shape[1] + sums,
+                                                rel=1e-3)

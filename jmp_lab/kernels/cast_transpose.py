@@ -50,63 +50,107 @@ NUM_WARPS = 4
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How :func:`cast_transpose` splits an ``(rows, cols)`` tensor."""
+  """How :func:`cast_transpose` splits an ``(rows, cols)`` tensor.
+
+  With ``column_sums`` the kernel also writes partial sums of the columns.
+  Where each program's tiles lie in one column strip (``strips``), it walks
+  them down the strip, sums its columns in registers and writes one row of
+  partial sums; otherwise it walks its tiles along a row of tiles and
+  writes one row of sums a tile.
+  """
 
   tile_rows: int
   tile_cols: int
   tiles_per_program: int
   programs: int
+  column_sums: bool = False
+  strips: bool = False
+
+  def sum_rows(self, rows: int) -> int:
+    """How many rows of partial column sums the kernel writes."""
+    row_tiles = rows // self.tile_rows
+    return row_tiles // self.tiles_per_program if self.strips else row_tiles
 
 
-def layout(shape: tuple[int, ...], programs: int) -> Optional[Layout]:
+def layout(shape: tuple[int, ...], programs: int, column_sums: bool = False
+           ) -> Optional[Layout]:
   """The tiling of a 2-D ``shape`` over exactly ``programs`` programs, or
-  None when there is none (XLA's path then quantizes).
+  None when there is none (XLA's path then quantizes). With
+  ``column_sums``, a tiling whose programs each own one column strip is
+  preferred (fewer partial sums to write).
 
   >>> layout((8192, 768), 1024)
-  Layout(tile_rows=64, tile_cols=32, tiles_per_program=3, programs=1024)
+  Layout(tile_rows=64, tile_cols=32, tiles_per_program=3, programs=1024, column_sums=False, strips=False)
+  >>> layout((8192, 2048), 1024, column_sums=True).strips   # 2 tiles a strip
+  True
   >>> layout((100, 768), 1024) is None   # rows not a multiple of 32
   True
   """
   if len(shape) != 2 or programs < 1:
     return None
   rows, cols = shape
+  tilings = []
   for tile_rows in _ROW_TILES:
     for tile_cols in _COL_TILES:
       if rows % tile_rows or cols % tile_cols:
         continue
       tiles = (rows // tile_rows) * (cols // tile_cols)
-      if tiles >= programs and tiles % programs == 0:
-        return Layout(tile_rows, tile_cols, tiles // programs, programs)
-  return None
+      if tiles < programs or tiles % programs:
+        continue
+      per_program = tiles // programs
+      strips = column_sums and (rows // tile_rows) % per_program == 0
+      tilings.append(Layout(tile_rows, tile_cols, per_program, programs,
+                            column_sums, strips))
+  # The largest tiles, preferring strips where there are column sums.
+  return max(tilings, key=lambda t: t.strips, default=None)
 
 
-def _kernel(scale_ref, x_ref, q_ref, q_t_ref, maxima_ref, *, layout: Layout,
-            col_tiles: int, fp8_max: float):
+def _kernel(scale_ref, x_ref, q_ref, q_t_ref, maxima_ref, *sums_ref,
+            layout: Layout, row_tiles: int, col_tiles: int, fp8_max: float):
   program = pl.program_id(0)
   scale = scale_ref[0]
   rows, cols = layout.tile_rows, layout.tile_cols
 
-  def tile(k, running_max):
-    index = program * layout.tiles_per_program + k
-    row = pl.ds(pl.multiple_of((index // col_tiles) * rows, rows), rows)
-    col = pl.ds(pl.multiple_of((index % col_tiles) * cols, cols), cols)
+  def where(index):  # the (row tile, column tile) of a tile index
+    if layout.strips:  # down a column strip
+      return index % row_tiles, index // row_tiles
+    return index // col_tiles, index % col_tiles
+
+  def tile(k, carry):
+    running_max, column_sums = carry
+    row_tile, col_tile = where(program * layout.tiles_per_program + k)
+    row = pl.ds(pl.multiple_of(row_tile * rows, rows), rows)
+    col = pl.ds(pl.multiple_of(col_tile * cols, cols), cols)
     x = x_ref[row, col].astype(jnp.float32)
     q = jnp.clip(x / scale, -fp8_max, fp8_max)
     q_ref[row, col] = q.astype(q_ref.dtype)
     q_t_ref[col, row] = q.T.astype(q_t_ref.dtype)
-    return jnp.maximum(running_max, jnp.max(jnp.abs(x)))
+    if layout.strips:
+      column_sums = column_sums + jnp.sum(x, axis=0)
+    elif layout.column_sums:  # a row of sums for each tile
+      sums_ref[0][pl.ds(row_tile, 1), col] = jnp.sum(x, axis=0)[None, :]
+    return jnp.maximum(running_max, jnp.max(jnp.abs(x))), column_sums
 
-  largest = jax.lax.fori_loop(0, layout.tiles_per_program, tile,
-                              jnp.float32(0))
+  largest, column_sums = jax.lax.fori_loop(
+      0, layout.tiles_per_program, tile,
+      (jnp.float32(0), jnp.zeros((cols,), jnp.float32)))
   maxima_ref[...] = jnp.full((1,), largest, jnp.float32)
+  if layout.strips:
+    _, col_tile = where(program * layout.tiles_per_program)
+    strip_row = program % (row_tiles // layout.tiles_per_program)
+    col = pl.ds(pl.multiple_of(col_tile * cols, cols), cols)
+    sums_ref[0][pl.ds(strip_row, 1), col] = column_sums[None, :]
 
 
 def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
-                   interpret: bool = False
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   interpret: bool = False) -> tuple[jax.Array, ...]:
   """``(q, q.T, maxima)``: ``x`` (2-D, 16-bit) quantized to the fp8
   ``dtype`` with ``scale`` (``q = x / scale``, clipped), its transpose, and
-  ``layout.programs`` partial maxima of ``|x|`` (fp32).
+  ``layout.programs`` partial maxima of ``|x|`` (fp32). With
+  ``layout.column_sums``, a fourth result: partial sums of ``x``'s columns
+  in fp32, ``layout.sum_rows(rows)`` rows of them (their sum over rows is
+  the column sum: a Dense layer's bias gradient, which Transformer Engine's
+  ``cast_transpose_dbias`` computes in the same pass).
 
   >>> import jax.numpy as jnp
   >>> x = jnp.tile(jnp.arange(128, dtype=jnp.bfloat16) / 8, (64, 1))
@@ -117,33 +161,42 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
   (dtype(float8_e5m2), (128, 64), [7.875, 15.875])
   >>> bool((q_t.T == q).all()), float(q[0, 2])   # (2 / 8) / 0.5
   (True, 0.5)
+  >>> *_, sums = cast_transpose(x, jnp.float32(0.5), jnp.float8_e5m2,
+  ...     layout(x.shape, 2, column_sums=True), interpret=True)
+  >>> sums.shape, float(sums.sum(axis=0)[2])   # 64 rows of 2 / 8
+  ((1, 128), 16.0)
   """
   rows, cols = x.shape
   fp8_max = float(jnp.finfo(dtype).max)
   kernel = functools.partial(
-      _kernel, layout=layout, col_tiles=cols // layout.tile_cols,
-      fp8_max=fp8_max)
+      _kernel, layout=layout, row_tiles=rows // layout.tile_rows,
+      col_tiles=cols // layout.tile_cols, fp8_max=fp8_max)
 
   def whole(shape):  # each program slices its own tiles
     return pl.BlockSpec(shape, lambda p: (0,) * len(shape))
 
+  out_specs = [whole(x.shape), whole((cols, rows)),
+               pl.BlockSpec((1,), lambda p: (p,))]
+  out_shape = [jax.ShapeDtypeStruct(x.shape, dtype),
+               jax.ShapeDtypeStruct((cols, rows), dtype),
+               jax.ShapeDtypeStruct((layout.programs,), jnp.float32)]
+  if layout.column_sums:
+    sums_shape = (layout.sum_rows(rows), cols)
+    out_specs.append(whole(sums_shape))
+    out_shape.append(jax.ShapeDtypeStruct(sums_shape, jnp.float32))
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # GPU only
     quiet_triton_deprecation()
     compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS,
                                               num_stages=2)
-  return pl.pallas_call(
+  return tuple(pl.pallas_call(
       kernel, grid=(layout.programs,),
       in_specs=[whole((1,)), whole(x.shape)],
-      out_specs=(whole(x.shape), whole((cols, rows)),
-                 pl.BlockSpec((1,), lambda p: (p,))),
-      out_shape=(jax.ShapeDtypeStruct(x.shape, dtype),
-                 jax.ShapeDtypeStruct((cols, rows), dtype),
-                 jax.ShapeDtypeStruct((layout.programs,), jnp.float32)),
+      out_specs=tuple(out_specs), out_shape=tuple(out_shape),
       compiler_params=compiler_params, interpret=interpret,
       name="fp8_cast_transpose",
-  )(jnp.reshape(scale.astype(jnp.float32), (1,)), x)
+  )(jnp.reshape(scale.astype(jnp.float32), (1,)), x))
 
 
 # ---------------------------------------------------------------------------
@@ -152,76 +205,106 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
 # ---------------------------------------------------------------------------
 
 
-def _xla_path(x, scale, quantize: Callable, programs: int):
+def _xla_path(x, scale, quantize: Callable, programs: int,
+              column_sums: bool = False):
   q = quantize(x, scale)
   magnitude = jnp.abs(x).astype(jnp.float32)
   if x.size and x.size % programs == 0:
     maxima = jnp.max(magnitude.reshape(programs, -1), axis=1)
   else:  # every slot the amax: their maximum is still x's amax
     maxima = jnp.full((programs,), jnp.max(magnitude, initial=0.0))
+  if column_sums:
+    return q, q.T, maxima, jnp.sum(x.astype(jnp.float32), axis=0)
   return q, q.T, maxima
 
 
-def _local(x, scale, dtype_name: str, programs: int, quantize: Callable):
+def _local(x, scale, dtype_name: str, programs: int, quantize: Callable,
+           column_sums: bool):
   """One device's rows: the kernel, or XLA's path where its rows do not
   tile (``quantize`` is XLA's formula)."""
-  local_layout = layout(x.shape, programs)
+  local_layout = layout(x.shape, programs, column_sums)
   if local_layout is None:
-    return _xla_path(x, scale, quantize, programs)
-  return cast_transpose(x, scale, jnp.dtype(dtype_name), local_layout)
+    return _xla_path(x, scale, quantize, programs, column_sums)
+  out = cast_transpose(x, scale, jnp.dtype(dtype_name), local_layout)
+  if column_sums:  # the strips' partial sums, summed
+    return out[:3] + (jnp.sum(out[3], axis=0),)
+  return out
 
 
-def _partition(dtype_name, programs, quantize, mesh, arg_shapes,
+def _partition(dtype_name, programs, quantize, column_sums, mesh, arg_shapes,
                result_shape):
   axes = leading_mesh_axes(arg_shapes[0].sharding)
 
   def lower(x, scale):
-    q, q_t, maxima = _local(x, scale, dtype_name, programs, quantize)
-    return q, q_t, jax.lax.pmax(maxima, axes) if axes else maxima
+    out = _local(x, scale, dtype_name, programs, quantize, column_sums)
+    if not axes:
+      return out
+    # Each device holds some rows: the maxima's maximum and the column
+    # sums' sum over all of them.
+    q, q_t, maxima = out[:3]
+    combined = (q, q_t, jax.lax.pmax(maxima, axes))
+    return combined + ((jax.lax.psum(out[3], axes),) if column_sums else ())
 
-  return (mesh, lower, _infer(dtype_name, programs, quantize, mesh,
-                              arg_shapes, result_shape),
+  return (mesh, lower, _infer(dtype_name, programs, quantize, column_sums,
+                              mesh, arg_shapes, result_shape),
           (split_over(mesh, axes, 2), split_over(mesh, (), 1)))
 
 
-def _infer(dtype_name, programs, quantize, mesh, arg_shapes, result_shape):
-  """``q`` split by rows as ``x`` is, ``q.T`` by columns, the maxima whole."""
+def _infer(dtype_name, programs, quantize, column_sums, mesh, arg_shapes,
+           result_shape):
+  """``q`` split by rows as ``x`` is, ``q.T`` by columns, the maxima (and
+  the column sums) whole."""
   del dtype_name, programs, quantize, result_shape
   axes = leading_mesh_axes(arg_shapes[0].sharding)
-  return (split_over(mesh, axes, 2), split_over(mesh, axes, 2, dim=1),
-          split_over(mesh, (), 1))
+  whole = (split_over(mesh, (), 1),)
+  return ((split_over(mesh, axes, 2), split_over(mesh, axes, 2, dim=1))
+          + whole * (2 if column_sums else 1))
 
 
-_partitioned = custom_partitioning(_local, static_argnums=(2, 3, 4))
-_partitioned.def_partition(
-    partition=_partition, infer_sharding_from_operands=_infer,
-    sharding_rule="m n, s -> m n, n m, p", need_replication_factors=("n",))
+def _partitioned(column_sums: bool):
+  op = custom_partitioning(_local, static_argnums=(2, 3, 4, 5))
+  op.def_partition(
+      partition=_partition, infer_sharding_from_operands=_infer,
+      sharding_rule="m n, s -> m n, n m, p" + (", n" if column_sums else ""),
+      need_replication_factors=("n",))
+  return op
+
+
+_PARTITIONED = {column_sums: _partitioned(column_sums)
+                for column_sums in (False, True)}
 
 
 def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
-                       programs: int, quantize: Callable
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       programs: int, quantize: Callable, *,
+                       column_sums: bool = False) -> tuple[jax.Array, ...]:
   """``(q, q.T, maxima)`` of a 2-D ``x``: :func:`cast_transpose` in a step
   compiled for CUDA where ``x`` is 16-bit and :func:`layout` tiles it over
   ``programs``; elsewhere XLA's path: ``quantize(x, scale)`` (the fp8
   tensor), its transpose, and ``x``'s maxima over ``programs`` equal parts.
+  With ``column_sums``, a fourth result: ``x``'s column sums in fp32 (the
+  bias gradient of a Dense layer whose output gradient ``x`` is), from the
+  same read of ``x``.
 
   Used by :func:`jmp_lab.fp8.dot_general` for output gradients, which XLA
-  would otherwise quantize and then transpose in a second pass. Across
-  devices it runs on each device's rows (``custom_partitioning``, the
-  maxima combined with a ``pmax``); under ``vmap`` it takes XLA's path.
+  would otherwise quantize and then transpose in a second pass (and read
+  a third time for the bias gradient). Across devices it runs on each
+  device's rows (``custom_partitioning``; the maxima combined with a
+  ``pmax``, the column sums with a ``psum``); under ``vmap`` it takes XLA's
+  path.
   """
   if (x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16)
-      or layout(x.shape, programs) is None):
-    return _xla_path(x, scale, quantize, programs)
+      or layout(x.shape, programs, column_sums) is None):
+    return _xla_path(x, scale, quantize, programs, column_sums)
   dtype_name = jnp.dtype(dtype).name
   scale = jnp.reshape(scale.astype(jnp.float32), (1,))
+  outputs = 4 if column_sums else 3
 
   def xla(x, scale):
-    return _xla_path(x, scale[0], quantize, programs)
+    return _xla_path(x, scale[0], quantize, programs, column_sums)
 
   def kernel(x, scale):
-    return _partitioned(x, scale, dtype_name, programs, quantize)
+    return _PARTITIONED[column_sums](x, scale, dtype_name, programs, quantize,
+                                     column_sums)
 
   dispatch = jax.custom_batching.custom_vmap(
       lambda x, scale: jax.lax.platform_dependent(x, scale, cuda=kernel,
@@ -232,6 +315,6 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
     del axis_size
     out = jax.vmap(xla, in_axes=tuple(0 if b else None for b in in_batched)
                    )(x, scale)
-    return out, (True, True, True)
+    return out, (True,) * outputs
 
   return dispatch(x, scale)
