@@ -345,6 +345,15 @@ def linen_state(spec, loss_scale=None, module=None, **kwargs):
                                  loss_scale=loss_scale or jmp_lab.NoOpLossScale()))
 
 
+def train_losses(step, state, steps):
+  """``state`` after ``steps`` steps on (X, Y), and each step's loss."""
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, (X, Y))
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
 def linen_loss(params, state, batch):
   logits = state.apply_fn({"params": params, **state.model_state}, batch[0])
   return jl.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
@@ -393,10 +402,7 @@ def test_linen_fp8_layers_keep_flax_bias_params_and_sum_their_gradients(spec):
     assert np.all(np.isfinite(grads[name]["bias"]))
     assert np.any(grads[name]["bias"] != 0), name
   step = jax.jit(functools.partial(jmp_lab.train_step, loss_fn=linen_loss))
-  losses = []
-  for _ in range(4):
-    state, metrics = step(state, (X, Y))
-    losses.append(float(metrics["loss"]))
+  _, losses = train_losses(step, state, 4)
   assert losses[-1] < losses[0]
 
 
@@ -421,10 +427,7 @@ class LinenFp8StepTest(chex.TestCase):
   def test_step_trains_and_the_meta_never_reaches_the_optimizer(self, spec):
     state = linen_state(spec)
     step = self.variant(functools.partial(jmp_lab.train_step, loss_fn=linen_loss))
-    losses = []
-    for _ in range(5):
-      state, metrics = step(state, (X, Y))
-      losses.append(float(metrics["loss"]))
+    state, losses = train_losses(step, state, 5)
     assert losses[-1] < losses[0]
     # The optimizer state holds params-shaped trees only: no fp8 meta.
     opt_leaves = {x.shape for x in jax.tree_util.tree_leaves(state.opt_state)}
