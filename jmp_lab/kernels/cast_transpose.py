@@ -8,7 +8,9 @@ one. XLA writes the first copy in the kernel that quantizes the gradient
 bytes, then 1 + 1, per element. Transformer Engine's ``cast_transpose``
 writes both copies from one read of the 16-bit tensor (2 + 1 + 1 bytes),
 and so does :func:`cast_transpose` here, which also computes the maxima
-of ``|x|`` that delayed scaling records (see :func:`jmp_lab.fp8.write_amaxes`).
+of ``|x|`` that delayed scaling records (see :func:`jmp_lab.fp8.write_amaxes`)
+and, asked to, the column sums of ``x`` that are a Dense layer's bias
+gradient (Transformer Engine's ``cast_transpose_dbias``).
 
 Each program owns a fixed set of ``(rows, cols)`` tiles and writes their
 largest ``|x|`` into its own slot of ``maxima``: no atomics, and the slots'
@@ -46,6 +48,10 @@ from jmp_lab.kernels import (leading_mesh_axes, quiet_triton_deprecation,
 _ROW_TILES = (64, 32)
 _COL_TILES = (128, 64, 32)
 NUM_WARPS = 4
+# With column sums, tiles of at most 64 x 64: a 64 x 128 tile and its sums
+# take 168 registers a thread (no spills, but half the resident warps), a
+# 64 x 64 one 92 (compiled for the H100, 2,048 and 3,072 columns).
+_MAX_TILE_WITH_SUMS = 64 * 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +98,8 @@ def layout(shape: tuple[int, ...], programs: int, column_sums: bool = False
   tilings = []
   for tile_rows in _ROW_TILES:
     for tile_cols in _COL_TILES:
-      if rows % tile_rows or cols % tile_cols:
+      if rows % tile_rows or cols % tile_cols or (
+          column_sums and tile_rows * tile_cols > _MAX_TILE_WITH_SUMS):
         continue
       tiles = (rows // tile_rows) * (cols // tile_cols)
       if tiles < programs or tiles % programs:
@@ -117,7 +124,9 @@ def _kernel(scale_ref, x_ref, q_ref, q_t_ref, maxima_ref, *sums_ref,
     return index // col_tiles, index % col_tiles
 
   def tile(k, carry):
-    running_max, column_sums = carry
+    # (The column sums are carried only down a strip: a carry the loop
+    # does not use still costs registers.)
+    running_max, *column_sums = carry
     row_tile, col_tile = where(program * layout.tiles_per_program + k)
     row = pl.ds(pl.multiple_of(row_tile * rows, rows), rows)
     col = pl.ds(pl.multiple_of(col_tile * cols, cols), cols)
@@ -126,20 +135,22 @@ def _kernel(scale_ref, x_ref, q_ref, q_t_ref, maxima_ref, *sums_ref,
     q_ref[row, col] = q.astype(q_ref.dtype)
     q_t_ref[col, row] = q.T.astype(q_t_ref.dtype)
     if layout.strips:
-      column_sums = column_sums + jnp.sum(x, axis=0)
+      column_sums = [column_sums[0] + jnp.sum(x, axis=0)]
     elif layout.column_sums:  # a row of sums for each tile
       sums_ref[0][pl.ds(row_tile, 1), col] = jnp.sum(x, axis=0)[None, :]
-    return jnp.maximum(running_max, jnp.max(jnp.abs(x))), column_sums
+    return (jnp.maximum(running_max, jnp.max(jnp.abs(x))), *column_sums)
 
-  largest, column_sums = jax.lax.fori_loop(
-      0, layout.tiles_per_program, tile,
-      (jnp.float32(0), jnp.zeros((cols,), jnp.float32)))
+  carry = (jnp.float32(0),)
+  if layout.strips:
+    carry += (jnp.zeros((cols,), jnp.float32),)
+  largest, *column_sums = jax.lax.fori_loop(0, layout.tiles_per_program,
+                                            tile, carry)
   maxima_ref[...] = jnp.full((1,), largest, jnp.float32)
   if layout.strips:
     _, col_tile = where(program * layout.tiles_per_program)
     strip_row = program % (row_tiles // layout.tiles_per_program)
     col = pl.ds(pl.multiple_of(col_tile * cols, cols), cols)
-    sums_ref[0][pl.ds(strip_row, 1), col] = column_sums[None, :]
+    sums_ref[0][pl.ds(strip_row, 1), col] = column_sums[0][None, :]
 
 
 def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
