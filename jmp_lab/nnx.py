@@ -295,9 +295,10 @@ def _policy_class(base: type, compute: np.dtype, output: np.dtype,
         # matmul that reads (and, differentiated, updates) its scaling state
         # (and adds the layer's bias: see _fp8_bias_inside).
         _, attribute, _, _, delayed = entry
-        matmul = delayed(self.fp8_meta.get_value())
-        if bias_inside:
-          matmul = delayed(self.fp8_meta.get_value(), bias=self.bias[...])
+        meta = self.fp8_meta.get_value()
+        matmul = (delayed(meta, bias=self.bias[...]) if bias_inside
+                  else delayed(meta))
+        if bias_inside:  # flax's call then neither reads nor adds it
           stack.enter_context(_swapped(self, "bias", None))
           stack.enter_context(_swapped(self, "use_bias", False))
         stack.enter_context(_swapped(self, attribute, fp8.operands_in(
