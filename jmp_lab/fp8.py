@@ -703,8 +703,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
       lhs, rhs, meta, out_sharding)
   if bias is None:
     return out
-  _check_bias(bias, out.shape[out.ndim - jnp.ndim(bias):]
-              if hasattr(bias, "shape") else ())
+  (_, rhs_contracting), (_, rhs_batch) = dimension_numbers
+  rhs_free = rhs.ndim - len(rhs_contracting) - len(rhs_batch)
+  _check_bias(bias, out.shape[out.ndim - rhs_free:])
   return out + bias.astype(out.dtype)
 
 

@@ -1074,10 +1074,22 @@ def test_dense_product_adds_the_bias_and_sums_its_gradient_in_fp32(jit):
 @pytest.mark.parametrize("bias,error", [
     (jnp.zeros((32,)), ValueError), (jnp.zeros((4, 32), jnp.int32), TypeError),
     ("zeros", TypeError)])
-def test_dense_product_rejects_a_bias_that_is_not_the_feature_shape(bias, error):
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_dense_product_rejects_a_bias_that_is_not_the_feature_shape(
+    bias, error, delayed):
   x, w, meta = _dense_problem()
   with pytest.raises(error, match="bias"):
-    fp8.dot_general(x, w, (((2,), (0,)), ((), ())), meta=meta, bias=bias)
+    fp8.dot_general(x, w, (((2,), (0,)), ((), ())),
+                    meta=meta if delayed else None, bias=bias)
+
+
+def test_current_scaling_adds_the_bias_after_the_product():
+  x, w, _ = _dense_problem()
+  bias = jnp.linspace(-1.0, 1.0, 4 * 32).reshape(4, 32)
+  dims = (((2,), (0,)), ((), ()))
+  chex.assert_trees_all_equal(
+      fp8.dot_general(x, w, dims, bias=bias),
+      fp8.dot_general(x, w, dims) + bias.astype(jnp.bfloat16))
 
 
 def test_dense_product_under_vmap_equals_one_call_per_example():
