@@ -50,7 +50,8 @@ _COL_TILES = (128, 64, 32)
 NUM_WARPS = 4
 # With column sums, tiles of at most 64 x 64: a 64 x 128 tile and its sums
 # take 168 registers a thread (no spills, but half the resident warps), a
-# 64 x 64 one 92 (compiled for the H100, 2,048 and 3,072 columns).
+# 64 x 64 one 92 with 2,048 columns and 96 with 3,072 (compiled for the
+# H100; tests/test_kernels.py bounds them at 128).
 _MAX_TILE_WITH_SUMS = 64 * 64
 
 
