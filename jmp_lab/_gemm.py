@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from jmp_lab._src.precision import scopes
+
 
 def accumulated(product: Callable[..., jax.Array], operands: Sequence[Any],
                 accumulate_dtype: Any) -> jax.Array:
@@ -46,8 +48,7 @@ def accumulated(product: Callable[..., jax.Array], operands: Sequence[Any],
     return product(*operands)
 
   def upcast_first(*operands):
-    from jmp_lab import autocast  # autocast's matmul rule calls this module
-    with autocast.scope(accumulate_dtype):  # as written under autocast too
+    with scopes.scope(accumulate_dtype):  # as written under the rules too
       # The barrier keeps XLA:CPU from folding the casts back into the GEMM.
       return product(*lax.optimization_barrier(
           tuple(x.astype(accumulate_dtype) for x in operands)))

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
-from typing import Any, Mapping, Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +101,7 @@ def half_dtype(device: jax.Device | None = None) -> np.dtype:
   return np.dtype(jnp.float16)
 
 
-def _canonicalize_dtype(dtype: DTypeLike, *, what: str = "dtype") -> np.dtype:
+def canonicalize_dtype(dtype: DTypeLike, *, what: str = "dtype") -> np.dtype:
   """Turns a dtype, a scalar type or a dtype name into a supported ``np.dtype``.
 
   Raises:
@@ -200,7 +199,7 @@ class Policy:
         continue
       if field.name == "reduce_dtype" and self.reduce_dtype is None:
         continue
-      value = _canonicalize_dtype(getattr(self, field.name), what=field.name)
+      value = canonicalize_dtype(getattr(self, field.name), what=field.name)
       # Frozen dataclass: bypass __setattr__ once, at construction.
       object.__setattr__(self, field.name, value)
 
@@ -395,6 +394,8 @@ def layer_dtype(module: Any) -> Optional[np.dtype]:
     return None
   return dtype if jnp.issubdtype(dtype, jnp.floating) else None
 
+import re
+from typing import Mapping
 
 def resolve_overrides(
     class_overrides: Optional[Mapping[type, Union[Policy, str]]],

@@ -44,11 +44,12 @@ def mlp(params, x):
 
 
 def mlp_by_hand(params, x):
-  """mlp with the casts autocast puts in, placed by hand."""
+  """mlp with the casts autocast puts in, placed by hand: the matmuls in
+  bf16, the biases read in bf16 where they are added, relu in bf16, the
+  output in the policy's fp32."""
   half = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
-  h = (half(x) @ half(params["w1"])).astype(jnp.float32) + params["b1"]
-  h = jax.nn.relu(h)
-  return (half(h) @ half(params["w2"])).astype(jnp.float32) + params["b2"]
+  h = jax.nn.relu(half(x) @ half(params["w1"]) + half(params["b1"]))
+  return (h @ half(params["w2"]) + half(params["b2"])).astype(jnp.float32)
 
 
 def mlp_params(key=0):

@@ -432,13 +432,15 @@ class Remat(nn.Module):
 
 
 def test_a_layer_the_rules_cannot_reach_is_named_in_one_warning(monkeypatch):
-  engine = sys.modules["jmp_lab.autocast"]  # jmp_lab.autocast is its function
+  from jmp_lab._src.precision import control, observers
 
-  def cannot(eqn, context):
-    raise engine._CannotRewrite("for this test")
+  def cannot(params, context):
+    raise control._CannotRebuild("for this test")
 
-  monkeypatch.setattr(engine, "_subjaxpr_params", cannot)
-  monkeypatch.setattr(engine, "_WARNED", set())
+  # Neither rebuilt at the rules' dtypes nor rewritten with its own types.
+  monkeypatch.setattr(control, "_REBUILT", {})
+  monkeypatch.setattr(control, "_same_type_params", cannot)
+  monkeypatch.setattr(observers, "_WARNED", set())
   model = jl.with_policy(Remat(), "mixed_bfloat16")
   x = jnp.ones((2, 3))
   params = model.init(jax.random.key(0), x)

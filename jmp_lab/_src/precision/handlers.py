@@ -1,0 +1,247 @@
+"""One handler per kind of first-order primitive: the op rules as code.
+
+A handler takes an :class:`Op` (an equation, its input values and their
+roles, the region it runs in) and returns its output values and their
+roles (:class:`~.values.Role`). :func:`handler_for` is the table: matmuls,
+casts, fp32 ops, compute ops, integer-built values, and everything else as
+written. Higher-order primitives (``scan``, ``custom_jvp_call``...) have
+their handlers in :mod:`.control`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab import _gemm
+from jmp_lab._src.precision import observers, scopes
+from jmp_lab._src.precision.rules import COMPUTE_OPS, MATMUL_OPS, Rules
+from jmp_lab._src.precision.values import (F32, Role, cast, dtype_of, is_half,
+                                           is_floating, restore,
+                                           role_of_result, written_dtype)
+
+Handler = Callable[["Op"], tuple[list, list]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What every equation of one interpretation shares.
+
+  Attributes:
+    rules: the op rules.
+    base: the named scopes above the jaxpr being evaluated.
+    transposable: False inside a ``custom_vjp`` (never transposed).
+    report: ``{(primitive, path): why}`` of what ran as written.
+    evaluate: the interpreter's ``(jaxpr, consts, args, roles, context) ->
+      (outs, roles)``, for the handlers of sub-jaxprs.
+  """
+
+  rules: Rules
+  base: tuple[str, ...]
+  transposable: bool
+  report: dict
+  evaluate: Callable
+
+  def inside(self, path: tuple[str, ...], **changes) -> "Context":
+    return dataclasses.replace(self, base=path, **changes)
+
+  def unreached(self, primitive: str, path: tuple[str, ...], why: str):
+    self.report.setdefault((primitive, scopes.user_path(path) or "<top>"),
+                           why)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One equation being evaluated."""
+
+  eqn: Any
+  invals: list
+  roles: list
+  path: tuple[str, ...]
+  region: scopes.Region
+  pulled: bool      # it only feeds fp32 ops: it runs in fp32 too
+  context: Context
+
+  @property
+  def name(self) -> str:
+    return self.eqn.primitive.name
+
+
+def bind(eqn, args: Sequence[Any], params: Optional[dict] = None) -> list:
+  """``eqn``'s primitive applied to ``args`` (with ``params``)."""
+  params = eqn.params if params is None else params
+  bind_params = eqn.primitive.get_bind_params(params)
+  if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+    subfuns, bind_params = bind_params
+    out = eqn.primitive.bind(*subfuns, *args, **bind_params)
+  else:
+    out = eqn.primitive.bind(*args, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def as_written(op: Op) -> tuple[list, list]:
+  """The op in the dtypes the code wrote."""
+  args = [restore(x, v) for x, v in zip(op.invals, op.eqn.invars)]
+  outs = bind(op.eqn, args)
+  inputs = [r for r, v in zip(op.roles, op.eqn.invars) if written_dtype(v)]
+  return outs, [role_of_result(o, inputs) for o in outs]
+
+
+def matmul(op: Op) -> tuple[list, list]:
+  """Both operands in the region's matmul dtype; fp32 accumulation."""
+  target = op.region.matmul
+  written = [written_dtype(v) for v in op.eqn.invars[:2]]
+  actual = [dtype_of(x, v) for x, v in zip(op.invals, op.eqn.invars)][:2]
+  if target is None or not all(is_floating(d) and d.itemsize > 1
+                               for d in actual):
+    observers.matmul_ran([np.dtype(v.aval.dtype) for v in op.eqn.invars[:2]],
+                         False)
+    return as_written(op)  # as written, or integer or fp8: not ours
+  observers.matmul_ran([target, target], op.region.compute is None)
+  operands = [cast(x, target) for x in op.invals[:2]]
+  rest = list(op.invals[2:])
+  params = dict(op.eqn.params)
+  if (written != [target, target] and op.context.transposable
+      and "preferred_element_type" in params):
+    # The result in the compute dtype (the GEMM accumulates in fp32): an
+    # fp32 result would make jax's transpose a GEMM of an fp32 cotangent by
+    # a half operand, which runs in fp32.
+    params["preferred_element_type"] = target
+  result = params.get("preferred_element_type")
+  if result is None or np.dtype(result).itemsize <= target.itemsize:
+    return bind(op.eqn, operands + rest, params), [Role.HALF]
+  # Half operands, a wider result (a backward rule's fp32 accumulation):
+  # XLA:CPU cannot run every such GEMM (jmp_lab._gemm).
+  out = _gemm.accumulated(
+      lambda *xs: bind(op.eqn, list(xs) + rest, params)[0], operands, result)
+  return [out], [Role.WIDE]
+
+
+def convert(op: Op) -> tuple[list, list]:
+  """A cast the code wrote: an explicit upcast of a computed half value is
+  honoured (fp32 because the code asked), and so is a later cast back; a
+  cast to half of an fp32-op result is deferred (``jnp.mean`` of bf16 casts
+  its fp32 sum back); a cast of a stored value only changes its stored
+  dtype; values built from integers stay fp32; a front end's cast
+  (:func:`~.scopes.policy_cast_scope`) is a decision and is kept."""
+  (x,), (role,) = op.invals, op.roles
+  source = op.eqn.invars[0].aval.dtype
+  new = np.dtype(op.eqn.params["new_dtype"]) if _is_numpy(
+      op.eqn.params["new_dtype"]) else None
+  by_target = Role.HALF if is_half(new) else Role.WIDE
+  if new is None or not is_floating(new):
+    return bind(op.eqn, [restore(x, op.eqn.invars[0])]), [Role.STORED]
+  if not is_floating(source):
+    if _is_numpy(source) and jnp.issubdtype(source, jnp.floating):
+      return bind(op.eqn, [x]), [by_target]  # an fp8 value, dequantized
+    # Built from integers (positions) stays fp32; a boolean mask is exact.
+    built = Role.STORED if np.dtype(source) == np.dtype(bool) else Role.WIDE
+    return bind(op.eqn, [x]), [built]
+  if scopes.is_policy_cast(op.path):
+    return bind(op.eqn, [x]), [by_target]
+  if role == Role.STORED:
+    return bind(op.eqn, [x]), [Role.STORED]
+  if role == Role.FP32 and is_half(new):
+    return [x], [Role.FP32]
+  return bind(op.eqn, [x]), [Role.FP32 if role == Role.FP32 else by_target]
+
+
+def _is_numpy(dtype) -> bool:
+  try:
+    np.dtype(dtype)
+    return True
+  except TypeError:  # an extended dtype (a PRNG key's)
+    return False
+
+
+def _groups(op: Op) -> dict:
+  """The floating inputs, grouped by the dtype the code wrote for them (an
+  op such as ``select_n`` needs its cases in one dtype)."""
+  groups: dict = {}
+  for i, var in enumerate(op.eqn.invars):
+    written = written_dtype(var)
+    if written is not None:
+      groups.setdefault(written, []).append(i)
+  return groups
+
+
+def compute(op: Op) -> tuple[list, list]:
+  """In the compute dtype, stored inputs read in it; an fp32-by-rule input
+  makes the op run in fp32 (torch's promotion); stored inputs alone: in the
+  widest dtype they hold (as written, unless an fp32 op computed one), a
+  stored result."""
+  args, out_role = list(op.invals), Role.STORED
+  for members in _groups(op).values():
+    top = max(op.roles[i] for i in members)
+    actual = [dtype_of(op.invals[i], op.eqn.invars[i]) for i in members]
+    if top == Role.HALF:
+      target = op.region.compute
+    else:  # the widest of the deciding inputs (all of them if stored)
+      target = functools.reduce(jnp.promote_types, [
+          d for i, d in zip(members, actual)
+          if op.roles[i] >= min(top, Role.WIDE)])
+    args = [cast(x, target) if i in members else x for i, x in enumerate(args)]
+    out_role = max(out_role, top)
+  try:
+    outs = bind(op.eqn, args)
+  except (TypeError, ValueError):  # the op insists on its written dtypes
+    return as_written(op)
+  return outs, [out_role if is_floating(dtype_of(o)) else Role.STORED
+                for o in outs]
+
+
+def fp32(op: Op) -> tuple[list, list]:
+  """An fp32 op: its inputs read in fp32 (half ones cast up), an fp32
+  result (a stored one from stored inputs alone)."""
+  return in_fp32(op)
+
+
+def in_fp32(op: Op) -> tuple[list, list]:
+  """The op in fp32: half inputs cast up; a cast to half keeps fp32."""
+  if op.name == "convert_element_type":
+    target = jnp.promote_types(F32, op.eqn.params["new_dtype"])
+    return [cast(op.invals[0], target)], [Role.FP32]
+  floating = [written_dtype(v) is not None for v in op.eqn.invars]
+  args = [cast(x, F32) if f and is_half(dtype_of(x, v)) else x
+          for f, x, v in zip(floating, op.invals, op.eqn.invars)]
+  try:
+    outs = bind(op.eqn, args)
+  except (TypeError, ValueError):
+    return compute(op)
+  if not any(f and r != Role.STORED for f, r in zip(floating, op.roles)):
+    return outs, [Role.STORED] * len(outs)
+  return outs, [Role.FP32 if is_floating(dtype_of(o)) else Role.STORED
+                for o in outs]
+
+
+def from_integers(op: Op) -> tuple[list, list]:
+  """``iota`` in a floating dtype: positions, which stay fp32."""
+  outs = bind(op.eqn, op.invals)
+  return outs, [Role.WIDE if is_floating(dtype_of(o)) else Role.STORED
+                for o in outs]
+
+
+_FIRST_ORDER: dict[str, Handler] = {
+    **{name: compute for name in COMPUTE_OPS},
+    **{name: matmul for name in MATMUL_OPS},
+    "convert_element_type": convert,
+    "iota": from_integers,
+}
+
+
+def handler_for(name: str, region: scopes.Region, rules: Rules,
+                pulled: bool) -> Handler:
+  """The handler of a first-order primitive in ``region``."""
+  if name in MATMUL_OPS:
+    return matmul
+  if region.compute is None:
+    return as_written
+  if pulled:
+    return in_fp32
+  if name in rules.fp32_ops:
+    return fp32
+  return _FIRST_ORDER.get(name, as_written)

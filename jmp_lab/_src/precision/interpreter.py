@@ -1,0 +1,190 @@
+"""The jaxpr interpreter: a function re-evaluated op by op under the rules.
+
+:func:`apply_rules` traces a function to a jaxpr and evaluates it again,
+like ``jax.core.eval_jaxpr``, handing each equation to its handler
+(:mod:`.handlers` for first-order primitives, :mod:`.control` for those with
+sub-jaxprs). It tracks each value's role (:mod:`.values`). Re-interpreting
+the jaxpr, rather than intercepting ``lax`` functions as qwix does, reaches
+every op: the ``dot_general`` inside ``jnp.einsum``, jitted helpers whose
+traces jax cached, and code that calls ``lax`` directly.
+
+This module reads some of jax's internals, as ``jax.core.eval_jaxpr`` does:
+equations, their bind parameters and name stacks. A sub-jaxpr it cannot
+rewrite runs as written, and a warning names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+from jmp_lab._nesting import Nesting
+from jmp_lab._src.precision import control, handlers, observers, scopes
+from jmp_lab._src.precision.tracing import trace
+from jmp_lab._src.precision.handlers import Context, Op
+from jmp_lab._src.precision.rules import COMPUTE_OPS, Rules
+from jmp_lab._src.precision.values import (Role, aval, cast, dtype_of,
+                                           is_array, is_floating)
+
+# jax internals the interpreter needs (see the module doc).
+from jax._src import source_info_util as _source_info  # noqa: E402
+
+# Whether user code is being traced by apply_rules on this thread (a front
+# end asks, to run a model's own call only once under the rules).
+_TRACING = Nesting()
+
+
+def is_tracing() -> bool:
+  """Whether the calling code is being traced under the rules."""
+  return _TRACING.active
+
+
+def apply_rules(fn: Callable[..., Any], rules: Rules, *,
+                output_dtype: Any = None) -> Callable[..., Any]:
+  """``fn`` evaluated under ``rules``; floating outputs cast to
+  ``output_dtype`` (None: left as the rules made them). Array arguments are
+  traced (stored values: read where used in the dtype the use computes
+  in); other arguments are passed as they are. The function is traced
+  inside the rules' own named scope, so code that asks
+  :func:`~.scopes.current_compute_dtype` finds it."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
+    outputs = {}
+
+    def flat_fn(*values):
+      full = list(leaves)
+      for i, value in zip(dynamic, values):
+        full[i] = value
+      call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+      with _TRACING.enter():
+        out = fn(*call_args, **call_kwargs)
+      out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+      outputs["tree"], outputs["leaves"] = out_tree, out_leaves
+      return [x for x in out_leaves if is_array(x)]
+
+    values = [leaves[i] for i in dynamic]
+    with _rules_scope(rules):
+      jaxpr, consts = trace(flat_fn, [aval(x) for x in values], None)
+    context = Context(rules, scopes.current_path(), transposable=True,
+                      report={}, evaluate=evaluate)
+    results, _ = evaluate(jaxpr, consts, values, [Role.STORED] * len(values),
+                          context)
+    # An output the trace folded to a literal comes back as an array.
+    results = [x if is_array(x) else jnp.asarray(x, v.aval.dtype)
+               for x, v in zip(results, jaxpr.outvars)]
+    for (primitive, path), why in context.report.items():
+      observers.unreached(primitive, path, why)
+    if output_dtype is not None:
+      results = [cast(x, output_dtype) if is_floating(dtype_of(x)) else x
+                 for x in results]
+    results = iter(results)
+    return jax.tree_util.tree_unflatten(
+        outputs["tree"], [next(results) if is_array(x) else x
+                          for x in outputs["leaves"]])
+
+  return wrapped
+
+
+def _rules_scope(rules: Rules):
+  """The named scope of the rules' default region, around the trace."""
+  if scopes.innermost_region(scopes.current_path()) is not None:
+    return contextlib.nullcontext()  # an enclosing marker decides
+  if rules.island:
+    return scopes.island(rules.compute_dtype)
+  return scopes.scope(rules.compute_dtype)
+
+
+def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any],
+             roles: Sequence[Role], context: Context
+             ) -> tuple[list[Any], list[Role]]:
+  """Evaluates ``jaxpr`` under the rules: its output values (in the dtypes
+  the rules gave them) and their roles. Constants are stored values."""
+  env: dict = {}
+  role: dict = {}
+  for var, value in zip(jaxpr.constvars, consts):
+    env[var], role[var] = value, Role.STORED
+  for var, value, r in zip(jaxpr.invars, args, roles):
+    env[var], role[var] = value, r
+
+  def read(atom):
+    if isinstance(atom, jex_core.Literal):
+      return atom.val, Role.STORED
+    return env[atom], role[atom]
+
+  pulled = pulled_into_fp32(jaxpr, context.rules.fp32_ops)
+  for index, eqn in enumerate(jaxpr.eqns):
+    path = context.base + scopes.scope_names(eqn.source_info.name_stack)
+    invals, inroles = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
+    op = Op(eqn, list(invals), list(inroles), path,
+            context.rules.region(path), index in pulled, context)
+    name_stack = (_source_info.current_name_stack()
+                  + eqn.source_info.name_stack)
+    with _source_info.user_context(eqn.source_info.traceback,
+                                   name_stack=name_stack), eqn.ctx.manager:
+      outs, out_roles = _dispatch(op)
+    for var, value, r in zip(eqn.outvars, outs, out_roles):
+      env[var], role[var] = value, r
+  found = [read(v) for v in jaxpr.outvars]
+  return [v for v, _ in found], [r for _, r in found]
+
+
+def _dispatch(op: Op) -> tuple[list, list]:
+  higher = control.handler_for(op.eqn)
+  if higher is not None:
+    return higher(op)
+  return handlers.handler_for(op.name, op.region, op.context.rules,
+                              op.pulled)(op)
+
+
+def pulled_into_fp32(jaxpr, fp32_ops: frozenset) -> set[int]:
+  """The equations that only feed fp32 ops: they run in fp32 too.
+
+  ``jax.nn.softmax(x)`` is ``exp(x - max(x)) / sum(...)``. Run as written
+  from bf16 ``x``, ``x - max(x)`` would be rounded to bf16 before ``exp``
+  saw it. An op (elementwise, a layout change or a cast) whose every result
+  is used only by fp32 ops, or by ops pulled in this way, runs in fp32 from
+  its half inputs, so the whole softmax, logsumexp or norm statistic is
+  computed in fp32, as torch computes its fused ops. A value that is also
+  used elsewhere (a residual stream) keeps its dtype: only the fp32 ops
+  see it upcast.
+  """
+  uses: dict = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for var in eqn.invars:
+      if not isinstance(var, jex_core.Literal):
+        uses.setdefault(var, []).append(i)
+  for var in jaxpr.outvars:
+    if not isinstance(var, jex_core.Literal):
+      uses.setdefault(var, []).append(-1)
+  pulled: set = set()
+
+  def feeds_fp32(var) -> bool:
+    if isinstance(var, jex_core.DropVar):
+      return True
+    users = uses.get(var, ())
+    return bool(users) and all(
+        i >= 0 and (i in pulled or jaxpr.eqns[i].primitive.name in fp32_ops)
+        for i in users)
+
+  for i in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[i]
+    name = eqn.primitive.name
+    if name in fp32_ops or not (name in COMPUTE_OPS
+                                or name == "convert_element_type"):
+      continue
+    floating = [v for v in eqn.outvars
+                if is_floating(getattr(v.aval, "dtype", None))]
+    if floating and all(feeds_fp32(v) for v in floating):
+      pulled.add(i)
+  return pulled
+
+
+__all__ = ["apply_rules", "evaluate", "is_tracing", "pulled_into_fp32"]

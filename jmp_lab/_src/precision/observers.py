@@ -1,0 +1,63 @@
+"""What the interpreter reports while it runs, to whoever listens.
+
+The engine decides; diagnostics (matmul counts, precision warnings) listen
+from outside it (:mod:`jmp_lab._src.precision_warnings`). A listener is a
+function of the operand dtypes of each matmul the rules run, registered for
+the duration of a ``with`` block on the current thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Callable, Sequence
+
+import numpy as np
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def listening(on_matmul: Callable[[Sequence[np.dtype], bool], None]):
+  """Calls ``on_matmul(operand_dtypes, in_loss)`` for each matmul the rules
+  run on this thread while the block traces; ``in_loss``: the loss's rules
+  (an island with half matmuls) decided it, not a model's policy."""
+  listeners = _local.__dict__.setdefault("listeners", [])
+  listeners.append(on_matmul)
+  try:
+    yield
+  finally:
+    listeners.remove(on_matmul)
+
+
+@contextlib.contextmanager
+def muted():
+  """Nothing is reported while the block runs (an abstract trace the
+  interpreter makes to learn a loop's types, before the real one)."""
+  saved = _local.__dict__.get("listeners", [])
+  _local.listeners = []
+  _local.muted = getattr(_local, "muted", 0) + 1
+  try:
+    yield
+  finally:
+    _local.listeners = saved
+    _local.muted -= 1
+
+
+def matmul_ran(operand_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
+  for listener in getattr(_local, "listeners", ()):
+    listener(operand_dtypes, in_loss)
+
+
+# Places the rules could not reach, warned about once each.
+_WARNED: set = set()
+
+
+def unreached(primitive: str, path: str, why: str) -> None:
+  """Warns, once per place, that the rules left an op as written."""
+  if (primitive, path) in _WARNED or getattr(_local, "muted", 0):
+    return
+  _WARNED.add((primitive, path))
+  warnings.warn(f"jmp_lab.autocast: the {primitive} at {path!r} runs as "
+                f"written ({why})", stacklevel=4)

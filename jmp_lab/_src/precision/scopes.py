@@ -1,0 +1,153 @@
+"""Named scopes that carry precision decisions through a trace.
+
+A front end marks each module call with its compute dtype, the train step
+marks the loss as an fp32 island whose matmuls run in the compute dtype, and
+a user marks a region with :func:`scope`. jax keeps named scopes on every
+equation (``source_info.name_stack``), so the interpreter reads each op's
+:class:`Region` from them, and code that picks a kernel at trace time asks
+:func:`current_compute_dtype`. The innermost marker wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import source_info_util as _source_info
+
+PREFIX = "jmp_lab:"
+_CAST = PREFIX + "cast"
+_ISLAND = PREFIX + "island:"
+HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """How the ops of a region run.
+
+  Attributes:
+    compute: the half dtype ops compute in, or None: ops run as written.
+    matmul: the half dtype matmuls run in, or None: matmuls run as written.
+  """
+
+  compute: Optional[np.dtype]
+  matmul: Optional[np.dtype]
+
+  @classmethod
+  def of(cls, dtype: Any) -> "Region":
+    """Every op under the rules in ``dtype`` (as written unless half)."""
+    dtype = np.dtype(dtype)
+    return cls(dtype, dtype) if dtype in HALF_DTYPES else AS_WRITTEN
+
+  @classmethod
+  def island(cls, matmul_dtype: Any) -> "Region":
+    """An fp32 island: ops as written, matmuls in ``matmul_dtype``."""
+    dtype = np.dtype(matmul_dtype)
+    return cls(None, dtype if dtype in HALF_DTYPES else None)
+
+
+AS_WRITTEN = Region(None, None)
+
+
+def _checked_dtype(dtype: Any, what: str) -> np.dtype:
+  from jmp_lab.policy import canonicalize_dtype  # the one dtype parser
+  return canonicalize_dtype(dtype, what=what)
+
+
+def scope(dtype: Any) -> contextlib.AbstractContextManager:
+  """Ops traced inside run with ``dtype`` as the compute dtype.
+
+  ``scope(jnp.float32)`` keeps a region of an autocast function as written;
+  ``scope(jnp.bfloat16)`` puts a region under the half rules. The innermost
+  scope wins. It is a ``jax.named_scope``, so it also names the region in
+  profiles. :func:`jmp_lab.linen.with_policy` and
+  :func:`jmp_lab.nnx.with_policy` mark every module call this way.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, jmp_lab
+    >>> def f(x, w):
+    ...   with jmp_lab.precision.scope(jnp.float32):   # a head kept in fp32
+    ...     return x @ w
+    >>> audit = jmp_lab.diagnostics.audit_step(
+    ...     jmp_lab.autocast(f, "mixed_bfloat16"), jnp.ones((8, 8)), jnp.ones((8, 8)))
+    >>> audit.half_flop_share
+    0.0
+  """
+  return jax.named_scope(PREFIX + _checked_dtype(dtype, "scope dtype").name)
+
+
+def island(matmul_dtype: Any) -> contextlib.AbstractContextManager:
+  """Ops traced inside run as written (an fp32 island), except matmuls,
+  which run in ``matmul_dtype``: how a train step runs its ``loss_fn``, so
+  that a head or ``linear_cross_entropy`` in the loss computes in half while
+  the loss's own arithmetic stays fp32. Module calls inside open their own
+  :func:`scope`, which wins."""
+  dtype = _checked_dtype(matmul_dtype, "island matmul dtype")
+  return jax.named_scope(_ISLAND + dtype.name)
+
+
+def policy_cast_scope() -> contextlib.AbstractContextManager:
+  """Casts traced inside are policy decisions: they are kept, even of an
+  fp32 value, and their results count as computed in their dtype (a cast a
+  front end makes at a module boundary, or of a param it reads)."""
+  return jax.named_scope(_CAST)
+
+
+def scope_names(name_stack: Any) -> tuple[str, ...]:
+  """The named scopes of a jax name stack, outermost first."""
+  stack = getattr(name_stack, "stack", None)
+  if stack is None:
+    return tuple(n for n in str(name_stack).split("/") if n)
+  return tuple(s.name for s in stack if type(s).__name__ == "Scope")
+
+
+def marker_region(name: str) -> Optional[Region]:
+  """The region a scope name sets, or None for a scope that is not one."""
+  if not name.startswith(PREFIX) or name == _CAST:
+    return None
+  if name.startswith(_ISLAND):
+    return Region.island(name[len(_ISLAND):])
+  return Region.of(name[len(PREFIX):])
+
+
+def innermost_region(path: tuple[str, ...]) -> Optional[Region]:
+  """The region of the innermost marker on ``path`` (None: no marker)."""
+  for name in reversed(path):
+    region = marker_region(name)
+    if region is not None:
+      return region
+  return None
+
+
+def is_policy_cast(path: tuple[str, ...]) -> bool:
+  return _CAST in path
+
+
+def user_path(path: tuple[str, ...]) -> str:
+  """``path`` joined with ``/``, without jmp_lab's markers: the module
+  path a user's regular expressions match."""
+  return "/".join(n for n in path if not n.startswith(PREFIX))
+
+
+def current_path() -> tuple[str, ...]:
+  """The named scopes around the code being traced now."""
+  return scope_names(_source_info.current_name_stack())
+
+
+def current_compute_dtype() -> Optional[np.dtype]:
+  """The dtype matmuls run in at the code being traced (the innermost
+  :func:`scope` or :func:`island`), or None outside one.
+
+  Code that must pick a half dtype itself asks this: a fused attention
+  kernel inside a layer given ``dtype=jnp.float32``, or
+  :func:`jmp_lab.losses.linear_cross_entropy` in a train step's loss.
+  """
+  region = innermost_region(current_path())
+  if region is None:
+    return None
+  return region.matmul if region.matmul is not None else np.dtype(jnp.float32)

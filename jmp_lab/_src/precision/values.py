@@ -1,0 +1,125 @@
+"""What the interpreter knows of each value: its role, and casts by role.
+
+A value's *role* says who decided its dtype:
+
+* ``STORED``: nobody yet. Arguments, params, constants, literals, and what
+  is computed from them alone. Every use reads it in the dtype that use
+  computes in: a param is read in half by a half op, in fp32 by an fp32 op.
+  A weakly typed literal is one, so it never promotes.
+* ``HALF``: the rules computed it in a half dtype.
+* ``WIDE``: fp32 because the code asked: what it explicitly upcast from
+  half, and values built from integers (positions, rotary angles). A later
+  cast back to half is honoured.
+* ``FP32``: fp32 by rule: an fp32 op's result and what is computed from it
+  (softmax, a norm's statistics, log-sum-exp). A cast back to half is
+  deferred: ``jnp.mean`` of bf16 casts its fp32 result back internally.
+
+An op that mixes a ``WIDE`` or ``FP32`` value with a half one runs in fp32,
+as torch's promotion does.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab._src.precision.scopes import HALF_DTYPES
+
+F32 = np.dtype(jnp.float32)
+
+
+class Role(enum.IntEnum):
+  """Who decided a value's dtype (see the module doc); ordered, so that
+  ``max`` of several roles is the one that decides an op."""
+
+  STORED = 0
+  HALF = 1
+  WIDE = 2
+  FP32 = 3
+
+
+def is_floating(dtype: Any) -> bool:
+  """A floating dtype the rules move values between: 16 bits or more.
+  fp8 values are the fp8 kernels' own (they choose their scales): the rules
+  neither cast them nor give them a role."""
+  try:
+    return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+            and np.dtype(dtype).itemsize >= 2)
+  except TypeError:
+    return False
+
+
+def is_half(dtype: Any) -> bool:
+  return dtype is not None and np.dtype(dtype) in HALF_DTYPES
+
+
+def is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def dtype_of(value: Any, var: Any = None) -> Optional[np.dtype]:
+  """``value``'s dtype (a literal's: its written one; None: not an array
+  or an extended dtype such as a PRNG key)."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is None and var is not None:
+    dtype = var.aval.dtype
+  try:
+    return np.dtype(dtype) if dtype is not None else None
+  except TypeError:
+    return None
+
+
+def written_dtype(var: Any) -> Optional[np.dtype]:
+  """The floating dtype the code wrote for ``var``, or None."""
+  dtype = getattr(var.aval, "dtype", None)
+  try:
+    return np.dtype(dtype) if is_floating(dtype) else None
+  except TypeError:
+    return None
+
+
+def cast(value: Any, dtype: Any) -> Any:
+  """``value`` in ``dtype`` if it is a floating value in another dtype."""
+  dtype = np.dtype(dtype)
+  current = dtype_of(value)
+  if current is None or current == dtype or not is_floating(current):
+    return value
+  if isinstance(value, (np.ndarray, np.generic, float, int)):
+    return np.asarray(value, dtype)
+  return jax.lax.convert_element_type(value, dtype)
+
+
+def restore(value: Any, var: Any) -> Any:
+  """``value`` in the dtype (and weak type) the code wrote for ``var``."""
+  written = written_dtype(var)
+  if written is None or dtype_of(value) in (None, written):
+    return value
+  if isinstance(value, (np.ndarray, np.generic, float, int)):
+    return np.asarray(value, written)
+  return jax.lax.convert_element_type_p.bind(
+      value, new_dtype=written,
+      weak_type=bool(getattr(var.aval, "weak_type", False)), sharding=None)
+
+
+def role_of_result(value: Any, inputs: Sequence[Role]) -> Role:
+  """The role of an op's result computed as written: STORED when it was
+  computed from stored values alone, else by its dtype."""
+  dtype = dtype_of(value)
+  if not is_floating(dtype) or all(r == Role.STORED for r in inputs):
+    return Role.STORED
+  return Role.HALF if is_half(dtype) else Role.WIDE
+
+
+def roles_by_dtype(values: Sequence[Any]) -> list[Role]:
+  """Roles of values that cross a boundary in the dtypes the code wrote:
+  half ones are half, other floating ones fp32."""
+  return [role_of_result(v, [Role.HALF]) for v in values]
+
+
+def aval(x: Any) -> Any:
+  # A tracer's own type: it may carry varying manual axes (shard_map).
+  return jax.typeof(x)

@@ -1,0 +1,123 @@
+"""Precision diagnostics a train step reports: matmul counts and warnings.
+
+They listen to the engine (:mod:`jmp_lab._src.precision.observers`) from
+outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab._src.precision import observers
+from jmp_lab._src.precision.scopes import HALF_DTYPES
+from jmp_lab.policy import Policy
+
+
+class PrecisionWarning(UserWarning):
+  """A policy asks for half precision where the computation does not run in
+  it (see :func:`warn_unless_half`)."""
+
+
+@dataclasses.dataclass
+class MatmulCount:
+  """Matmuls the rules ran (see :func:`recording`): ``half`` with half (or
+  fp8) operands, ``full`` left with a wider floating operand; ``in_loss`` of
+  them were decided by a train step's loss rules, outside any model
+  policy (:func:`jmp_lab.precision.island`)."""
+
+  half: int = 0
+  full: int = 0
+  in_loss: int = 0
+
+  def add(self, operand_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
+    floating = [np.dtype(d) for d in operand_dtypes
+                if jnp.issubdtype(d, jnp.floating)]
+    if len(floating) < 2:
+      return
+    if all(d.itemsize <= 2 for d in floating):
+      self.half += 1
+    else:
+      self.full += 1
+    self.in_loss += bool(in_loss)
+
+
+@contextlib.contextmanager
+def recording():
+  """Counts the matmuls the rules run while the block traces.
+
+  >>> import jax, jax.numpy as jnp, jmp_lab
+  >>> from jmp_lab.precision import recording
+  >>> with recording() as count:
+  ...   _ = jmp_lab.autocast(jnp.matmul, "mixed_bfloat16")(jnp.ones((2, 2)),
+  ...                                                      jnp.ones((2, 2)))
+  >>> count
+  MatmulCount(half=1, full=0, in_loss=0)
+  """
+  count = MatmulCount()
+  with observers.listening(count.add):
+    yield count
+
+
+def _user_stacklevel() -> int:
+  """The stack level of the first frame outside jmp_lab and jax: the
+  user's line that traced the step."""
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  frame, level = sys._getframe(1), 1
+  while frame is not None:
+    name = frame.f_code.co_filename
+    if not (name.startswith(package) or f"{os.sep}jax{os.sep}" in name
+            or f"{os.sep}flax{os.sep}" in name
+            or f"{os.sep}contextlib" in name):
+      return level
+    frame, level = frame.f_back, level + 1
+  return 2
+
+
+def warn_unless_half(policy: Policy, count: MatmulCount,
+                     trace: Callable[[], Any], where: str) -> None:
+  """Warns (:class:`PrecisionWarning`) when ``policy`` computes in half
+  precision but no matmul of the model does.
+
+  ``count`` holds what the rules ran while the loss was traced. When they
+  did not run at all (the model is not wrapped by a front end or
+  :func:`jmp_lab.autocast`), ``trace()`` gives the loss's jaxpr, whose
+  matmuls are read instead: a model that casts by hand is not warned
+  about. The warning points at the user's line that traced the step.
+  """
+  if policy.compute_dtype not in HALF_DTYPES:
+    return
+  if count.half + count.full > count.in_loss:
+    if not count.half:
+      warnings.warn(
+          f"{where}: the policy ({policy}) computes in "
+          f"{policy.compute_dtype.name}, but every matmul of the model runs "
+          f"in fp32: the policy's overrides (keep_layer_dtypes=True, or "
+          f"class/path overrides) keep them there", PrecisionWarning,
+          stacklevel=_user_stacklevel())
+    return
+  if count.in_loss:
+    warnings.warn(
+        f"{where}: the policy ({policy}) computes in "
+        f"{policy.compute_dtype.name}, but no matmul runs under a model "
+        f"policy: only the loss's rules put its matmuls in half, and every "
+        f"other op stays fp32. Wrap the model with "
+        f"jmp_lab.linen.with_policy, jmp_lab.nnx.with_policy or "
+        f"jmp_lab.autocast", PrecisionWarning, stacklevel=_user_stacklevel())
+    return
+  from jmp_lab.diagnostics.audit import matmul_records  # diagnostics on top
+  records = matmul_records(trace())
+  if records and not any(r.half for r in records):
+    warnings.warn(
+        f"{where}: the policy ({policy}) computes in "
+        f"{policy.compute_dtype.name}, but every matmul of the loss runs in "
+        f"fp32: wrap the model with jmp_lab.linen.with_policy, "
+        f"jmp_lab.nnx.with_policy or jmp_lab.autocast", PrecisionWarning,
+        stacklevel=_user_stacklevel())
