@@ -13,9 +13,9 @@ The public API lives here; each concept has its own module:
   pass (:mod:`jmp_lab.kernels` holds the backends);
 * :mod:`jmp_lab.fp8` -- fp8 matmuls with per-tensor (delayed or current)
   scaling, for policies with ``matmul=fp8``;
-* :mod:`jmp_lab.autocast` -- ``autocast(fn, policy)``: torch.autocast's
-  per-op precision rules for any JAX function (the engine the Flax front
-  ends use for their matmuls);
+* :mod:`jmp_lab.precision` -- the precision engine: ``autocast(fn,
+  policy)`` for any JAX function, the rules (as data) the Flax front ends
+  share, and scopes;
 * :mod:`jmp_lab.attention` -- attention with the fp32 softmax inside a
   fused kernel (cuDNN, Pallas), chosen by the platform compiled for;
 * :mod:`jmp_lab.losses` -- fp32 losses, and ``linear_cross_entropy``, which
@@ -31,7 +31,7 @@ The public API lives here; each concept has its own module:
 """
 
 from jmp_lab import (attention, diagnostics, fp8, kernels, linen, losses, nnx,
-                     sharding)
+                     precision, sharding)
 from jmp_lab.autocast import autocast
 from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
 from jmp_lab.loss_scale import (
@@ -96,6 +96,7 @@ __all__ = [
     "master_params",
     "mixed_precision",
     "nnx",
+    "precision",
     "scaled_value_and_grad",
     "select_tree",
     "skipped_steps",

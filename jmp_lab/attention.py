@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab._src.precision.scopes import current_compute_dtype
 from jmp_lab.kernels import importable, quiet_triton_deprecation
 
 IMPLEMENTATIONS = ("auto", "cudnn", "triton", "mosaic", "xla")
@@ -338,17 +339,20 @@ def combined_mask(mask, query, key, causal: bool, segment_ids):
 
 
 def _materialized(query, key, value, bias, mask, causal, segment_ids, scale,
-                  dropout_rate, dropout_rng, broadcast_dropout):
+                  dropout_rate, dropout_rng, broadcast_dropout, precision=None,
+                  sow=None):
   """The scores stored: computed in the inputs' dtype, then the mask,
   softmax and dropout in fp32; the weights cast back for the second
-  matmul (whose gradients then stay half-precision GEMMs)."""
+  matmul (whose gradients then stay half-precision GEMMs). ``sow`` is
+  given the softmax's weights (flax's ``attention_weights``)."""
   dtype = query.dtype
   heads, groups = query.shape[-2], key.shape[-2]
   # Grouped-query attention: the query heads of a group share one key head.
   q = query.reshape(query.shape[:-2] + (groups, heads // groups,
                                         query.shape[-1]))
   q = q * jnp.asarray(scale, dtype)
-  logits = jnp.einsum("...qgrd,...kgd->...grqk", q, key).astype(jnp.float32)
+  logits = jnp.einsum("...qgrd,...kgd->...grqk", q, key,
+                      precision=precision).astype(jnp.float32)
   logits = logits.reshape(logits.shape[:-4] + (heads,) + logits.shape[-2:])
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
@@ -356,6 +360,8 @@ def _materialized(query, key, value, bias, mask, causal, segment_ids, scale,
   if keep is not None:
     logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(logits, axis=-1)
+  if sow is not None:
+    sow(weights)
   if dropout_rate > 0.0:
     keep_prob = 1.0 - dropout_rate
     shape = ((1,) * (weights.ndim - 2) + weights.shape[-2:]
@@ -365,8 +371,67 @@ def _materialized(query, key, value, bias, mask, causal, segment_ids, scale,
   weights = weights.astype(dtype)
   weights = weights.reshape(weights.shape[:-3] + (groups, heads // groups)
                             + weights.shape[-2:])
-  out = jnp.einsum("...grqk,...kgd->...qgrd", weights, value)
+  out = jnp.einsum("...grqk,...kgd->...qgrd", weights, value,
+                   precision=precision)
   return out.reshape(query.shape).astype(dtype)
 
 
-__all__ = ["IMPLEMENTATIONS", "combined_mask", "dot_product_attention"]
+# ---------------------------------------------------------------------------
+# The attention_fn the front ends give flax's attention modules.
+# ---------------------------------------------------------------------------
+
+
+def kernel_dtype(dtype, query) -> np.dtype:
+  """The dtype a fused attention kernel runs in: the layer's own if half,
+  else the compute dtype of the policy around the call, else the query's."""
+  for candidate in (dtype, current_compute_dtype(), query.dtype):
+    if candidate is not None and np.dtype(candidate) in (
+        np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+      return np.dtype(candidate)
+  return np.dtype(query.dtype)
+
+
+def attention_fn(query, key, value, bias=None, mask=None, *,
+                 broadcast_dropout: bool = True, dropout_rng=None,
+                 dropout_rate: float = 0.0, deterministic: bool = False,
+                 dtype=None, precision=None, causal: bool = False,
+                 segment_ids=None, implementation: str = "auto",
+                 sow=None):
+  """The one attention both front ends give flax's attention modules
+  (:func:`jmp_lab.linen.dot_product_attention` and
+  :func:`jmp_lab.nnx.dot_product_attention` are its ``attention_fn``
+  forms), grouped-query attention included.
+
+  With ``causal=True`` or ``segment_ids`` and no mask, bias, dropout or
+  sown weights, it runs :func:`dot_product_attention` (a fused kernel on
+  CUDA) with its operands in the compute dtype of the policy around the
+  call, even from a layer given ``dtype=jnp.float32``. Otherwise the scores
+  are materialized in ``dtype`` (the query's by default) with the mask,
+  softmax and dropout in fp32; ``sow(weights)`` is given the softmax's
+  weights where a module asked to sow them.
+
+  >>> import jax.numpy as jnp
+  >>> q = jnp.ones((1, 4, 8, 16), jnp.bfloat16)      # 8 query heads
+  >>> kv = jnp.ones((1, 4, 2, 16), jnp.bfloat16)     # 2 key/value heads
+  >>> attention_fn(q, kv, kv, causal=True).shape
+  (1, 4, 8, 16)
+  """
+  dropout = dropout_rate > 0.0 and not deterministic
+  fusable = (mask is None and bias is None and sow is None and not dropout
+             and precision is None and (causal or segment_ids is not None))
+  dtype = (kernel_dtype(dtype, query) if fusable
+           else np.dtype(query.dtype if dtype is None else dtype))
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  if fusable:
+    return dot_product_attention(query, key, value, causal=causal,
+                                 segment_ids=segment_ids,
+                                 implementation=implementation)
+  _check_shapes(query, key, value, segment_ids)
+  return _materialized(query, key, value, bias, mask, causal, segment_ids,
+                       1.0 / math.sqrt(query.shape[-1]),
+                       dropout_rate if dropout else 0.0, dropout_rng,
+                       broadcast_dropout, precision, sow)
+
+
+__all__ = ["IMPLEMENTATIONS", "attention_fn", "combined_mask",
+           "dot_product_attention", "kernel_dtype"]

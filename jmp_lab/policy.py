@@ -393,37 +393,3 @@ def layer_dtype(module: Any) -> Optional[np.dtype]:
   except TypeError:
     return None
   return dtype if jnp.issubdtype(dtype, jnp.floating) else None
-
-import re
-from typing import Mapping
-
-def resolve_overrides(
-    class_overrides: Optional[Mapping[type, Union[Policy, str]]],
-    path_overrides: Optional[Mapping[str, Union[Policy, str]]],
-    defaults: Mapping[type, Policy],
-) -> tuple[tuple[tuple[type, Policy], ...], tuple[tuple[re.Pattern, Policy], ...]]:
-  """The overrides of a ``with_policy`` (linen or NNX), checked and parsed.
-
-  Returns ``(classes, patterns)``: ``(class, policy)`` pairs, the user's
-  first and then the ``defaults`` they do not replace (e.g. fp32 norms), and
-  ``(compiled regex, policy)`` pairs in the order given.
-
-  Raises:
-    TypeError: if a ``class_overrides`` key is not a class.
-    ValueError: for a bad policy spec or an invalid regular expression.
-  """
-  classes: dict[type, Policy] = {}
-  for cls, spec in (class_overrides or {}).items():
-    if not isinstance(cls, type):
-      raise TypeError(f"class_overrides keys must be classes, got {cls!r}")
-    classes[cls] = get_policy(spec)
-  for cls, default in defaults.items():
-    classes.setdefault(cls, default)
-  patterns = []
-  for pattern, spec in (path_overrides or {}).items():
-    try:
-      patterns.append((re.compile(pattern), get_policy(spec)))
-    except re.error as e:
-      raise ValueError(f"invalid path_overrides pattern {pattern!r}: {e}"
-                       ) from None
-  return tuple(classes.items()), tuple(patterns)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lab import _checks, _tree, fp8, fused
-from jmp_lab.autocast import recording, warn_unless_half
+from jmp_lab._src.precision_warnings import recording, warn_unless_half
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,

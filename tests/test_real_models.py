@@ -440,10 +440,10 @@ def test_a_layer_the_rules_cannot_reach_is_named_in_one_warning(monkeypatch):
   # Neither rebuilt at the rules' dtypes nor rewritten with its own types.
   monkeypatch.setattr(control, "_REBUILT", {})
   monkeypatch.setattr(control, "_same_type_params", cannot)
-  monkeypatch.setattr(observers, "_WARNED", set())
   model = jl.with_policy(Remat(), "mixed_bfloat16")
   x = jnp.ones((2, 3))
-  params = model.init(jax.random.key(0), x)
+  params = model.init(jax.random.key(0), x)  # init runs under the rules too
+  monkeypatch.setattr(observers, "_WARNED", set())
   with pytest.warns(UserWarning, match=r"the remat2 at 'Remat' runs as "
                     r"written \(for this test; its matmuls under "
                     r"'inner' stay as written\)") as record:

@@ -1,0 +1,232 @@
+"""The linen front end: the plan applied to a linen module's calls.
+
+:class:`PolicyModule` runs ``init`` and ``apply`` under the engine
+(:func:`~.interpreter.apply_rules`) with every module method call
+intercepted (``flax.linen.intercept_methods``). A call into a module from
+outside it is a *boundary*: its floating inputs are cast to the module's
+compute dtype and its outputs to what the plan says, its params are read in
+their dtype, and its ops run in a named scope of its compute dtype. A
+module's own helper methods (called by the module itself) are not
+boundaries: they run as the code wrote them, inside the caller's.
+
+Params are read through the module's scope as they are read (flax's
+``Scope.param``, set for the call): so ``init``, ``apply`` and any trace of
+either read them in the same dtype, and no abstract trace is needed to learn
+which module owns which param.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import flax.linen as nn
+import jax
+
+from jmp_lab import fp8
+from jmp_lab._src.precision import linen_layers, scopes
+from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
+from jmp_lab._src.precision.plan import Decision, Plan
+from jmp_lab._src.precision.rules import make_rules
+from jmp_lab.attention import attention_fn
+from jmp_lab.policy import Policy, cast_floating
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyModule:
+  """A linen module with a precision policy; see
+  :func:`jmp_lab.linen.with_policy`. ``init`` and ``apply`` mirror linen's."""
+
+  module: nn.Module
+  plan: Plan
+  fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH
+
+  @property
+  def policy(self) -> Policy:
+    return self.plan.policy
+
+  def init(self, rngs, *args, method=None, **kwargs) -> dict:
+    """``module.init`` under the policy, the params cast to its
+    ``param_dtype``."""
+    variables = dict(self._run(self.module.init)(rngs, *args, method=method,
+                                                 **kwargs))
+    if "params" in variables:
+      variables["params"] = self.policy.cast_to_param(variables["params"])
+    return variables
+
+  def apply(self, variables: Mapping[str, Any], *args, rngs=None,
+            mutable=False, method=None, **kwargs) -> Any:
+    """``module.apply`` under the policy; same arguments and results."""
+    return self._run(self.module.apply)(dict(variables), *args, rngs=rngs,
+                                        mutable=mutable, method=method,
+                                        **kwargs)
+
+  def __call__(self, variables, *args, **kwargs):
+    return self.apply(variables, *args, **kwargs)
+
+  def _run(self, fn: Callable) -> Callable:
+    def intercepted(*args, **kwargs):
+      with nn.intercept_methods(_Interceptor(self)):
+        return fn(*args, **kwargs)
+
+    if is_tracing():
+      # Already under the engine (a train step's loss): its rules read the
+      # scopes the module calls open.
+      return intercepted
+    return apply_rules(intercepted, make_rules(self.policy.compute_dtype))
+
+
+def _chain(module: nn.Module) -> list[tuple[str, nn.Module]]:
+  """``(path, module)`` from ``module`` up to the model."""
+  chain = []
+  while isinstance(module, nn.Module):
+    chain.append(("/".join(module.path), module))
+    module = module.parent
+  return chain
+
+
+class _Interceptor:
+  """Applies the plan at every boundary call of one ``init``/``apply``."""
+
+  def __init__(self, owner: PolicyModule):
+    self.plan = owner.plan
+    self.history_length = owner.fp8_history_length
+    self.calls: list[nn.Module] = []  # boundary calls running, innermost last
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module, method = context.module, context.method_name
+    if method == "setup":  # params made in setup are read by the plan too
+      with _reading_params(module, self.plan, self._decide(module), (), {}):
+        return next_fun(*args, **kwargs)
+    if (method.startswith("_") and method != "__call__") or (
+        self.calls and self.calls[-1] is module):
+      return next_fun(*args, **kwargs)  # a helper: not a boundary
+    decision = self._decide(module)
+    top = not self.calls
+    if not decision.as_written:
+      with scopes.policy_cast_scope():
+        args, kwargs = cast_floating((args, kwargs), decision.compute_dtype)
+    attach = (linen_layers.attached_params(module, self.plan, decision)
+              if method == "__call__" else ())
+    attached: dict = {}
+    self.calls.append(module)
+    try:
+      with _reading_params(module, self.plan, decision, attach, attached):
+        out = linen_layers.call_layer(
+            next_fun, module, method, args, kwargs, self.plan, decision,
+            self.history_length, dot_product_attention)
+    finally:
+      self.calls.pop()
+    if attached:
+      out = linen_layers.attach_gradients(
+          module, out, attached, args, kwargs, decision.compute_dtype,
+          decision.policy.reduce_dtype)
+    output = self.plan.output_dtype(decision, top)
+    if output is None:
+      return out
+    with scopes.policy_cast_scope():
+      return cast_floating(out, output)
+
+  def _decide(self, module: nn.Module) -> Decision:
+    return self.plan.decide(_chain(module))
+
+
+@contextlib.contextmanager
+def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
+                    attach: tuple[str, ...], attached: dict):
+  """For the block: ``module``'s params are read in the dtype the plan
+  gives each; those named in ``attach`` through ``stop_gradient``, their
+  differentiable values put in ``attached`` (their gradients are attached
+  after the call, summed in the reduce dtype). Flax has no hook for a
+  param read, so the module's scope's ``param`` is set for the block."""
+  scope = module.scope
+  if scope is None:
+    yield
+    return
+  read = scope.param
+  before = scope.__dict__.get("param")
+  prefix = "/".join(module.path)
+
+  def param(name, init_fn, *init_args, unbox=True, **init_kwargs):
+    value = read(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+    dtype = plan.param_dtype(decision, f"{prefix}/{name}" if prefix else name)
+    with scopes.policy_cast_scope():
+      cast = value if dtype is None else cast_floating(value, dtype)
+    if name in attach:
+      attached[name] = value
+      return jax.lax.stop_gradient(cast)
+    return cast
+
+  scope.param = param
+  try:
+    yield
+  finally:
+    if before is None:
+      del scope.param
+    else:
+      scope.param = before
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None,
+                          broadcast_dropout: bool = True, dropout_rng=None,
+                          dropout_rate: float = 0.0,
+                          deterministic: bool = False, dtype=None,
+                          precision=None, module=None, *,
+                          causal: bool = False, segment_ids=None,
+                          implementation: str = "auto"):
+  """``attention_fn`` for ``nn.MultiHeadDotProductAttention`` (and
+  ``nn.SelfAttention``) with an fp32 softmax: flax's signature over
+  :func:`jmp_lab.attention.attention_fn`, which both front ends share.
+
+  With ``causal=True`` or ``segment_ids`` and no mask, bias, dropout or
+  sown weights, it runs :func:`jmp_lab.attention.dot_product_attention`:
+  a fused kernel on CUDA, with the softmax statistics in fp32 and no stored
+  scores, and the materialized fp32-softmax path elsewhere. Its operands go
+  in the compute dtype of the policy around it, even from a layer given
+  ``dtype=jnp.float32``. Otherwise the scores are materialized, with the
+  mask, softmax and dropout in fp32 (grouped-query attention included).
+  :func:`jmp_lab.linen.with_policy` gives it to flax's attention modules
+  that use flax's default ``attention_fn``.
+
+  Example::
+
+    >>> import functools, flax.linen as nn, jmp_lab.linen as jl
+    >>> attention = nn.SelfAttention(num_heads=4, attention_fn=functools.partial(
+    ...     jl.dot_product_attention, causal=True))   # call it without a mask
+  """
+  sow = None
+  if module is not None:
+    sow = lambda w: module.sow("intermediates", "attention_weights", w)  # noqa: E731
+  return attention_fn(query, key, value, bias, mask,
+                      broadcast_dropout=broadcast_dropout,
+                      dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                      deterministic=deterministic, dtype=dtype,
+                      precision=precision, causal=causal,
+                      segment_ids=segment_ids, implementation=implementation,
+                      sow=sow)
+
+
+def with_policy(module: nn.Module, policy: Any, *, rules=(),
+                class_overrides=None, path_overrides=None,
+                fp32_norms: bool = True,
+                fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
+                keep_layer_dtypes: bool = False) -> PolicyModule:
+  """See :func:`jmp_lab.linen.with_policy` (the face holds the docs)."""
+  if isinstance(module, PolicyModule):
+    raise TypeError(
+        "with_policy got a model that already has a policy (a "
+        "jmp_lab.linen.PolicyModule, from with_policy): apply the policy "
+        "once, to the flax module (with_policy(module, policy)); its "
+        "overrides go in that one call")
+  if not isinstance(module, nn.Module):
+    raise TypeError(
+        f"with_policy needs a flax.linen.Module, got {type(module).__name__}")
+  if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
+    raise ValueError(f"fp8_history_length must be a positive int, got "
+                     f"{fp8_history_length!r}")
+  plan = Plan.of(policy, rules=rules, class_overrides=class_overrides,
+                 path_overrides=path_overrides, fp32_norms=fp32_norms,
+                 keep_layer_dtypes=keep_layer_dtypes,
+                 embed_classes=(nn.Embed,))
+  return PolicyModule(module, plan, fp8_history_length)
