@@ -16,6 +16,11 @@ BatchNorm with an ``axis_name``. These models follow that code:
   tied embedding's ``attend``. Config switches select the model's own
   :class:`RMSNorm` and :class:`SelfAttention` (its own ``jax.nn.softmax``),
   and layers scanned with ``nn.scan``.
+* :class:`GriffinLM` -- a recurrent LM in the style of RecurrentGemma's
+  linen Griffin: ``dtype=None`` layers that promote their inputs with fp32
+  params, public helper methods that return their argument, its own
+  ``RMSNorm``, a ``custom_jvp`` square root, and a ``lax.scan`` recurrence
+  that asserts its inputs agree in dtype and accumulates in fp32.
 * :class:`GemmaLM` -- an NNX decoder in the style of Gemma's Flax code.
   ``nnx.Embed``, ``nnx.Einsum`` and ``nnx.Linear`` all get
   ``dtype=jnp.float32`` and ``param_dtype``. The model has its own
@@ -260,6 +265,201 @@ class TransformerLM(nn.Module):
     y = _norm(config, name="encoderdecoder_norm")(y)
     logits = shared_embedding.attend(y)
     return logits / jnp.sqrt(y.shape[-1])
+
+
+# ---------------------------------------------------------------------------
+# Linen, in the style of RecurrentGemma's Griffin (recurrentgemma/jax).
+# ---------------------------------------------------------------------------
+
+
+@struct.dataclass
+class GriffinConfig:
+  vocab_size: int = 256
+  width: int = 64
+  lru_width: int = 64
+  mlp_expansion: int = 2
+  conv_width: int = 4
+  num_layers: int = 2
+  dtype: Any = None           # as recurrentgemma's layers: None
+  param_dtype: Any = jnp.float32
+
+
+@jax.custom_jvp
+def sqrt_bound_derivative(x, max_gradient):
+  """``sqrt(x)`` whose derivative is bounded (recurrentgemma's, so that
+  bf16 training does not produce NaNs near 0)."""
+  return jnp.sqrt(x)
+
+
+@sqrt_bound_derivative.defjvp
+def _sqrt_bound_derivative_jvp(primals, tangents):
+  x, max_gradient = primals
+  x_tangent, _ = tangents
+  clipped = 1.0 / jnp.maximum(4.0 / max_gradient ** 2, x)
+  return jnp.sqrt(x), 0.5 * jnp.sqrt(clipped) * x_tangent
+
+
+def linear_scan(x, a, h0=None, acc_dtype=jnp.float32):
+  """``h_t = a_t * h_{t-1} + x_t`` along axis 1, accumulated in
+  ``acc_dtype``; recurrentgemma's ``scan.linear_scan`` checks its inputs
+  the same way."""
+  assert x.ndim == 3
+  assert a.shape == x.shape[-a.ndim:]
+  assert a.dtype == x.dtype
+  assert type(a) is type(x)
+  if h0 is None:
+    h0 = jnp.zeros((x.shape[0], x.shape[2]), dtype=acc_dtype)
+
+  def step(h, inputs):
+    x_t, a_t = inputs
+    h = a_t.astype(acc_dtype) * h + x_t.astype(acc_dtype)
+    return h, h.astype(x.dtype)
+
+  last, ys = jax.lax.scan(step, h0, (jnp.swapaxes(x, 0, 1),
+                                      jnp.swapaxes(a, 0, 1)))
+  return jnp.swapaxes(ys, 0, 1), last
+
+
+class Conv1D(nn.Module):
+  """A causal depthwise temporal convolution, params promoted with the
+  input (``nn.dtypes.promote_dtype``)."""
+
+  width: int
+  temporal_width: int
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.variance_scaling(
+        0.01, "fan_in", "normal"), (self.temporal_width, self.width),
+                   self.param_dtype)
+    b = self.param("b", nn.initializers.zeros_init(), (self.width,),
+                   self.param_dtype)
+    x, w, b = nn.dtypes.promote_dtype(x, w, b, dtype=self.dtype)
+    out = x * w[-1]
+    for shift in range(1, self.temporal_width):
+      shifted = jnp.pad(x[:, :-shift], ((0, 0), (shift, 0), (0, 0)))
+      out = out + shifted * w[-1 - shift]
+    return out + b
+
+
+class RGLRU(nn.Module):
+  """The Real-Gated Linear Recurrent Unit, as recurrentgemma writes it:
+  public helper methods that convert to and from its state's layout
+  (identities for real values), the input promoted with an fp32 param, and
+  the recurrence through :func:`linear_scan`, which asserts that its inputs
+  agree in dtype."""
+
+  width: int
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  def setup(self):
+    self.a_real_param = self.param(
+        "a_param", nn.initializers.uniform(scale=1.0), (self.width,),
+        self.param_dtype)
+    dense = functools.partial(nn.Dense, self.width, dtype=self.dtype,
+                              param_dtype=self.param_dtype)
+    self.input_gate = dense(name="input_gate")
+    self.a_gate = dense(name="a_gate")
+
+  def merged_to_complex(self, x):
+    return x      # real-valued: the layout is already the state's
+
+  def complex_to_merged(self, x):
+    return x
+
+  def __call__(self, x, segment_pos):
+    x, a_real_param = nn.dtypes.promote_dtype(x, self.a_real_param,
+                                              dtype=self.dtype)
+    gate_x = jax.nn.sigmoid(self.input_gate(x))
+    gate_a = jax.nn.sigmoid(self.a_gate(x))
+    log_a = -8.0 * gate_a * jax.nn.softplus(a_real_param)
+    a, a_squared = jnp.exp(log_a), jnp.exp(2 * log_a)
+    x = self.merged_to_complex(x)
+    gated_x = x * gate_x
+    reset = (segment_pos == 0).astype(a.dtype)
+    multiplier = sqrt_bound_derivative(1 - a_squared, 1000)
+    multiplier = reset[..., None] + (1 - reset)[..., None] * multiplier
+    normalized_x = gated_x * multiplier.astype(x.dtype)
+    y, _ = linear_scan(normalized_x, a * (1 - reset[..., None]))
+    return self.complex_to_merged(y)
+
+
+class RecurrentBlock(nn.Module):
+  config: GriffinConfig
+
+  @nn.compact
+  def __call__(self, x, segment_pos):
+    config = self.config
+    dense = functools.partial(nn.Dense, dtype=config.dtype,
+                              param_dtype=config.param_dtype)
+    y = jax.nn.gelu(dense(config.lru_width, name="linear_y")(x))
+    x = dense(config.lru_width, name="linear_x")(x)
+    x = Conv1D(config.lru_width, config.conv_width, dtype=config.dtype,
+               param_dtype=config.param_dtype, name="conv_1d")(x)
+    x = RGLRU(config.lru_width, dtype=config.dtype,
+              param_dtype=config.param_dtype, name="rg_lru")(x, segment_pos)
+    return dense(config.width, name="linear_out")(x * y)
+
+
+class GriffinRMSNorm(nn.Module):
+  """recurrentgemma's RMSNorm: its own class, scale applied as
+  ``1 + scale``, params promoted with the input."""
+
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1],),
+                       self.param_dtype)
+    x, scale = nn.dtypes.promote_dtype(x, scale, dtype=self.dtype)
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + 1e-6) * (1 + scale)
+
+
+class GriffinBlock(nn.Module):
+  config: GriffinConfig
+
+  @nn.compact
+  def __call__(self, x, segment_pos):
+    config = self.config
+    raw = x
+    x = GriffinRMSNorm(config.dtype, config.param_dtype)(x)
+    x = RecurrentBlock(config, name="recurrent")(x, segment_pos)
+    residual = x + raw
+    x = GriffinRMSNorm(config.dtype, config.param_dtype)(residual)
+    hidden = config.width * config.mlp_expansion
+    dense = functools.partial(nn.Dense, dtype=config.dtype,
+                              param_dtype=config.param_dtype)
+    gate = jax.nn.gelu(dense(hidden, name="ffw_gate")(x))
+    x = dense(config.width, name="ffw_out")(gate * dense(hidden,
+                                                         name="ffw_up")(x))
+    return x + residual
+
+
+class GriffinLM(nn.Module):
+  """A Griffin-style recurrent LM (recurrent blocks only) with tied logits:
+  ``embedder.encode`` and ``embedder.decode`` are public helpers, as in
+  recurrentgemma."""
+
+  config: GriffinConfig = GriffinConfig()
+
+  @nn.compact
+  def __call__(self, tokens):
+    config = self.config
+    embedder = nn.Embed(config.vocab_size, config.width, dtype=config.dtype,
+                        param_dtype=config.param_dtype, name="embedder")
+    x = embedder(tokens) * jnp.sqrt(config.width).astype(
+        jnp.float32 if config.dtype is None else config.dtype)
+    segment_pos = jnp.broadcast_to(jnp.arange(tokens.shape[-1]),
+                                   tokens.shape)
+    for i in range(config.num_layers):
+      x = GriffinBlock(config, name=f"block_{i}")(x, segment_pos)
+    x = GriffinRMSNorm(config.dtype, config.param_dtype, name="final_norm")(x)
+    return embedder.attend(x)
 
 
 # ---------------------------------------------------------------------------

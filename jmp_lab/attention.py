@@ -347,13 +347,18 @@ def _materialized(query, key, value, bias, mask, causal, segment_ids, scale,
   given the softmax's weights (flax's ``attention_weights``)."""
   dtype = query.dtype
   heads, groups = query.shape[-2], key.shape[-2]
-  # Grouped-query attention: the query heads of a group share one key head.
-  q = query.reshape(query.shape[:-2] + (groups, heads // groups,
-                                        query.shape[-1]))
-  q = q * jnp.asarray(scale, dtype)
-  logits = jnp.einsum("...qgrd,...kgd->...grqk", q, key,
-                      precision=precision).astype(jnp.float32)
-  logits = logits.reshape(logits.shape[:-4] + (heads,) + logits.shape[-2:])
+  q = query * jnp.asarray(scale, dtype)
+  if groups == heads:
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, key, precision=precision)
+  else:  # grouped-query attention: a group's query heads share a key head
+    q = q.reshape(q.shape[:-2] + (groups, heads // groups, q.shape[-1]))
+    logits = jnp.einsum("...qgrd,...kgd->...grqk", q, key,
+                        precision=precision)
+    logits = logits.reshape(logits.shape[:-4] + (heads,) + logits.shape[-2:])
+  # The scores leave the matmul in its dtype (tensor cores accumulate in
+  # fp32 anyway) and are cast after: an fp32 result would make both of its
+  # gradient matmuls fp32-by-half, off the half tensor-core path.
+  logits = logits.astype(jnp.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   keep = combined_mask(mask, query, key, causal, segment_ids)
@@ -369,6 +374,9 @@ def _materialized(query, key, value, bias, mask, causal, segment_ids, scale,
     kept = jax.random.bernoulli(dropout_rng, keep_prob, shape)
     weights = weights * kept.astype(jnp.float32) / keep_prob
   weights = weights.astype(dtype)
+  if groups == heads:
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value,
+                      precision=precision).astype(dtype)
   weights = weights.reshape(weights.shape[:-3] + (groups, heads // groups)
                             + weights.shape[-2:])
   out = jnp.einsum("...grqk,...kgd->...qgrd", weights, value,

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lab._src.precision.scopes import current_compute_dtype
 from jmp_lab.kernels import importable
 from jmp_lab.kernels import linear_cross_entropy as fused_kernels
 
@@ -106,6 +107,11 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   logits in fp32, where XLA's path rounds them to the hidden's dtype (as a
   half-precision LM head does), so the two differ by that rounding.
 
+  Under a half policy's rules (a train step's loss, a module under
+  ``with_policy``, :func:`jmp_lab.autocast`) wider hidden states are cast to
+  the compute dtype first, so the model's fp32 output takes the kernels and
+  half GEMMs as a bf16 one does (:func:`jmp_lab.precision.current_compute_dtype`).
+
   Args:
     hidden: ``(..., D)`` the final hidden states (bf16 under a half policy).
     kernel: ``(D, V)`` the output projection; for tied embeddings the table
@@ -133,6 +139,10 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   """
   hidden, kernel, labels, where = _checked(hidden, kernel, labels, where,
                                            block_size, logit_soft_cap)
+  policed = current_compute_dtype()
+  if (policed is not None and jnp.dtype(policed).itemsize == 2
+      and jnp.dtype(hidden.dtype).itemsize > 2):
+    hidden = hidden.astype(policed)
   why_not_fused = _why_not_fused(implementation, hidden)
   vocab = kernel.shape[1]
   cap = None if logit_soft_cap is None else float(logit_soft_cap)

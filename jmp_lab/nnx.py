@@ -341,11 +341,14 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   # The fp8 scaling state is differentiated too: its gradient is what the
   # step observed (each tensor's amax), from which fp8.next_meta computes
   # the new state; it never reaches the optimizer.
+  # The loss runs under the policy's loss rules (a head or
+  # linear_cross_entropy in loss_fn computes in half, its arithmetic fp32).
+  policy = _checks.optimizer_policy(optimizer.tx)
   with recording() as matmuls:
     (loss, metrics), grads = scaled_value_and_grad(
         forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
-        argnums=nnx.DiffState(0, nnx.Any(optimizer.wrt, Fp8Meta)))(model)
-  policy = _checks.optimizer_policy(optimizer.tx)
+        argnums=nnx.DiffState(0, nnx.Any(optimizer.wrt, Fp8Meta)),
+        policy=policy)(model)
   if policy is not None:
     warn_unless_half(policy, matmuls, lambda: _loss_jaxpr(loss_fn, model,
                                                           batch),

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lab import _checks, _tree, fp8, fused
+from jmp_lab._src.precision.api import loss_rules
+from jmp_lab._src.precision.scopes import HALF_DTYPES
 from jmp_lab._src.precision_warnings import recording, warn_unless_half
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy, get_policy
@@ -52,6 +54,7 @@ def scaled_value_and_grad(
     has_aux: bool = False,
     argnums: Union[int, Sequence[int]] = 0,
     value_and_grad: Callable[..., Callable] = jax.value_and_grad,
+    policy: Union[Policy, str, None] = None,
 ) -> Callable[..., tuple[Any, Any]]:
   """Like ``jax.value_and_grad``, but differentiates ``loss * scale``.
 
@@ -64,6 +67,12 @@ def scaled_value_and_grad(
       ``argnums`` and ``has_aux``): ``jax.value_and_grad``, or
       ``flax.nnx.value_and_grad`` for NNX modules (``argnums`` may then be an
       ``nnx.DiffState``).
+    policy: with a half compute dtype, ``fun`` runs under the policy's loss
+      rules (:func:`jmp_lab.precision.island`): its matmuls (a head applied
+      outside the model, :func:`jmp_lab.losses.linear_cross_entropy`) in the
+      compute dtype, its own arithmetic as written (fp32), and a model
+      under ``with_policy`` inside by its own rules. None: ``fun`` as
+      written.
 
   Returns:
     A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
@@ -86,8 +95,10 @@ def scaled_value_and_grad(
   if not callable(fun):
     raise TypeError(f"fun must be callable, got {type(fun).__name__} {fun!r}")
 
+  under_policy = fun if policy is None else under_loss_rules(fun, policy)
+
   def scaled_fun(*args, **kwargs):
-    out = fun(*args, **kwargs)
+    out = under_policy(*args, **kwargs)
     loss, aux = out if has_aux else (out, None)
     if jnp.ndim(loss) != 0 or not _tree.is_floating_value(loss):
       raise TypeError(
@@ -104,6 +115,16 @@ def scaled_value_and_grad(
     return ((loss, aux) if has_aux else loss), grads
 
   return value_and_scaled_grad
+
+
+def under_loss_rules(fun: Callable[..., Any], policy: Union[Policy, str]
+                     ) -> Callable[..., Any]:
+  """``fun`` (a loss) under ``policy``'s loss rules, where the policy
+  computes in half (:func:`jmp_lab.precision.island`); else ``fun``."""
+  policy = get_policy(policy)
+  if policy.compute_dtype not in HALF_DTYPES:
+    return fun
+  return loss_rules(fun, policy)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -351,11 +372,13 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
       params = fused.unflatten_params(state.opt_state, params)
     return _split_loss_output(loss_fn(params, state, batch), state)
 
+  # The loss runs under the policy's loss rules: a head or
+  # linear_cross_entropy in loss_fn computes in half, its arithmetic in fp32.
   with recording() as matmuls:
     (loss, (model_state, metrics)), (scaled_grads, fp8_observed) = (
         scaled_value_and_grad(normalized, loss_scale, has_aux=True,
-                              argnums=(0, 1))(state.params, fp8_meta, state,
-                                              batch))
+                              argnums=(0, 1), policy=state.policy)(
+                                  state.params, fp8_meta, state, batch))
   # A policy that computes in half while every matmul runs in fp32 is a
   # silent mistake (a model not wrapped, a layer dtype kept): say so once,
   # at trace time.

@@ -36,7 +36,8 @@ from benchmarks import model_reach as mr  # noqa: E402
 from benchmarks import real_models as rm  # noqa: E402
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-CASES = ["resnet", "linen_lm", "linen_lm_custom", "gemma", "equinox"]
+CASES = ["resnet", "linen_lm", "linen_lm_custom", "griffin", "gemma",
+         "equinox"]
 
 
 def eqns_named(jaxpr, names, path=()):
@@ -110,8 +111,8 @@ def test_fp8_reaches_layers_with_their_own_float32_dtype(name, policy):
 
 @pytest.mark.parametrize("name, steps, seeds", [
     ("resnet", 100, 4),   # its small loss is noisy from seed to seed
-    ("linen_lm", 60, 1), ("linen_lm_custom", 60, 1), ("gemma", 60, 1),
-    ("equinox", 60, 1)])
+    ("linen_lm", 60, 1), ("linen_lm_custom", 60, 1), ("griffin", 60, 1),
+    ("gemma", 60, 1), ("equinox", 60, 1)])
 def test_loss_within_2_percent_of_fp32_on_the_same_data(name, steps, seeds):
   def loss(policy):
     return np.mean([mr.train(mr.CASES[name](policy, seed=seed), steps)

@@ -15,7 +15,6 @@ rewrite runs as written, and a warning names it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -64,15 +63,16 @@ def apply_rules(fn: Callable[..., Any], rules: Rules, *,
       for i, value in zip(dynamic, values):
         full[i] = value
       call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-      with _TRACING.enter():
+      # A trace starts with an empty name stack: the rules' scope is opened
+      # inside it, so the code traced finds it (current_compute_dtype).
+      with _TRACING.enter(), _rules_scope(rules):
         out = fn(*call_args, **call_kwargs)
       out_leaves, out_tree = jax.tree_util.tree_flatten(out)
       outputs["tree"], outputs["leaves"] = out_tree, out_leaves
       return [x for x in out_leaves if is_array(x)]
 
     values = [leaves[i] for i in dynamic]
-    with _rules_scope(rules):
-      jaxpr, consts = trace(flat_fn, [aval(x) for x in values], None)
+    jaxpr, consts = trace(flat_fn, [aval(x) for x in values], None)
     context = Context(rules, scopes.current_path(), transposable=True,
                       report={}, evaluate=evaluate)
     results, _ = evaluate(jaxpr, consts, values, [Role.STORED] * len(values),
@@ -94,9 +94,7 @@ def apply_rules(fn: Callable[..., Any], rules: Rules, *,
 
 
 def _rules_scope(rules: Rules):
-  """The named scope of the rules' default region, around the trace."""
-  if scopes.innermost_region(scopes.current_path()) is not None:
-    return contextlib.nullcontext()  # an enclosing marker decides
+  """The named scope of the rules' default region."""
   if rules.island:
     return scopes.island(rules.compute_dtype)
   return scopes.scope(rules.compute_dtype)

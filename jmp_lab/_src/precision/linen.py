@@ -47,10 +47,13 @@ class PolicyModule:
     return self.plan.policy
 
   def init(self, rngs, *args, method=None, **kwargs) -> dict:
-    """``module.init`` under the policy, the params cast to its
-    ``param_dtype``."""
-    variables = dict(self._run(self.module.init)(rngs, *args, method=method,
-                                                 **kwargs))
+    """``module.init`` with every module call under the policy (params read
+    as ``apply`` reads them), the params cast to its ``param_dtype``. The
+    forward pass init makes is not re-evaluated under the op rules: only
+    the variables come back, and flax's initializers keep their values bit
+    for bit."""
+    with nn.intercept_methods(_Interceptor(self)):
+      variables = dict(self.module.init(rngs, *args, method=method, **kwargs))
     if "params" in variables:
       variables["params"] = self.policy.cast_to_param(variables["params"])
     return variables

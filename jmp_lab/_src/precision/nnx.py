@@ -108,6 +108,12 @@ def _is_nnx_object(x: Any) -> bool:
   return isinstance(x, (nnx.Variable, nnx.Pytree))
 
 
+def holds_nnx_objects(tree: Any) -> bool:
+  """Whether ``tree`` holds an NNX module, variable or other NNX object."""
+  return any(_is_nnx_object(x) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=_is_nnx_object))
+
+
 def _cast_arrays(tree: Any, dtype: Optional[np.dtype]) -> Any:
   """Floating arrays of ``tree`` in ``dtype`` (None: unchanged); NNX
   objects (a ``Rngs``, a submodule passed as an argument) are passed on as
@@ -122,12 +128,20 @@ def _cast_arrays(tree: Any, dtype: Optional[np.dtype]) -> Any:
 
 def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
                  args: tuple, kwargs: dict) -> Any:
-  """``module.<method>(*args, **kwargs)`` under the engine.
+  """``module.<method>(*args, **kwargs)`` under the engine, in
+  ``compute``."""
+  return call_under_rules(lambda m, *a, **k: getattr(m, method)(*a, **k),
+                          (module, *args), kwargs, make_rules(compute))
 
-  The engine traces a pure function, so the module graph (and any NNX
-  object among the arguments, such as an ``nnx.Rngs``) is split, merged
-  inside, and its new state (batch statistics, RNG counts) put back after:
-  the pattern of NNX's own transforms.
+
+def call_under_rules(fn: Callable, args: tuple, kwargs: dict, rules) -> Any:
+  """``fn(*args, **kwargs)`` under the engine's ``rules``, NNX objects
+  among the arguments included.
+
+  The engine traces a pure function, so the module graphs (and any NNX
+  object among the arguments, such as an ``nnx.Rngs``) are split, merged
+  inside, and their new state (batch statistics, RNG counts) put back
+  after: the pattern of NNX's own transforms.
   """
   nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs),
                                                 is_leaf=_is_nnx_object)
@@ -135,23 +149,22 @@ def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
   arrays = jax.tree_util.tree_map(
       lambda x: None if _is_nnx_object(x) else x, (args, kwargs),
       is_leaf=_is_nnx_object)
-  graphdef, state = nnx.split((module, *nodes))
+  graphdef, state = nnx.split(tuple(nodes))
 
   def pure(state, arrays):
-    merged = nnx.merge(graphdef, state)
-    replaced = iter(merged[1:])
+    merged = tuple(nnx.merge(graphdef, state))
+    replaced = iter(merged)
     call_args, call_kwargs = jax.tree_util.tree_map(
         lambda x, a: next(replaced) if _is_nnx_object(x) else a,
         (args, kwargs), arrays, is_leaf=_is_nnx_object)
-    out = getattr(merged[0], method)(*call_args, **call_kwargs)
-    return out, nnx.state(merged)
+    return fn(*call_args, **call_kwargs), nnx.state(merged)
 
-  out, new_state = apply_rules(pure, make_rules(compute))(state, arrays)
+  out, new_state = apply_rules(pure, rules)(state, arrays)
   changed = _changed_variables(state, new_state)
   if changed is None:  # the call made new variables: put back everything
-    nnx.update((module, *nodes), new_state)
+    nnx.update(tuple(nodes), new_state)
   elif changed:
-    nnx.update((module, *nodes), nnx.from_flat_state(changed))
+    nnx.update(tuple(nodes), nnx.from_flat_state(changed))
   return out
 
 
