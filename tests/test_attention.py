@@ -71,9 +71,10 @@ def test_the_cuda_branch_is_a_fused_kernel_and_the_cpu_branch_is_not():
   assert "platform_index" in text  # decided when lowered, by the platform
 
 
-def _compiled(fn, *args):
+def _compiled(fn, *args, fail_on_spill=True):
   pytest.importorskip("jax_plugins.xla_cuda12")
-  return jmp_lab.diagnostics.compiled_report(fn, *args, target="h100")
+  return jmp_lab.diagnostics.compiled_report(fn, *args, target="h100",
+                                             fail_on_spill=fail_on_spill)
 
 
 def _custom_calls(report):
@@ -93,7 +94,11 @@ def test_compiled_for_an_h100_cudnn_by_default_triton_for_segments():
   fused = _compiled(grads(), q, q, q)
   assert {"dot_product_attention_fwd", "dot_product_attention_bwd"} <= (
       _custom_calls(fused))
-  materialized = _compiled(grads(implementation="xla"), q, q, q)
+  # XLA's own softmax-backward fusion of the materialized path spills in a
+  # deviceless compile (its tiling is not autotuned there); the comparison
+  # is of its bytes and memory (577 MiB of temporaries, 2.55 GB).
+  materialized = _compiled(grads(implementation="xla"), q, q, q,
+                           fail_on_spill=False)
   # No stored (batch, heads, T, T) scores: 24 MiB of temporaries, not ~1 GiB.
   assert fused.memory["temp"] < 64 * 2**20 < materialized.memory["temp"]
   assert fused.bytes_accessed < 0.1 * materialized.bytes_accessed

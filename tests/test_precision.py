@@ -487,3 +487,86 @@ def test_a_recurrent_lm_that_asserts_its_dtypes_runs_under_half_policies(
                       policy=policy)
   assert report.half_flop_share == 1.0
   assert mr.train(case, 5) > 0
+
+
+# ---- rules as data ----------------------------------------------------------------
+
+
+class TwoDense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8, name="head")(nn.Dense(8, name="body")(x))
+
+
+def _dot_dtypes(model, x):
+  variables = model.init(jax.random.key(0), x)
+  return [np.dtype(e.invars[0].aval.dtype)
+          for e in eqns(jax.make_jaxpr(model.apply)(variables, x),
+                        {"dot_general"})]
+
+
+def test_precision_rules_first_match_wins_and_match_by_class_name():
+  rules = [jmp_lab.precision.PrecisionRule("float32", path="^head$"),
+           jmp_lab.precision.PrecisionRule("as_written", class_name="Dense")]
+  model = jl.with_policy(TwoDense(), POLICY, rules=rules)
+  assert _dot_dtypes(model, X) == [F32, F32]   # body: as written (fp32)
+  rules = [jmp_lab.precision.PrecisionRule(
+      "fp32", predicate=lambda m: m.name == "body")]
+  model = jl.with_policy(TwoDense(), POLICY, rules=rules)
+  assert _dot_dtypes(model, X) == [F32, BF16]
+
+
+def test_the_same_rules_decide_for_nnx():
+  class Two(nnx.Module):
+    def __init__(self, rngs):
+      self.body = nnx.Linear(8, 8, rngs=rngs)
+      self.head = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.body(x))
+
+  model = jmp_lab.nnx.with_policy(Two(nnx.Rngs(0)), POLICY, rules=[
+      jmp_lab.precision.PrecisionRule("float32", path="^head$")])
+  graphdef, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(X))(state)
+  assert [np.dtype(e.invars[0].aval.dtype)
+          for e in eqns(jaxpr, {"dot_general"})] == [BF16, F32]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"action": "float32"}, ValueError, "needs a matcher"),
+    ({"action": "fp99", "path": "x"}, ValueError, "fp99"),
+    ({"action": "fp32", "path": "("}, ValueError, r"invalid PrecisionRule path"),
+    ({"action": "fp32", "cls": "Dense"}, TypeError, r"cls must be a class"),
+    ({"action": "fp32", "predicate": 3}, TypeError, "predicate must be callable"),
+])
+def test_a_bad_rule_is_refused_naming_what_is_wrong(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jmp_lab.precision.PrecisionRule(**kwargs)
+  with pytest.raises(TypeError, match="rules must hold"):
+    jl.with_policy(TwoDense(), POLICY, rules=["fp32"])
+
+
+def test_applying_a_policy_twice_says_to_apply_it_once():
+  model = jl.with_policy(TwoDense(), POLICY)
+  with pytest.raises(TypeError, match="already has a policy.*once"):
+    jl.with_policy(model, POLICY)
+
+
+def test_the_engines_names_are_reachable_under_jmp_lab_precision():
+  old_face = sys.modules["jmp_lab.autocast"]  # jmp_lab.autocast: the function
+  for name in old_face.__all__:
+    assert getattr(jmp_lab.precision, name) is getattr(old_face, name), name
+  assert jmp_lab.autocast.scope is jmp_lab.precision.scope
+
+
+def test_nnx_attention_takes_grouped_query_attention_with_a_mask():
+  """nnx's attention_fn refused grouped-query attention; the front ends now
+  share one implementation."""
+  q = jax.random.normal(jax.random.key(0), (2, 6, 8, 16))
+  kv = jax.random.normal(jax.random.key(1), (2, 6, 2, 16))
+  mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
+  got = jmp_lab.nnx.dot_product_attention(q, kv, kv, mask=mask)
+  want = jl.dot_product_attention(q, jnp.repeat(kv, 4, axis=2),
+                                  jnp.repeat(kv, 4, axis=2), mask=mask)
+  chex.assert_trees_all_close(got, want, atol=1e-5)

@@ -29,15 +29,17 @@ class PrecisionWarning(UserWarning):
 @dataclasses.dataclass
 class MatmulCount:
   """Matmuls the rules ran (see :func:`recording`): ``half`` with half (or
-  fp8) operands, ``full`` left with a wider floating operand; ``in_loss`` of
-  them were decided by a train step's loss rules, outside any model
-  policy (:func:`jmp_lab.precision.island`)."""
+  fp8) operands, ``full`` left with a wider floating operand;
+  ``recast_in_loss`` of them were written with wider operands and put in
+  half by a train step's loss rules, outside any model policy
+  (:func:`jmp_lab.precision.island`)."""
 
   half: int = 0
   full: int = 0
-  in_loss: int = 0
+  recast_in_loss: int = 0
 
-  def add(self, operand_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
+  def add(self, operand_dtypes: Sequence[np.dtype],
+          written_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
     floating = [np.dtype(d) for d in operand_dtypes
                 if jnp.issubdtype(d, jnp.floating)]
     if len(floating) < 2:
@@ -46,7 +48,9 @@ class MatmulCount:
       self.half += 1
     else:
       self.full += 1
-    self.in_loss += bool(in_loss)
+    self.recast_in_loss += bool(in_loss) and any(
+        np.dtype(d).itemsize > 2 for d in written_dtypes
+        if d is not None and jnp.issubdtype(d, jnp.floating))
 
 
 @contextlib.contextmanager
@@ -59,7 +63,7 @@ def recording():
   ...   _ = jmp_lab.autocast(jnp.matmul, "mixed_bfloat16")(jnp.ones((2, 2)),
   ...                                                      jnp.ones((2, 2)))
   >>> count
-  MatmulCount(half=1, full=0, in_loss=0)
+  MatmulCount(half=1, full=0, recast_in_loss=0)
   """
   count = MatmulCount()
   with observers.listening(count.add):
@@ -94,7 +98,16 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
   """
   if policy.compute_dtype not in HALF_DTYPES:
     return
-  if count.half + count.full > count.in_loss:
+  if count.recast_in_loss:
+    warnings.warn(
+        f"{where}: the policy ({policy}) computes in "
+        f"{policy.compute_dtype.name}, but the model's matmuls are written in "
+        f"fp32 and run outside any model policy: only the loss's rules put "
+        f"them in half, and every other op stays fp32: wrap the model with "
+        f"jmp_lab.linen.with_policy, jmp_lab.nnx.with_policy or "
+        f"jmp_lab.autocast", PrecisionWarning, stacklevel=_user_stacklevel())
+    return
+  if count.half or count.full:
     if not count.half:
       warnings.warn(
           f"{where}: the policy ({policy}) computes in "
@@ -102,15 +115,6 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
           f"in fp32: the policy's overrides (keep_layer_dtypes=True, or "
           f"class/path overrides) keep them there", PrecisionWarning,
           stacklevel=_user_stacklevel())
-    return
-  if count.in_loss:
-    warnings.warn(
-        f"{where}: the policy ({policy}) computes in "
-        f"{policy.compute_dtype.name}, but no matmul runs under a model "
-        f"policy: only the loss's rules put its matmuls in half, and every "
-        f"other op stays fp32. Wrap the model with "
-        f"jmp_lab.linen.with_policy, jmp_lab.nnx.with_policy or "
-        f"jmp_lab.autocast", PrecisionWarning, stacklevel=_user_stacklevel())
     return
   from jmp_lab.diagnostics.audit import matmul_records  # diagnostics on top
   records = matmul_records(trace())

@@ -98,10 +98,10 @@ def matmul(op: Op) -> tuple[list, list]:
   actual = [dtype_of(x, v) for x, v in zip(op.invals, op.eqn.invars)][:2]
   if target is None or not all(is_floating(d) and d.itemsize > 1
                                for d in actual):
-    observers.matmul_ran([np.dtype(v.aval.dtype) for v in op.eqn.invars[:2]],
-                         False)
+    dtypes = [np.dtype(v.aval.dtype) for v in op.eqn.invars[:2]]
+    observers.matmul_ran(dtypes, dtypes, False)
     return as_written(op)  # as written, or integer or fp8: not ours
-  observers.matmul_ran([target, target], op.region.compute is None)
+  observers.matmul_ran([target, target], written, op.region.compute is None)
   operands = [cast(x, target) for x in op.invals[:2]]
   rest = list(op.invals[2:])
   params = dict(op.eqn.params)

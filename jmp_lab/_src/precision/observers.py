@@ -19,9 +19,10 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def listening(on_matmul: Callable[[Sequence[np.dtype], bool], None]):
-  """Calls ``on_matmul(operand_dtypes, in_loss)`` for each matmul the rules
-  run on this thread while the block traces; ``in_loss``: the loss's rules
+def listening(on_matmul: Callable[..., None]):
+  """Calls ``on_matmul(operand_dtypes, written_dtypes, in_loss)`` for each
+  matmul the rules run on this thread while the block traces: the operand
+  dtypes it runs with and those the code wrote; ``in_loss``: a loss's rules
   (an island with half matmuls) decided it, not a model's policy."""
   listeners = _local.__dict__.setdefault("listeners", [])
   listeners.append(on_matmul)
@@ -45,9 +46,10 @@ def muted():
     _local.muted -= 1
 
 
-def matmul_ran(operand_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
+def matmul_ran(operand_dtypes: Sequence[np.dtype],
+               written_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
   for listener in getattr(_local, "listeners", ()):
-    listener(operand_dtypes, in_loss)
+    listener(operand_dtypes, written_dtypes, in_loss)
 
 
 # Places the rules could not reach, warned about once each.
