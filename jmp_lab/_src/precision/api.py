@@ -82,9 +82,13 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
   return Autocast(fn, policy, rules)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Autocast:
   """A function under a policy's op rules: what :func:`autocast` returns.
+
+  Compared and hashed by identity, as a function is (``fn`` may be an
+  Equinox model, whose arrays do not hash), so it can be a static argument
+  of ``jax.jit`` or ``TrainState.apply_fn``.
 
   Attributes:
     fn: the function as written.
