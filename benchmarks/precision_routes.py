@@ -27,9 +27,7 @@ Compiled figures are a model of the H100 program, not measurements on one.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
-from typing import Any, Callable
+from typing import Callable
 
 import flax.linen as nn
 import jax

@@ -99,6 +99,7 @@ __all__ = [
     "precision",
     "scaled_value_and_grad",
     "select_tree",
+    "sharding",
     "skipped_steps",
     "train_step",
     "unflatten_params",

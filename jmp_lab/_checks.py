@@ -7,7 +7,6 @@ every entry point refuses the same mistake with the same message.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Mapping, Optional, Sequence
 
@@ -17,7 +16,7 @@ import numpy as np
 import optax
 
 from jmp_lab import _tree
-from jmp_lab.loss_scale import LossScale, all_finite
+from jmp_lab.loss_scale import LossScale
 from jmp_lab.policy import Policy
 
 # --------------------------------------------------------------------------
@@ -105,13 +104,6 @@ def checked_metrics(metrics: Any, contract: str) -> dict:
   return dict(metrics)
 
 
-def optimizer_policy(tx: Any) -> Optional[Policy]:
-  """The policy a jmp_lab optimizer (``mixed_precision``, ``fused_adamw``)
-  was built with; None for any other transformation."""
-  policy = getattr(getattr(tx, "update", None), "policy", None)
-  return policy if isinstance(policy, Policy) else None
-
-
 def model_policy(apply_fn: Any) -> Optional[Policy]:
   """The policy of a model's apply function: ``jmp_lab.linen.with_policy(
   ...).apply`` or a :func:`jmp_lab.autocast` function; None otherwise."""
@@ -150,11 +142,6 @@ def check_trainable_params(params: Any) -> None:
           f"in model_state (a step counter, a mask), or out of the state")
 
 
-def keeps_master_copy(policy: Policy) -> bool:
-  """Whether params of ``policy.param_dtype`` need a separate fp32 master."""
-  return policy.param_dtype.itemsize < 4
-
-
 def check_params(params: Any, policy: Policy) -> None:
   """Raises if a floating param is not in ``policy.param_dtype``."""
   for path, leaf in _tree.leaves_with_paths(params):
@@ -186,129 +173,3 @@ def check_grads(grads: Any, params: Any) -> None:
       raise ValueError(
           f"gradient {path} is floating ({_tree.leaf_description(g)}) but its "
           f"param is {_tree.leaf_description(p)}, which is not trainable")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamsSpec:
-  """The structure, shapes and dtypes an optimizer state was built for.
-
-  Static (no leaves): it travels in the state's tree structure, so a state
-  used with other params is refused by name instead of failing inside XLA.
-  """
-
-  treedef: Any
-  paths: tuple[str, ...]
-  shapes: tuple[tuple[int, ...], ...]
-  dtypes: tuple[str, ...]
-
-  @classmethod
-  def of(cls, params: Any) -> "ParamsSpec":
-    leaves = _tree.leaves_with_paths(params)
-    return cls(jax.tree_util.tree_structure(params),
-               tuple(path for path, _ in leaves),
-               tuple(tuple(np.shape(x)) for _, x in leaves),
-               tuple(_dtype_name(x) for _, x in leaves))
-
-  def describe_mismatch(self, params: Any) -> Optional[str]:
-    """How ``params`` differs from this spec, naming the first leaf; or None."""
-    other = ParamsSpec.of(params)
-    if other.treedef != self.treedef:
-      only_params = [p for p in other.paths if p not in set(self.paths)]
-      only_state = [p for p in self.paths if p not in set(other.paths)]
-      if only_params or only_state:
-        return (f"leaf paths differ: only in params: "
-                f"{only_params[:5] or 'none'}; only in the optimizer state: "
-                f"{only_state[:5] or 'none'}")
-      return f"tree structures differ: {other.treedef} vs {self.treedef}"
-    for path, shape, dtype, want_shape, want_dtype in zip(
-        other.paths, other.shapes, other.dtypes, self.shapes, self.dtypes):
-      if (shape, dtype) != (want_shape, want_dtype):
-        return (f"param {path} is {dtype}{list(shape)} but the optimizer "
-                f"state was built for {want_dtype}{list(want_shape)}")
-    return None
-
-
-jax.tree_util.register_static(ParamsSpec)
-
-
-def _dtype_name(x: Any) -> str:
-  return np.dtype(x.dtype).name if hasattr(x, "dtype") else type(x).__name__
-
-
-def check_state_matches(spec: ParamsSpec, params: Any) -> None:
-  """Raises ValueError if ``params`` is not what the state was built for."""
-  mismatch = spec.describe_mismatch(params)
-  if mismatch is not None:
-    raise ValueError(
-        f"the optimizer state does not match the params (was it built for "
-        f"another model?): {mismatch}")
-
-
-# --------------------------------------------------------------------------
-# Trainable (floating) leaves, unscaling and the global finite check.
-# --------------------------------------------------------------------------
-
-
-def floating_only(tree: Any, like: Any) -> Any:
-  """``tree`` with None wherever ``like`` has a non-floating leaf.
-
-  The inner optimizer sees only trainable leaves: integer params (and their
-  float0 gradients) would break most optax transforms.
-  """
-  return jax.tree_util.tree_map(
-      lambda x, ref: x if _tree.is_floating_array(ref) else None, tree, like)
-
-
-def merge_floating(floating: Any, rest: Any) -> Any:
-  """Fills the None holes of :func:`floating_only` back in from ``rest``."""
-  return jax.tree_util.tree_map(
-      lambda f, r: r if f is None else f, floating, rest,
-      is_leaf=lambda x: x is None)
-
-
-def unscale_and_check(grads: Any, params: Any, loss_scale: LossScale,
-                      axis_name=None) -> tuple[Any, jax.Array]:
-  """Unscaled fp32 trainable gradients, and whether all of them are finite.
-
-  The one global finite check of every jmp_lab optimizer: under ``jit`` XLA
-  fuses the unscale into the reduction, so it reads each gradient once.
-  """
-  # jmp_lab.jmp's NoOpLossScale unscales to the tree itself (as jmp's does):
-  # the inner optimizer must still see fp32.
-  unscaled = jax.tree_util.tree_map(
-      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
-      if _tree.is_floating_array(g) else g, loss_scale.unscale(grads))
-  grads32 = floating_only(unscaled, params)
-  return grads32, all_finite(grads32, axis_name=axis_name)
-
-
-MASTER_MODES = ("float32", "remainder", "none")
-ROUNDING_MODES = ("nearest", "stochastic")
-
-
-def check_master_mode(master: str, rounding: str, policy: Policy) -> None:
-  """Refuses a master/rounding combination the policy cannot have."""
-  if master not in MASTER_MODES:
-    raise ValueError(f"unknown master {master!r}; accepted: "
-                     f"{', '.join(map(repr, MASTER_MODES))}")
-  if rounding not in ROUNDING_MODES:
-    raise ValueError(f"unknown rounding {rounding!r}; accepted: "
-                     f"{', '.join(map(repr, ROUNDING_MODES))}")
-  if master != "none" and rounding != "nearest":
-    raise ValueError(
-        f"rounding={rounding!r} needs master='none': with master={master!r} "
-        f"the params are cast(master), rounded to nearest")
-  if master == "float32":
-    return
-  dtype = np.dtype(policy.param_dtype)
-  if dtype.itemsize >= 4:
-    raise ValueError(
-        f"master={master!r} needs half params, but the policy's param dtype "
-        f"is {dtype.name}: fp32 params are their own master")
-  if master == "remainder" and dtype != np.dtype(jnp.bfloat16):
-    raise ValueError(
-        f"master='remainder' needs bfloat16 params (bf16 is the upper half of "
-        f"an fp32 number; {dtype.name} is not): use master='float32'")
-  if rounding == "stochastic" and dtype != np.dtype(jnp.bfloat16):
-    raise ValueError(
-        f"rounding='stochastic' needs bfloat16 params, got {dtype.name}")

@@ -61,14 +61,14 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab._src.precision.scopes import current_compute_dtype
-from jmp_lab.kernels import importable, quiet_triton_deprecation
+from jmp_lab.kernels.platform import importable, quiet_triton_deprecation
 
 IMPLEMENTATIONS = ("auto", "cudnn", "triton", "mosaic", "xla")
 _HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))

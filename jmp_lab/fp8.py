@@ -89,7 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
-from jmp_lab.kernels import cast_transpose
+from jmp_lab.kernels import cast_transpose, stats
 
 
 E4M3 = jnp.float8_e4m3fn  # inputs and kernels
@@ -807,55 +807,39 @@ def value_and_new_meta(fun: Callable[[Fp8Meta], jax.Array], meta: Fp8Meta,
   return value, next_meta(meta, observed, step)
 
 
-def skip_unless_finite(grads: Any, observed: Any) -> Any:
-  """``grads``, with a NaN in one leaf when an observed amax (the fp8
-  state's gradient, or the new state) is not finite.
+def observed_finite(observed: Any) -> jax.Array:
+  """Whether every amax a step observed (the fp8 state's gradient, or the
+  new state) is finite, as one scalar bool: the train steps hand it to the
+  optimizer's gate (``also_finite``), which skips the step otherwise.
 
   fp8 quantization saturates: an inf activation is clipped to the format's
   maximum, so the gradients of a step that overflowed can be finite. Its
   amax, recorded in the history, would then pin that tensor's scale for the
-  next ``history_length`` steps. The train steps therefore hand the
-  optimizer a NaN for such a step: it is skipped (and the loss scale backs
-  off) like any overflow, and the fp8 state is kept. One leaf is enough for
-  the optimizer's finite check, and touching one leaf keeps XLA's fusions of
-  the others as they are.
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(grads)
-  floating = [i for i, g in enumerate(leaves)
-              if jnp.issubdtype(jnp.result_type(g), jnp.floating)]
-  if not floating:
-    return grads
-  smallest = min(floating, key=lambda i: jnp.size(leaves[i]))
-  poison = jnp.where(_all_finite_together(observed), 0.0, jnp.nan)
-  leaves[smallest] = leaves[smallest] + poison.astype(leaves[smallest].dtype)
-  return treedef.unflatten(leaves)
+  next ``history_length`` steps: such a step is skipped (and the loss scale
+  backs off) like any overflow, and the fp8 state is kept.
 
-
-def _all_finite_together(observed: Any) -> jax.Array:
-  """Whether every observed amax is finite, in a few reductions for the
-  whole model. ``all_finite`` reduces each leaf on its own, a kernel per
-  history slot of partial maxima; a reduction of their concatenation to
-  one number is no better, since XLA splits it back into one reduction per
-  operand. Reducing the rows of each width's stacked leaves, as
-  :func:`next_meta` does, stays one reduction. An amax is never negative,
+  It takes a few reductions for the whole model: a check per leaf would be a
+  kernel per history slot of partial maxima, and a reduction of their
+  concatenation to one number no better (XLA splits it back into one
+  reduction per operand). Reducing the rows of each width's stacked leaves,
+  as :func:`next_meta` does, stays one reduction. An amax is never negative,
   so a row's maximum is finite exactly when all its entries are (a NaN
-  propagates through the maximum, an inf is the maximum)."""
+  propagates through the maximum, an inf is the maximum).
+  """
   rows_by_width: dict[int, list[jax.Array]] = {}
   for leaf in jax.tree_util.tree_leaves(observed):
     if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
       leaf = jnp.asarray(leaf, jnp.float32)
       width = leaf.shape[-1] if leaf.ndim else 1
       rows_by_width.setdefault(width, []).append(leaf.reshape(-1, width))
-  if not rows_by_width:
-    return jnp.array(True)
   maxima = [jnp.max(jnp.concatenate(rows), axis=1)
             for rows in rows_by_width.values()]
-  return jnp.all(jnp.isfinite(jnp.concatenate(maxima)))
+  return stats.all_finite([jnp.concatenate(maxima)] if maxima else [])
 
 
 __all__ = ["AMAX_HISTORY_LENGTH", "COLLECTION", "E4M3", "E5M2", "Fp8Meta",
            "current_dot_general", "current_einsum", "delayed_dot_general",
            "delayed_einsum", "delayed_scale", "dot_general", "einsum",
            "init_meta", "next_meta", "operands_in", "quantize_operands",
-           "quantize_output_gradient", "skip_unless_finite",
+           "observed_finite", "quantize_output_gradient",
            "value_and_new_meta"]

@@ -28,92 +28,19 @@ import abc
 import copy
 import dataclasses
 import math
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Optional, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import _tree
+# The finite check and the skip select are the optimizers' gate's: one
+# implementation, public here.
+from jmp_lab._src.optim.gate import (all_finite, scalar_predicate,  # noqa: F401
+                                     select_tree)
 
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------
-# Tree predicates and selection.
-# --------------------------------------------------------------------------
-
-
-def all_finite(tree: Any, *, axis_name: Optional[str | Sequence[str]] = None
-               ) -> jax.Array:
-  """Whether every floating value in ``tree`` is finite, as one scalar bool.
-
-  Integer, boolean, PRNG-key and float0 leaves are finite by definition. An
-  empty tree gives True. Under ``jit`` with sharded inputs the reduction is
-  already global; inside ``shard_map`` pass the mapped ``axis_name`` so that
-  every device agrees.
-
-  Args:
-    tree: any pytree.
-    axis_name: optional mapped axis name(s) to combine the flag across.
-
-  Returns:
-    A scalar ``bool`` array.
-  """
-  flags = [
-      jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
-      if _tree.is_floating_value(x)
-  ]
-  finite = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-  if axis_name is not None:
-    # pmin over {0, 1}: one non-finite device makes every device skip.
-    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(bool)
-  return finite
-
-
-def _as_scalar_predicate(pred: Any, what: str) -> jax.Array:
-  if isinstance(pred, (bool, np.bool_)):
-    return jnp.asarray(pred)
-  dtype = getattr(pred, "dtype", None)
-  shape = getattr(pred, "shape", None)
-  if dtype is None or np.dtype(dtype) != np.bool_ or shape != ():
-    raise TypeError(
-        f"{what} must be a scalar bool (such as the result of all_finite), "
-        f"got {_tree.leaf_description(pred)}"
-    )
-  return pred
-
-
-def select_tree(pred: Any, on_true: T, on_false: T) -> T:
-  """Picks ``on_true`` or ``on_false`` leaf by leaf, on device, without a sync.
-
-  Args:
-    pred: a scalar bool.
-    on_true: the tree returned where ``pred`` is True.
-    on_false: a tree with the same structure, shapes and dtypes.
-
-  Returns:
-    A tree like ``on_true``.
-
-  Raises:
-    TypeError: if ``pred`` is not a scalar bool.
-    ValueError: if the trees differ in structure, or a leaf in shape or dtype;
-      the message names the first such leaf.
-  """
-  pred = _as_scalar_predicate(pred, "select_tree's pred")
-  _tree.check_same_structure(on_true, on_false, names=("on_true", "on_false"))
-  for (path, x), (_, y) in zip(_tree.leaves_with_paths(on_true),
-                               _tree.leaves_with_paths(on_false)):
-    if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
-      raise ValueError(
-          f"select_tree: leaf {path} differs: on_true is "
-          f"{_tree.leaf_description(x)}, on_false is "
-          f"{_tree.leaf_description(y)}; shapes and dtypes must match"
-      )
-  return jax.tree_util.tree_map(
-      lambda x, y: jax.lax.select(pred, x, y) if jnp.ndim(x) == 0
-      else jnp.where(pred, x, y),
-      on_true, on_false)
 
 
 # --------------------------------------------------------------------------
@@ -281,7 +208,7 @@ class NoOpLossScale(LossScale):
     return tree
 
   def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
-    _as_scalar_predicate(grads_finite, "grads_finite")
+    scalar_predicate(grads_finite, "grads_finite")
     return self
 
 
@@ -304,7 +231,7 @@ class StaticLossScale(LossScale):
                        _as_scale_leaf(self.loss_scale, "loss_scale"))
 
   def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
-    _as_scalar_predicate(grads_finite, "grads_finite")
+    scalar_predicate(grads_finite, "grads_finite")
     return self
 
 
@@ -385,7 +312,7 @@ class DynamicLossScale(LossScale):
     return self.growth_factor
 
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
-    grads_finite = _as_scalar_predicate(grads_finite, "grads_finite")
+    grads_finite = scalar_predicate(grads_finite, "grads_finite")
     next_counter = self.counter + 1
     grow = grads_finite & (next_counter >= self.growth_interval)
     grown = jnp.minimum(self.loss_scale * self.growth_factor,

@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 from jmp_lab._src.precision.scopes import current_compute_dtype
-from jmp_lab.kernels import importable
+from jmp_lab.kernels.platform import importable
 from jmp_lab.kernels import linear_cross_entropy as fused_kernels
 
 # The widest vocabulary block by default: its logits (tokens x block, in the

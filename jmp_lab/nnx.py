@@ -74,7 +74,6 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -90,9 +89,11 @@ from jmp_lab.losses import (log_softmax, softmax,
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy
 from jmp_lab.precision import recording, warn_unless_half
-from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,
-                           last_step_applied, master_params, skipped_steps)
-from jmp_lab.training import UPDATE_SCOPE, scaled_value_and_grad
+from jmp_lab._src.training import step as step_core
+from jmp_lab.state import (FusedAdamWState, current_loss_scale,
+                           last_step_applied, master_params,
+                           optimizer_policy, skipped_steps)
+from jmp_lab.training import scaled_value_and_grad
 
 #: The flax norms kept in fp32 by default (every class whose name ends in
 #: ``Norm`` is: :func:`jmp_lab.policy.is_norm_class`).
@@ -210,20 +211,13 @@ class Optimizer(nnx.Optimizer):
           f"{type(model).__name__}: nothing would be trained. Give the "
           f"filter of its params (nnx.Param, the default)")
     opt_state = tx.init(params)
-    try:
-      state = find_state(opt_state)
-    except ValueError:
-      raise TypeError(
-          "jmp_lab.nnx.Optimizer's tx must be a jmp_lab optimizer "
-          "(jmp_lab.mixed_precision(...) or jmp_lab.fused_adamw(...)), which "
-          "keeps the master, the loss scale and skips non-finite steps; got "
-          f"one whose state is a {type(opt_state).__name__}") from None
+    state = step_core.jmp_lab_state(opt_state, "jmp_lab.nnx.Optimizer")
     if isinstance(state, FusedAdamWState) and isinstance(
         state.layout, flat_layout.FlatLayout):
       raise ValueError(
           "jmp_lab.nnx.Optimizer needs fused_adamw's tree layout (the NNX "
           "model owns its params as a tree); got layout='flat'")
-    _check_model_agrees(model, _checks.optimizer_policy(tx))
+    _check_model_agrees(model, state.policy)
     self.graph = None
     self.step = nnx.training.optimizer.OptState(jnp.zeros((), jnp.uint32))
     self.tx = tx
@@ -251,21 +245,22 @@ class Optimizer(nnx.Optimizer):
     master is kept: fp32 params, ``master="none"``)."""
     return master_params(self._pure_opt_state(), _pure_params(model, self.wrt))
 
-  def update(self, model: nnx.Module, grads: Any, /, **kwargs) -> None:
-    """Applies the gradients of the *scaled* loss to ``model``'s params."""
+  @property
+  def policy(self) -> Optional[Policy]:
+    """The policy the optimizer was built with (kept in its state)."""
+    return optimizer_policy(self._pure_opt_state())
+
+  def update(self, model: nnx.Module, grads: Any, /, *, also_finite=None,
+             **kwargs) -> None:
+    """Applies the gradients of the *scaled* loss to ``model``'s params;
+    ``also_finite``: scalar bools that must be True too for the step to
+    apply."""
     params = _pure_params(model, self.wrt)
     grads = nnx.as_pure(nnx.state(grads, self.wrt)) if isinstance(
         grads, nnx.State) else grads
     _checks.check_grads(grads, params)
-    opt_state = self._pure_opt_state()
-    with jax.named_scope(UPDATE_SCOPE):
-      new_params_fn = getattr(self.tx.update, "new_params", None)
-      if new_params_fn is not None and not kwargs:
-        new_params, new_opt_state = new_params_fn(grads, opt_state, params)
-      else:
-        updates, new_opt_state = self.tx.update(grads, opt_state, params,
-                                                **kwargs)
-        new_params = optax.apply_updates(params, updates)
+    new_params, new_opt_state = step_core.update(
+        self.tx, grads, self._pure_opt_state(), params, also_finite, **kwargs)
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(
         nnx.training.optimizer.to_opt_state(new_opt_state)))
@@ -301,10 +296,7 @@ _LOSS_FN_CONTRACT = (
 
 
 def _split_loss_output(out: Any) -> tuple[Any, dict[str, Any]]:
-  if isinstance(out, tuple) and len(out) != 2:
-    raise TypeError(f"{_LOSS_FN_CONTRACT}; got a tuple of {len(out)} items")
-  loss, metrics = out if isinstance(out, tuple) else (out, None)
-  _checks.check_loss(loss, _LOSS_FN_CONTRACT)
+  loss, metrics = step_core.loss_and_aux(out, _LOSS_FN_CONTRACT)
   return loss, _checks.checked_metrics(metrics, _LOSS_FN_CONTRACT)
 
 
@@ -343,7 +335,7 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   # the new state; it never reaches the optimizer.
   # The loss runs under the policy's loss rules (a head or
   # linear_cross_entropy in loss_fn computes in half, its arithmetic fp32).
-  policy = _checks.optimizer_policy(optimizer.tx)
+  policy = optimizer.policy
   with recording() as matmuls:
     (loss, metrics), grads = scaled_value_and_grad(
         forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
@@ -354,10 +346,10 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
                                                           batch),
                      "jmp_lab.nnx.train_step")
   scaled_grads, fp8_observed = nnx.split_state(grads, optimizer.wrt, ...)
-  if fp8_observed:
-    scaled_grads = fp8.skip_unless_finite(scaled_grads, fp8_observed)
   steps_before = optimizer.step[...]  # where next_meta writes the amaxes
-  optimizer.update(model, scaled_grads)
+  # A non-finite observed amax skips the step too.
+  optimizer.update(model, scaled_grads, also_finite=(
+      fp8.observed_finite(fp8_observed) if fp8_observed else None))
   applied = optimizer.last_step_applied
   after = nnx.as_pure(nnx.state(model, others))
   nnx.update(model, select_tree(applied, after, before))
@@ -374,9 +366,9 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
         applied, jax.tree_util.tree_leaves(written),
         jax.tree_util.tree_leaves(old)))
     nnx.update(model, fp8.rescale(kept, applied))
-  metrics.update(loss=loss, loss_scale=loss_scale.loss_scale,
-                 grads_finite=applied, skipped_steps=optimizer.skipped_steps)
-  return metrics
+  return step_core.metrics(metrics, loss, loss_scale,
+                           optimizer._pure_opt_state(),
+                           optimizer.skipped_steps)
 
 
 def _loss_jaxpr(loss_fn: LossFn, model: nnx.Module, batch: Any):

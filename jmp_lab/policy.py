@@ -240,6 +240,11 @@ class Policy:
     return text
 
 
+# A policy is configuration: static in a pytree (an optimizer state keeps the
+# one it was built for), never a leaf.
+jax.tree_util.register_static(Policy)
+
+
 PRESETS = {
     "float32": Policy(jnp.float32, jnp.float32, jnp.float32),
     "mixed_bfloat16": Policy(jnp.float32, jnp.bfloat16, jnp.float32),

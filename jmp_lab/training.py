@@ -38,13 +38,22 @@ from jmp_lab._src.precision.scopes import HALF_DTYPES
 from jmp_lab._src.precision_warnings import recording, warn_unless_half
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy, get_policy
-from jmp_lab.state import (FusedAdamWState, current_loss_scale, find_state,
-                           last_step_applied, master_params, skipped_steps)
+from jmp_lab._src.optim.fused_adamw import FusedUpdate
+from jmp_lab._src.optim.mixed_precision import MixedPrecisionUpdate
+from jmp_lab._src.training import step as step_core
+from jmp_lab._src.training.step import UPDATE_SCOPE  # noqa: F401
+from jmp_lab.state import (FusedAdamWState, current_loss_scale,
+                           last_step_applied, master_params,
+                           skipped_steps)
 
 
-# The name scope of the optimizer update inside a train step: compiled
-# reports (``CompiledReport.scope``) find its kernels and bytes by it.
-UPDATE_SCOPE = "jmp_lab_update"
+def _tx_policy(tx: Any) -> Optional[Policy]:
+  """The policy a jmp_lab optimizer was built with (its update, a
+  ``MixedPrecisionUpdate`` or ``FusedUpdate``, holds it), or None."""
+  policy = getattr(tx, "update", None)
+  if isinstance(policy, (MixedPrecisionUpdate, FusedUpdate)):
+    return policy.policy
+  return None
 
 
 def scaled_value_and_grad(
@@ -189,7 +198,7 @@ class TrainState(flax.struct.PyTreeNode):
       raise TypeError(f"apply_fn must be callable, got "
                       f"{type(apply_fn).__name__} {apply_fn!r}")
     known = [("the model's (apply_fn)", _checks.model_policy(apply_fn)),
-             ("the optimizer's (tx)", _checks.optimizer_policy(tx))]
+             ("the optimizer's (tx)", _tx_policy(tx))]
     if policy is None:
       policy = known[1][1] or known[0][1]
       if policy is None:
@@ -204,14 +213,7 @@ class TrainState(flax.struct.PyTreeNode):
     params = _owned(params, policy.cast_to_param(params))
     model_state = _owned(model_state, model_state) if model_state else {}
     opt_state = tx.init(params)
-    try:
-      jmp_lab_state = find_state(opt_state)
-    except ValueError:
-      raise TypeError(
-          "TrainState.create's tx must be a jmp_lab optimizer "
-          "(jmp_lab.mixed_precision(...) or jmp_lab.fused_adamw(...)), which "
-          "keeps the loss scale and skips non-finite steps; got one whose "
-          f"state is a {type(opt_state).__name__}") from None
+    jmp_lab_state = step_core.jmp_lab_state(opt_state, "TrainState.create")
     if flat_params:
       if not isinstance(jmp_lab_state, FusedAdamWState):
         raise TypeError(
@@ -247,23 +249,16 @@ class TrainState(flax.struct.PyTreeNode):
     return skipped_steps(self.opt_state)
 
   def apply_gradients(self, *, grads: Any, model_state: Optional[Any] = None,
-                      **extra_args) -> "TrainState":
+                      also_finite: Any = None, **extra_args) -> "TrainState":
     """Applies the gradients of the *scaled* loss.
 
-    On a non-finite step only the loss scale and the skip counter change:
-    ``params``, ``step`` and ``model_state`` keep their old values.
+    On a non-finite step (or one where a flag of ``also_finite`` is False)
+    only the loss scale and the skip counter change: ``params``, ``step`` and
+    ``model_state`` keep their old values.
     """
-    # Named, so that compiled reports can find the update's kernels.
-    with jax.named_scope(UPDATE_SCOPE):
-      new_params = getattr(self.tx.update, "new_params", None)
-      if new_params is not None and not extra_args:
-        # fused_adamw hands back the params its kernel wrote: no updates
-        # tree and no apply_updates pass (the same values, bit for bit).
-        params, opt_state = new_params(grads, self.opt_state, self.params)
-      else:
-        updates, opt_state = self.tx.update(grads, self.opt_state,
-                                            self.params, **extra_args)
-        params = optax.apply_updates(self.params, updates)
+    params, opt_state = step_core.update(self.tx, grads, self.opt_state,
+                                         self.params, also_finite,
+                                         **extra_args)
     applied = last_step_applied(opt_state)
     new_model_state = self.model_state
     if model_state is not None:
@@ -296,13 +291,7 @@ _LOSS_FN_CONTRACT = (
 def _split_loss_output(out: Any, state: TrainState
                        ) -> tuple[Any, tuple[Any, dict[str, Any]]]:
   """``(loss, (model_state, metrics))`` from whatever ``loss_fn`` returned."""
-  if isinstance(out, tuple):
-    if len(out) != 2:
-      raise TypeError(f"{_LOSS_FN_CONTRACT}; got a tuple of {len(out)} items")
-    loss, aux = out
-  else:
-    loss, aux = out, None
-  _checks.check_loss(loss, _LOSS_FN_CONTRACT)
+  loss, aux = step_core.loss_and_aux(out, _LOSS_FN_CONTRACT)
   if aux is None:
     model_state, metrics = state.model_state, {}
   elif isinstance(aux, Mapping):
@@ -390,24 +379,22 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn
     model_state = {**state.model_state, **model_state,
                    fp8.COLLECTION: fp8.write_amaxes(fp8_meta, fp8_observed,
                                                     state.step)}
-    scaled_grads = fp8.skip_unless_finite(scaled_grads, fp8_observed)
 
   # 4-5. Unscale, check, update the fp32 master or skip; adjust the scale.
-  # On a skipped step the model state, fp8 scaling state included, is kept.
-  new_state = state.apply_gradients(grads=scaled_grads,
-                                    model_state=model_state)
+  # On a skipped step the model state, fp8 scaling state included, is kept;
+  # a non-finite observed amax skips the step too.
+  new_state = state.apply_gradients(
+      grads=scaled_grads, model_state=model_state,
+      also_finite=step_core.fp8_observed(fp8_meta, fp8_observed))
   applied = last_step_applied(new_state.opt_state)
   if fp8_meta is not None:
     kept = new_state.model_state
     new_state = new_state.replace(model_state={
         **kept, fp8.COLLECTION: fp8.rescale(kept[fp8.COLLECTION], applied)})
 
-  metrics.update(
-      loss=loss,
-      loss_scale=loss_scale.loss_scale,
-      grads_finite=applied,
-      skipped_steps=new_state.skipped_steps)
-  return new_state, metrics
+  return new_state, step_core.metrics(metrics, loss, loss_scale,
+                                      new_state.opt_state,
+                                      new_state.skipped_steps)
 
 
 def make_train_step(loss_fn: LossFn, *, donate: bool = True,

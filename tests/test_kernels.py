@@ -240,8 +240,9 @@ def test_explicit_gpu_backends_are_accepted_without_a_gpu(backend):
 def triton_hidden(monkeypatch):
   """A jax whose ``jax.experimental.pallas.triton`` cannot be imported (as
   when upstream removes the deprecated backend)."""
-  real = kernels.importable
-  monkeypatch.setattr(kernels, "importable",
+  from jmp_lab.kernels import platform
+  real = platform.importable
+  monkeypatch.setattr(platform, "importable",
                       lambda module: False if "triton" in module
                       else real(module))
 
@@ -250,7 +251,7 @@ def test_without_triton_auto_falls_back_mosaic_flat_and_xla_tree(
     triton_hidden):
   assert "triton" not in kernels.available_backends()
   assert kernels.cuda_backend() == "mosaic"
-  assert kernels._tree_cuda_backend() == "reference"
+  assert kernels.registry.for_cuda("tree") == "reference"
   with pytest.raises(ValueError, match="'triton' needs "
                      "jax.experimental.pallas.triton"):
     kernels.resolve_backend("triton")
@@ -302,21 +303,21 @@ def test_mosaic_load_gives_an_index_only_where_jax_needs_one(monkeypatch,
 
 def test_jax_011s_triton_deprecation_is_quiet_once_jmp_lab_builds_triton():
   import warnings
-  kernels.quiet_triton_deprecation.cache_clear()
+  kernels.platform.quiet_triton_deprecation.cache_clear()
   message = ("The Pallas Triton backend is deprecated and will be removed in a "
              "future JAX version.")
   with warnings.catch_warnings(record=True) as before:
     warnings.simplefilter("always")
-    kernels.quiet_triton_deprecation()
+    kernels.platform.quiet_triton_deprecation()
     warnings.warn(message, DeprecationWarning)
     warnings.warn("another deprecation", DeprecationWarning)
   assert [str(w.message) for w in before] == ["another deprecation"]
   config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.bfloat16))
-  kernels.quiet_triton_deprecation.cache_clear()
+  kernels.platform.quiet_triton_deprecation.cache_clear()
   args = kernel_inputs(3000, jnp.bfloat16, key=6) + hyper_and_flags(True, 10)
   lowered_for_cuda(lambda *a: kernels.fused_update("triton", config, *a),
                    *args)
-  assert kernels.quiet_triton_deprecation.cache_info().currsize == 1
+  assert kernels.platform.quiet_triton_deprecation.cache_info().currsize == 1
 
 
 def test_unknown_backend_raises():

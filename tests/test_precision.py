@@ -9,7 +9,6 @@ from the traced program the rules produce.
 import functools
 import sys
 import pathlib
-import warnings
 
 import chex
 import flax.linen as nn

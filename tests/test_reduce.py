@@ -9,10 +9,8 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-import jmp_lab
 from jmp_lab import linen as jl
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.diagnostics.audit import compiled_sub_jaxprs

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jmp_lab.kernels import (leading_mesh_axes, quiet_triton_deprecation,
-                             split_over)
+from jmp_lab.kernels.mesh import leading_mesh_axes, split_over
+from jmp_lab.kernels.platform import quiet_triton_deprecation
 
 # Tile edges tried, largest first: a 64 x 128 tile is 64 values a thread at
 # 4 warps, read once and written twice (80 registers, no spills, compiled

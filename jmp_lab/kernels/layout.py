@@ -86,6 +86,10 @@ class FlatLayout:
   def programs(self) -> int:
     return num_programs(self.size)
 
+  def master_tree(self, master: Any) -> Any:
+    """The fp32 master buffer as a tree (non-trainable leaves None)."""
+    return unpack(self, master)
+
 
 jax.tree_util.register_static(FlatLayout)
 
@@ -123,6 +127,10 @@ class TreeLayout:
   @property
   def trainable_decays(self) -> tuple[bool, ...]:
     return tuple(d for d, keep in zip(self.decays, self.trainable) if keep)
+
+  def master_tree(self, master: Any) -> Any:
+    """The fp32 master as a tree: it is one already."""
+    return master
 
 
 jax.tree_util.register_static(TreeLayout)

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jmp_lab.kernels import leading_mesh_axes, split_over
+from jmp_lab.kernels.mesh import leading_mesh_axes, split_over
+from jmp_lab.kernels.platform import quiet_triton_deprecation
 
 # Tokens per program in the forward kernel, vocabulary rows per step of its
 # loop; the padded vocabulary is a multiple of the largest vocabulary tile.
@@ -292,7 +293,6 @@ def _call(kernel, grid, operands, out_shape, interpret: bool, num_stages: int):
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # GPU only
-    from jmp_lab.kernels import quiet_triton_deprecation
     quiet_triton_deprecation()
     compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS,
                                               num_stages=num_stages)

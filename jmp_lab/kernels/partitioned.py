@@ -36,6 +36,7 @@ from jax.experimental.custom_partitioning import (SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jmp_lab.kernels import stats
 from jmp_lab.kernels.reference import Outputs
 
 
@@ -73,9 +74,7 @@ def _step(plan: StepPlan, groups, g, p, mu, nu, remainders, scale,
     if axes:
       part_sumsq = jax.lax.psum(part_sumsq, axes)
     sumsq, finite = sumsq + part_sumsq, finite & part_finite
-  if every_axis:
-    # pmin over {0, 1}: one non-finite shard makes every device skip.
-    finite = jax.lax.pmin(finite.astype(jnp.int32), every_axis).astype(bool)
+  finite = stats.agree(finite, every_axis)  # one non-finite shard: all skip
   hyper, flags, finite = plan.scalars_fn(sumsq, finite, scalar_args)
   return plan.run_update(g, p, mu, nu, hyper, flags, remainders), finite
 

@@ -33,6 +33,7 @@ import numpy as np
 from jmp_lab import remainder as remainder_lib
 from jmp_lab import rounding
 from jmp_lab._exact import reachable_half
+from jmp_lab.kernels import stats
 
 LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP = range(5)
 NUM_HYPER = 5
@@ -146,13 +147,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
                    zip(out, (p, mu, nu, unchanged_extra))))
 
 
-def tree_grad_stats(grads, scale) -> tuple[jax.Array, jax.Array]:
-  """``(sum of squares of g / scale, whether every g / scale is finite)``
-  over a list of gradient leaves, in jnp (a reduction per leaf)."""
-  unscaled = [g.astype(jnp.float32) / scale for g in grads]
-  sumsq = sum((jnp.sum(g * g) for g in unscaled), jnp.float32(0))
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in unscaled]))
-  return sumsq, finite
+tree_grad_stats = stats.grad_stats
 
 
 def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,

@@ -27,7 +27,7 @@ import numpy as np
 from jmp_lab._src.precision import observers, scopes, tracing
 from jmp_lab._src.precision.handlers import Op, as_written, bind
 from jmp_lab._src.precision.rules import MATMUL_OPS
-from jmp_lab._src.precision.values import (Role, aval, cast, dtype_of,
+from jmp_lab._src.precision.values import (Role, aval, dtype_of,
                                            is_array, is_floating, restore,
                                            role_of_result, roles_by_dtype,
                                            written_dtype)

@@ -1,0 +1,96 @@
+"""What every jmp_lab train step does around the model: the loss contract,
+the update (and its new-params fast path), fp8's scaling-state bookkeeping
+and the metrics. ``jmp_lab.train_step`` and ``jmp_lab.nnx.train_step`` only
+add their framework's way of differentiating and holding state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import optax
+
+from jmp_lab import _checks, fp8
+from jmp_lab._src.optim.fused_adamw import FusedUpdate
+from jmp_lab._src.optim.states import State, find_state, last_step_applied
+from jmp_lab.loss_scale import select_tree
+
+# The name scope of the optimizer update inside a train step: compiled
+# reports (``CompiledReport.scope``) find its kernels and bytes by it.
+UPDATE_SCOPE = "jmp_lab_update"
+
+
+def jmp_lab_state(opt_state: Any, where: str) -> State:
+  """The jmp_lab state in ``opt_state``; a TypeError naming the fix when the
+  optimizer is not a jmp_lab one."""
+  try:
+    return find_state(opt_state)
+  except ValueError:
+    raise TypeError(
+        f"{where}'s tx must be a jmp_lab optimizer (jmp_lab.mixed_precision"
+        f"(...) or jmp_lab.fused_adamw(...)), which keeps the loss scale and "
+        f"skips non-finite steps; got one whose state is a "
+        f"{type(opt_state).__name__}") from None
+
+
+def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
+           params: Any, also_finite: Any = None, **extra_args
+           ) -> tuple[Any, Any]:
+  """``(new params, new opt_state)`` from the gradients of the scaled loss.
+
+  ``fused_adamw`` hands back the params its kernel wrote (no updates tree
+  and no ``apply_updates`` pass; the same values, bit for bit); any other
+  optimizer goes through optax's ``update`` and ``apply_updates``.
+  """
+  kwargs = dict(extra_args)
+  if also_finite is not None:
+    kwargs["also_finite"] = also_finite
+  # Named, so that compiled reports can find the update's kernels.
+  with jax.named_scope(UPDATE_SCOPE):
+    if isinstance(tx.update, FusedUpdate) and not extra_args:
+      return tx.update.new_params(grads, opt_state, params,
+                                  also_finite=also_finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params, **kwargs)
+    return optax.apply_updates(params, updates), new_opt_state
+
+
+def fp8_observed(old_meta: Optional[Any], observed: Optional[Any]
+                 ) -> Optional[jax.Array]:
+  """Whether the step's observed fp8 amaxes are finite (None without fp8):
+  the optimizer's gate skips the step otherwise (:func:`fp8.observed_finite`)."""
+  if old_meta is None or not jax.tree_util.tree_leaves(observed):
+    return None
+  return fp8.observed_finite(observed)
+
+
+def fp8_after_step(old_meta: Any, observed: Any, step: Any,
+                   applied: jax.Array) -> Any:
+  """The fp8 scaling state after a step: the amaxes written into the
+  histories, kept as they were on a skipped step, and the scales computed
+  from the kept histories (``fp8.write_amaxes``, then ``fp8.rescale``)."""
+  written = fp8.write_amaxes(old_meta, observed, step)
+  return fp8.rescale(select_tree(applied, written, old_meta), applied)
+
+
+def metrics(own: dict, loss: Any, loss_scale: Any, opt_state: Any,
+            skipped: Any) -> dict:
+  """The step's metrics: ``loss_fn``'s own, and ``loss``, the
+  ``loss_scale`` used, ``grads_finite`` and ``skipped_steps``."""
+  own = dict(own)
+  own.update(loss=loss, loss_scale=loss_scale.loss_scale,
+             grads_finite=last_step_applied(opt_state), skipped_steps=skipped)
+  return own
+
+
+def loss_and_aux(out: Any, contract: str) -> tuple[Any, Any]:
+  """``(loss, aux)`` from what a ``loss_fn`` returned (a loss, or a pair);
+  a TypeError quoting ``contract`` otherwise."""
+  if isinstance(out, tuple):
+    if len(out) != 2:
+      raise TypeError(f"{contract}; got a tuple of {len(out)} items")
+    loss, aux = out
+  else:
+    loss, aux = out, None
+  _checks.check_loss(loss, contract)
+  return loss, aux

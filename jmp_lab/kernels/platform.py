@@ -1,0 +1,48 @@
+"""What this installation and machine can run: Pallas modules that come and
+go with jax versions, the local GPU, and jax 0.11's Triton deprecation."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import jax
+
+
+def importable(module: str) -> bool:
+  """Whether ``module`` imports here (the Pallas GPU modules come and go
+  with jax versions: Triton's is deprecated in 0.11)."""
+  try:
+    __import__(module)
+    return True
+  except ImportError:
+    return False
+
+
+# The exact text jax 0.11 warns with when it lowers a Triton kernel.
+TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be "
+                      r"removed in a future JAX version\.")
+
+
+@functools.cache
+def quiet_triton_deprecation() -> None:
+  """Ignores jax 0.11's Triton deprecation warning, once jmp_lab builds a
+  Triton kernel: only that message, only as a DeprecationWarning.
+
+  jax warns when the kernel is lowered, which is when the jit around the
+  whole step compiles, after jmp_lab's call has returned: a filter scoped to
+  the call cannot see it, so this one lasts for the process, and a process
+  that never builds a Triton kernel never installs it.
+  """
+  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
+                          category=DeprecationWarning)
+
+
+def local_gpu_capability() -> Optional[float]:
+  """The compute capability of the first local GPU, or None."""
+  for device in jax.local_devices():
+    if device.platform == "gpu":
+      capability = getattr(device, "compute_capability", None)
+      return None if capability is None else float(capability)
+  return None

@@ -1,0 +1,202 @@
+"""The fused-update backends, and the one place that decides ``"auto"``.
+
+Each backend is a row of :data:`BACKENDS`: the Pallas module it needs, its
+flat-layout update, and its tree-layout (multi-tensor) statistics and
+update. ``"auto"`` is resolved here, for the platform a step is compiled
+for (``jax.lax.platform_dependent``): on CUDA the first backend of
+:data:`CUDA_ORDER` this installation and GPU can run for the layout, the
+reference elsewhere. A new backend is a new row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import jax
+
+from jmp_lab.kernels import multi_tensor, pallas_triton, partitioned, platform
+from jmp_lab.kernels import reference
+from jmp_lab.kernels.reference import AdamWConfig, Outputs
+
+logger = logging.getLogger("jmp_lab")
+
+
+def _mosaic_update(*args):
+  from jmp_lab.kernels import mosaic  # imports plgpu: GPU builds only
+  return mosaic.fused_update(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """One fused-update backend.
+
+  Attributes:
+    name: its name.
+    module: the Pallas module it needs (None: always available).
+    min_capability: the GPU compute capability it needs on CUDA.
+    flat: ``(config, g, p, mu, nu, hyper, flags) -> Outputs`` (None: no
+      flat layout).
+    tree_stats: ``(grads, scale) -> (sum of squares, all finite)`` (None:
+      no tree layout).
+    tree_update: ``(config, decays, g, p, mu, nu, hyper, flags, *,
+      write_extra, remainders) -> Outputs``.
+    triton: it lowers Triton kernels (jax 0.11 warns: quieted).
+  """
+
+  name: str
+  module: Optional[str]
+  min_capability: float
+  flat: Optional[Callable]
+  tree_stats: Optional[Callable]
+  tree_update: Optional[Callable]
+  triton: bool = False
+
+
+BACKENDS = {
+    "reference": Backend("reference", None, 0.0, reference.fused_update,
+                         reference.tree_grad_stats, reference.tree_update),
+    "interpret": Backend(
+        "interpret", None, 0.0,
+        lambda *a: pallas_triton.fused_update(*a, interpret=True),
+        lambda g, s: multi_tensor.grad_stats(g, s, interpret=True),
+        lambda *a, **k: multi_tensor.update(*a, interpret=True, **k)),
+    "triton": Backend(
+        "triton", "jax.experimental.pallas.triton", 8.0,
+        lambda *a: pallas_triton.fused_update(*a, interpret=False),
+        lambda g, s: multi_tensor.grad_stats(g, s, interpret=False),
+        lambda *a, **k: multi_tensor.update(*a, interpret=False, **k),
+        triton=True),
+    "mosaic": Backend("mosaic", "jax.experimental.pallas.mosaic_gpu", 9.0,
+                      _mosaic_update, None, None),
+}
+NAMES = ("auto",) + tuple(BACKENDS)
+# The order "auto" tries on CUDA (the reference always runs).
+CUDA_ORDER = ("triton", "mosaic", "reference")
+
+
+def available() -> tuple[str, ...]:
+  """The backends this installation can build a step with."""
+  return tuple(name for name in ("triton", "mosaic", "interpret", "reference")
+               if BACKENDS[name].module is None
+               or platform.importable(BACKENDS[name].module))
+
+
+def resolve(name: str) -> str:
+  """Checks a backend name (``"auto"`` is resolved when the step is lowered).
+
+  Raises:
+    ValueError: for an unknown name, or a GPU backend whose Pallas module
+      this jax cannot import.
+  """
+  if name not in NAMES:
+    raise ValueError(
+        f"unknown fused backend {name!r}; accepted: {', '.join(NAMES)}")
+  if name != "auto" and name not in available():
+    raise ValueError(
+        f"fused backend {name!r} needs {BACKENDS[name].module}, which this "
+        f"jax {jax.__version__} cannot import; available: "
+        f"{', '.join(available())}")
+  return name
+
+
+def for_cuda(layout: str = "flat") -> str:
+  """The backend ``"auto"`` puts in a step compiled for CUDA, for the
+  ``"flat"`` or ``"tree"`` layout: the first of :data:`CUDA_ORDER` that
+  this installation can import, that the local GPU (if any) can run, and
+  that has the layout."""
+  capability = platform.local_gpu_capability()
+  for name in CUDA_ORDER:
+    backend = BACKENDS[name]
+    runs = capability is None or capability >= backend.min_capability
+    has_layout = (backend.flat if layout == "flat" else backend.tree_update)
+    if name in available() and runs and has_layout is not None:
+      return name
+  return "reference"
+
+
+def _on_cuda_else_reference(name: str, layout: str, run: Callable, *args):
+  """``run(backend, *args)`` with ``name``, ``"auto"`` resolved by the
+  platform the step is compiled for."""
+  if name != "auto":
+    return run(BACKENDS[name], *args)
+  chosen = BACKENDS[for_cuda(layout)]
+  logger.info("jmp_lab %s update: %r when compiled for CUDA, reference "
+              "elsewhere", layout, chosen.name)
+  return jax.lax.platform_dependent(
+      *args, cuda=lambda *a: run(chosen, *a),
+      default=lambda *a: run(BACKENDS["reference"], *a))
+
+
+def _quieted(backend: Backend) -> Backend:
+  if backend.triton:
+    platform.quiet_triton_deprecation()
+  return backend
+
+
+def fused_update(name: str, config: AdamWConfig, g, p, mu, nu, hyper,
+                 flags) -> Outputs:
+  """The flat-layout update with backend ``name``."""
+  def run(backend, *args):
+    if _quieted(backend).flat is None:
+      raise ValueError(f"the flat layout has no {backend.name!r} backend")
+    return backend.flat(config, *args)
+  return _on_cuda_else_reference(name, "flat", run, g, p, mu, nu, hyper, flags)
+
+
+def tree_grad_stats(name: str, grads, scale):
+  """``(sum of squares, all finite)`` of the unscaled gradient leaves."""
+  def run(backend, *args):
+    if _quieted(backend).tree_stats is None:
+      raise ValueError(f"the tree layout has no {backend.name!r} backend")
+    return backend.tree_stats(*args)
+  return _on_cuda_else_reference(name, "tree", run, grads, scale)
+
+
+def tree_update(name: str, config: AdamWConfig, decays, g, p, mu, nu, hyper,
+                flags, *, write_extra: bool, remainders=None) -> Outputs:
+  """The multi-tensor update over lists of leaves (the tree layout)."""
+  def run(backend, *args):
+    if _quieted(backend).tree_update is None:
+      raise ValueError(f"the tree layout has no {backend.name!r} backend")
+    *args, remainders = args
+    return backend.tree_update(config, decays, *args,
+                               write_extra=write_extra, remainders=remainders)
+  return _on_cuda_else_reference(name, "tree", run, g, p, mu, nu, hyper,
+                                 flags, remainders)
+
+
+def tree_step(name: str, config: AdamWConfig, decays, g, p, mu, nu,
+              remainders, scale, scalars_fn, scalar_args, *,
+              write_extra: bool, partitionable: bool = True):
+  """``(Outputs, finite)``: the statistics over the gradient leaves,
+  ``scalars_fn(sumsq, finite, scalar_args) -> (hyper, flags, finite)``, and
+  the update, as one op XLA's partitioner splits leaf by leaf
+  (:mod:`.partitioned`). The reference backend is XLA's own ops, which it
+  partitions anyway."""
+  plan = partitioned.StepPlan(
+      run_stats=lambda grads, s: tree_grad_stats(name, grads, s),
+      scalars_fn=scalars_fn,
+      run_update=lambda g, p, mu, nu, hyper, flags, rem: tree_update(
+          name, config, decays, g, p, mu, nu, hyper, flags,
+          write_extra=write_extra, remainders=rem),
+      leaves=len(g), remainders=remainders is not None,
+      result_groups=4 if (not config.direct and (write_extra
+                                                 or config.remainder)) else 3,
+      stochastic=config.stochastic)
+  return partitioned.tree_step(
+      plan, g, p, mu, nu, remainders, scale, scalar_args,
+      partitionable=partitionable and name != "reference")
+
+
+def tree_backend(name: str, *, half_params: bool) -> str:
+  """The backend the tree layout runs for ``name``.
+
+  ``"auto"`` keeps XLA's own per-leaf fusion (the reference) when the params
+  are fp32: compiled for an H100, XLA's update there reads the bf16 GEMM
+  outputs and never writes fp32 gradients, while the kernel must be handed
+  fp32 gradient leaves; with half params and an fp32 master the kernel moves
+  fewer bytes (the figures are in ``benchmarks/RESULTS.md``).
+  """
+  return "reference" if name == "auto" and not half_params else name
