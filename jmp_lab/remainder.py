@@ -1,4 +1,6 @@
-"""The fp32 master as bf16 params plus a 16-bit remainder (``master="remainder"``).
+"""Half params and their fp32 master, exactly: the remainder and the landing.
+
+The fp32 master as bf16 params plus a 16-bit remainder (``master="remainder"``).
 
 An fp32 number is 32 bits; bf16 is its upper 16, rounded to nearest even.
 Keeping the lower 16 bits beside the bf16 params (Transformer Engine's
@@ -13,7 +15,7 @@ The one value the pair cannot tell apart is an exact tie (lower bits
 ``0x8000``), which round-to-nearest-even sends down or up depending on the
 upper bits. :func:`untie` moves such a master by one fp32 ulp towards the bf16
 value it rounds to (same param, no tie). Every jmp_lab optimizer applies it to
-every bf16 master it writes (:func:`jmp_lab._exact.reachable_half`), in the
+every bf16 master it writes (:func:`reachable_half`), in the
 ``"float32"`` mode too, so the two modes follow the same trajectory bit for
 bit. The move is 2**-24 relative, in one update in 65,536.
 
@@ -26,12 +28,29 @@ Example::
   (dtype(bfloat16), dtype('uint16'))
   >>> bool(jnp.all(join(params, rem) == master))
   True
+
+:func:`reachable_half` is the one piece of arithmetic that keeps half params
+equal to ``cast(master)``. ``optax.apply_updates`` computes ``(p + u).astype(p.dtype)`` in fp32. With
+``u = cast(m) - p`` that lands exactly on ``cast(m)`` unless the param moves
+across many binades in one step (a value landing very near zero, e.g. on a
+sign change): then ``u`` rounds in fp32 and ``p + u`` rounds to a neighbour of
+``cast(m)``. No fp32 ``u`` reaches ``cast(m)`` there, so the master is snapped
+to the half value that ``p + u`` does reach. The snap moves the master by a
+few fp32 ulps of the old param -- the size of the master update's own rounding
+-- and only in the elements that need it. A bf16 master is also kept off exact
+bf16 ties (:func:`jmp_lab.remainder.untie`, one fp32 ulp).
+
+Element-wise jnp only, so that every kernel backend can call it on loaded
+values as well as the tree optimizer on whole leaves.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HALF_ULP = 0x8000
 
@@ -66,3 +85,38 @@ def untie(master: jax.Array) -> jax.Array:
   nudged = jnp.where(rounds_up, bits + 1, bits - 1)
   return jax.lax.bitcast_convert_type(jnp.where(tie, nudged, bits),
                                       jnp.float32)
+
+
+class ReachableHalf(NamedTuple):
+  master: jax.Array   # the new fp32 master, snapped where needed
+  half: jax.Array     # the half value the params land on (== cast(master))
+  update: jax.Array   # the fp32 update that takes the old params there
+
+
+def reachable_half(old_half: jax.Array, new_master: jax.Array,
+                   half_dtype) -> ReachableHalf:
+  """Where ``apply_updates`` can take params ``old_half`` towards ``new_master``.
+
+  Args:
+    old_half: the current params (any float dtype holding half values).
+    new_master: the new fp32 master.
+    half_dtype: the params' dtype.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> out = reachable_half(jnp.float32(1.0), jnp.float32(1.5), jnp.bfloat16)
+    >>> float(out.half), float(out.update)
+    (1.5, 0.5)
+  """
+  old = old_half.astype(jnp.float32)
+  target = new_master.astype(half_dtype).astype(jnp.float32)
+  update = target - old
+  reached = (old + update).astype(half_dtype)  # exactly what optax does
+  reached32 = reached.astype(jnp.float32)
+  master = jnp.where(reached32 == target, new_master, reached32)
+  if np.dtype(half_dtype) == np.dtype(jnp.bfloat16):
+    # Off exact ties, so that (params, low 16 bits) is the master, exactly:
+    # master="remainder" keeps only those (see jmp_lab.remainder).
+    master = untie(master)
+  return ReachableHalf(master, reached, update)

@@ -39,13 +39,37 @@ explicit ``backend="triton"`` is refused with a ``ValueError`` naming the
 module. ``tests/test_kernels.py`` hides the module and checks all three.
 """
 
+import importlib
+
+from jmp_lab.kernels import multi_tensor, pallas_triton, reference, registry
+from jmp_lab.kernels.partitioned import backend_tree_step as tree_step
 from jmp_lab.kernels.reference import AdamWConfig, Outputs
 from jmp_lab.kernels.registry import (NAMES as BACKENDS, fused_update,
                                       tree_backend, tree_grad_stats,
-                                      tree_step, tree_update)
+                                      tree_update)
 from jmp_lab.kernels.registry import available as available_backends
 from jmp_lab.kernels.registry import for_cuda as cuda_backend
 from jmp_lab.kernels.registry import resolve as resolve_backend
+
+
+def _mosaic_update(*args):
+  # plgpu is imported only where a Mosaic GPU kernel is built.
+  return importlib.import_module("jmp_lab.kernels.mosaic").fused_update(*args)
+
+
+# The backends' rows (jmp_lab.kernels.registry): each layout's kernels.
+registry.register("reference", flat=reference.fused_update,
+                  tree_stats=reference.tree_grad_stats,
+                  tree_update=reference.tree_update)
+for _name, _interpret in (("interpret", True), ("triton", False)):
+  registry.register(
+      _name, flat=pallas_triton.flat_update(_interpret),
+      tree_stats=multi_tensor.stats_fn(_interpret),
+      tree_update=multi_tensor.update_fn(_interpret))
+registry.register("triton", module="jax.experimental.pallas.triton",
+                  min_capability=8.0, triton=True)
+registry.register("mosaic", module="jax.experimental.pallas.mosaic_gpu",
+                  min_capability=9.0, flat=_mosaic_update)
 
 __all__ = ["AdamWConfig", "BACKENDS", "Outputs", "available_backends",
            "cuda_backend", "fused_update", "resolve_backend", "tree_backend",

@@ -373,3 +373,13 @@ def update(config: AdamWConfig, decays: Sequence[bool],
                         zip(outs[kind * k:(kind + 1) * k], chunk)]
   return Outputs(results[0], results[1], results[2],
                  results[3] if kinds == 4 else None)
+
+
+def stats_fn(interpret: bool):
+  """This module's statistics pass, for the backend registry."""
+  return functools.partial(grad_stats, interpret=interpret)
+
+
+def update_fn(interpret: bool):
+  """This module's update pass, for the backend registry."""
+  return functools.partial(update, interpret=interpret)

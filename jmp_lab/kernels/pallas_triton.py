@@ -87,3 +87,8 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
       name="jmp_lab_fused_adamw",
   )(hyper, flags, g, p, mu, nu)
   return Outputs(*outs)
+
+
+def flat_update(interpret: bool):
+  """This module's flat-layout update, for the backend registry."""
+  return functools.partial(fused_update, interpret=interpret)

@@ -36,7 +36,7 @@ from jax.experimental.custom_partitioning import (SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmp_lab.kernels import stats
+from jmp_lab.kernels import registry, stats
 from jmp_lab.kernels.reference import Outputs
 
 
@@ -162,3 +162,25 @@ def tree_step(plan: StepPlan, g, p, mu, nu, remainders: Optional[list],
   return _partitionable_step(plan, list(g), list(p), list(mu), list(nu),
                              None if remainders is None else list(remainders),
                              scale, scalar_args)
+
+
+def backend_tree_step(name: str, config, decays, g, p, mu, nu, remainders,
+                      scale, scalars_fn, scalar_args, *, write_extra: bool,
+                      partitionable: bool = True):
+  """``(Outputs, finite)`` with backend ``name``: the statistics over the
+  gradient leaves, ``scalars_fn(sumsq, finite, scalar_args) -> (hyper,
+  flags, finite)``, and the update, as one op XLA's partitioner splits leaf
+  by leaf. The reference backend is XLA's own ops, which it partitions
+  anyway."""
+  plan = StepPlan(
+      run_stats=lambda grads, s: registry.tree_grad_stats(name, grads, s),
+      scalars_fn=scalars_fn,
+      run_update=lambda g, p, mu, nu, hyper, flags, rem: registry.tree_update(
+          name, config, decays, g, p, mu, nu, hyper, flags,
+          write_extra=write_extra, remainders=rem),
+      leaves=len(g), remainders=remainders is not None,
+      result_groups=4 if (not config.direct and (write_extra
+                                                 or config.remainder)) else 3,
+      stochastic=config.stochastic)
+  return tree_step(plan, g, p, mu, nu, remainders, scale, scalar_args,
+                   partitionable=partitionable and name != "reference")

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import remainder as remainder_lib
+from jmp_lab.remainder import reachable_half
 from jmp_lab import rounding
-from jmp_lab._exact import reachable_half
 from jmp_lab.kernels import stats
 
 LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP = range(5)
@@ -112,7 +112,7 @@ def adamw_elementwise(config: AdamWConfig, g, p, mu, nu, decays,
     return Outputs(half, mu, nu, half)
   # The params outside are cast(old master); optax.apply_updates will add
   # u = cast(new) - cast(old) in fp32. Where that sum cannot land on
-  # cast(new), snap the master to where it does land (see jmp_lab._exact).
+  # cast(new), snap the master to where it does land (see jmp_lab.remainder).
   exact = reachable_half(p.astype(config.half_dtype), new_p, config.half_dtype)
   new_p, reached = exact.master, exact.half
   return Outputs(new_p, mu, nu, reached)

@@ -2,10 +2,12 @@
 
 Each backend is a row of :data:`BACKENDS`: the Pallas module it needs, its
 flat-layout update, and its tree-layout (multi-tensor) statistics and
-update. ``"auto"`` is resolved here, for the platform a step is compiled
-for (``jax.lax.platform_dependent``): on CUDA the first backend of
+update. The backend modules register their rows (:func:`register`;
+``jmp_lab.kernels`` imports them all), so this table depends on none of
+them. ``"auto"`` is resolved here, for the platform a step is compiled for
+(``jax.lax.platform_dependent``): on CUDA the first backend of
 :data:`CUDA_ORDER` this installation and GPU can run for the layout, the
-reference elsewhere. A new backend is a new row.
+reference elsewhere. A new backend is a new module that registers its row.
 """
 
 from __future__ import annotations
@@ -16,16 +18,9 @@ from typing import Callable, Optional
 
 import jax
 
-from jmp_lab.kernels import multi_tensor, pallas_triton, partitioned, platform
-from jmp_lab.kernels import reference
-from jmp_lab.kernels.reference import AdamWConfig, Outputs
+from jmp_lab.kernels import platform
 
 logger = logging.getLogger("jmp_lab")
-
-
-def _mosaic_update(*args):
-  from jmp_lab.kernels import mosaic  # imports plgpu: GPU builds only
-  return mosaic.fused_update(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,32 +41,26 @@ class Backend:
   """
 
   name: str
-  module: Optional[str]
-  min_capability: float
-  flat: Optional[Callable]
-  tree_stats: Optional[Callable]
-  tree_update: Optional[Callable]
+  module: Optional[str] = None
+  min_capability: float = 0.0
+  flat: Optional[Callable] = None
+  tree_stats: Optional[Callable] = None
+  tree_update: Optional[Callable] = None
   triton: bool = False
 
 
-BACKENDS = {
-    "reference": Backend("reference", None, 0.0, reference.fused_update,
-                         reference.tree_grad_stats, reference.tree_update),
-    "interpret": Backend(
-        "interpret", None, 0.0,
-        lambda *a: pallas_triton.fused_update(*a, interpret=True),
-        lambda g, s: multi_tensor.grad_stats(g, s, interpret=True),
-        lambda *a, **k: multi_tensor.update(*a, interpret=True, **k)),
-    "triton": Backend(
-        "triton", "jax.experimental.pallas.triton", 8.0,
-        lambda *a: pallas_triton.fused_update(*a, interpret=False),
-        lambda g, s: multi_tensor.grad_stats(g, s, interpret=False),
-        lambda *a, **k: multi_tensor.update(*a, interpret=False, **k),
-        triton=True),
-    "mosaic": Backend("mosaic", "jax.experimental.pallas.mosaic_gpu", 9.0,
-                      _mosaic_update, None, None),
-}
-NAMES = ("auto",) + tuple(BACKENDS)
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(name: str, **fields) -> None:
+  """Adds ``fields`` to backend ``name``'s row (a backend module registers
+  its layouts: the flat kernel and the multi-tensor kernels are two
+  modules)."""
+  row = BACKENDS.get(name, Backend(name))
+  BACKENDS[name] = dataclasses.replace(row, **fields)
+
+
+NAMES = ("auto", "mosaic", "triton", "interpret", "reference")
 # The order "auto" tries on CUDA (the reference always runs).
 CUDA_ORDER = ("triton", "mosaic", "reference")
 
@@ -135,8 +124,7 @@ def _quieted(backend: Backend) -> Backend:
   return backend
 
 
-def fused_update(name: str, config: AdamWConfig, g, p, mu, nu, hyper,
-                 flags) -> Outputs:
+def fused_update(name: str, config, g, p, mu, nu, hyper, flags):
   """The flat-layout update with backend ``name``."""
   def run(backend, *args):
     if _quieted(backend).flat is None:
@@ -154,8 +142,8 @@ def tree_grad_stats(name: str, grads, scale):
   return _on_cuda_else_reference(name, "tree", run, grads, scale)
 
 
-def tree_update(name: str, config: AdamWConfig, decays, g, p, mu, nu, hyper,
-                flags, *, write_extra: bool, remainders=None) -> Outputs:
+def tree_update(name: str, config, decays, g, p, mu, nu, hyper, flags, *,
+                write_extra: bool, remainders=None):
   """The multi-tensor update over lists of leaves (the tree layout)."""
   def run(backend, *args):
     if _quieted(backend).tree_update is None:
@@ -165,29 +153,6 @@ def tree_update(name: str, config: AdamWConfig, decays, g, p, mu, nu, hyper,
                                write_extra=write_extra, remainders=remainders)
   return _on_cuda_else_reference(name, "tree", run, g, p, mu, nu, hyper,
                                  flags, remainders)
-
-
-def tree_step(name: str, config: AdamWConfig, decays, g, p, mu, nu,
-              remainders, scale, scalars_fn, scalar_args, *,
-              write_extra: bool, partitionable: bool = True):
-  """``(Outputs, finite)``: the statistics over the gradient leaves,
-  ``scalars_fn(sumsq, finite, scalar_args) -> (hyper, flags, finite)``, and
-  the update, as one op XLA's partitioner splits leaf by leaf
-  (:mod:`.partitioned`). The reference backend is XLA's own ops, which it
-  partitions anyway."""
-  plan = partitioned.StepPlan(
-      run_stats=lambda grads, s: tree_grad_stats(name, grads, s),
-      scalars_fn=scalars_fn,
-      run_update=lambda g, p, mu, nu, hyper, flags, rem: tree_update(
-          name, config, decays, g, p, mu, nu, hyper, flags,
-          write_extra=write_extra, remainders=rem),
-      leaves=len(g), remainders=remainders is not None,
-      result_groups=4 if (not config.direct and (write_extra
-                                                 or config.remainder)) else 3,
-      stochastic=config.stochastic)
-  return partitioned.tree_step(
-      plan, g, p, mu, nu, remainders, scale, scalar_args,
-      partitionable=partitionable and name != "reference")
 
 
 def tree_backend(name: str, *, half_params: bool) -> str:

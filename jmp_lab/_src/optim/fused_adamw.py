@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lab import _checks, _tree, kernels
+from jmp_lab import _checks, _tree
 from jmp_lab._src.optim import fused_flat, fused_tree
 from jmp_lab._src.optim.fused_spec import FusedSpec, ScalarOrSchedule
 from jmp_lab._src.optim.masters import Master
 from jmp_lab._src.optim.states import FusedAdamWState, ParamsSpec, find_state
 from jmp_lab.kernels import layout as flat_layout
+from jmp_lab.kernels import registry
 from jmp_lab.kernels.reference import AdamWConfig
 from jmp_lab.loss_scale import LossScale, default_loss_scale, fresh_copy
 from jmp_lab.policy import Policy, get_policy
@@ -135,7 +136,7 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
   _checks.check_loss_scale(loss_scale)
   _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
                          max_grad_norm)
-  backend = kernels.resolve_backend(backend)
+  backend = registry.resolve(backend)
   if layout not in LAYOUTS:
     raise ValueError(f"unknown layout {layout!r}; accepted: "
                      f"{', '.join(map(repr, LAYOUTS))}")
@@ -169,7 +170,7 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
       b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask,
       max_grad_norm=max_grad_norm, axis_name=axis_name, shards=shards,
       backend=backend,
-      tree_backend=kernels.tree_backend(backend,
+      tree_backend=registry.tree_backend(backend,
                                         half_params=keeper.half_params),
       layout=layout, master=keeper, config=config, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype)

@@ -8,12 +8,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_lab import _checks, _tree, kernels
+from jmp_lab import _checks, _tree
 from jmp_lab._src.optim import gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
 from jmp_lab._src.optim.states import FusedAdamWState
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels import stats
+from jmp_lab.kernels import registry, stats
 
 
 def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
@@ -72,7 +72,7 @@ def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
                                                        jnp.float32)
   flags = jnp.stack([finite.astype(jnp.int32),
                      jnp.asarray(buffers.decay_boundary, jnp.int32)])
-  out = kernels.fused_update(spec.backend, spec.config, flat_grads,
+  out = registry.fused_update(spec.backend, spec.config, flat_grads,
                              flat_params, state.mu, state.nu, hyper, flags)
   return (out, spec.next_state(state, finite, out.master, out.mu, out.nu),
           flat)
@@ -118,7 +118,7 @@ def sharded_step(spec: FusedSpec, grads: Any, state: FusedAdamWState,
     local_params = jax.lax.dynamic_slice_in_dim(
         full, jax.lax.axis_index(axis_name) * buffers.local_rows,
         buffers.local_rows)
-  out = kernels.fused_update(spec.backend, spec.config, local, local_params,
+  out = registry.fused_update(spec.backend, spec.config, local, local_params,
                              state.mu, state.nu, hyper, flags)
   new_state = spec.next_state(state, finite, out.master, out.mu, out.nu)
   # The gathered params are the same on every device: all_gather marks its

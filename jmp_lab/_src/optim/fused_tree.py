@@ -8,13 +8,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_lab import _checks, kernels
+from jmp_lab import _checks
 from jmp_lab import rounding as rounding_lib
 from jmp_lab._src.optim import gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
 from jmp_lab._src.optim.states import FusedAdamWState
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels import stats
+from jmp_lab.kernels import partitioned, stats
 
 
 def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
@@ -73,7 +73,7 @@ def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
 
   # One op XLA can partition leaf by leaf (ZeRO-1 under jit); inside
   # shard_map the plain program.
-  out, finite = kernels.tree_step(
+  out, finite = partitioned.backend_tree_step(
       spec.tree_backend, config, tree_layout.trainable_decays, g, p,
       tree_layout.leaves(state.mu), tree_layout.leaves(state.nu), remainders,
       scale, scalars, (state.count, scale, state.rounding_key, extra_flags),

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab import _exact, _tree, remainder
+from jmp_lab import _tree, remainder
 from jmp_lab import rounding as rounding_lib
 from jmp_lab._src.optim.gate import merge_floating
 from jmp_lab.policy import Policy
@@ -178,16 +178,16 @@ def _exact_updates(params: Any, new_master: Any) -> tuple[Any, Any]:
   """Updates with ``apply_updates(params, updates) == cast(new_master)``.
 
   Returns ``(updates, new_master)``, the master snapped where needed (see
-  :mod:`jmp_lab._exact`).
+  :func:`jmp_lab.remainder.reachable_half`).
   """
 
   def leaf(p, m):
     if not _tree.is_floating_array(p):
-      return _exact.ReachableHalf(m, p, jnp.zeros_like(p))
-    return _exact.reachable_half(p, m, p.dtype)
+      return remainder.ReachableHalf(m, p, jnp.zeros_like(p))
+    return remainder.reachable_half(p, m, p.dtype)
 
   out = jax.tree_util.tree_map(leaf, params, new_master)
-  is_out = lambda x: isinstance(x, _exact.ReachableHalf)  # noqa: E731
+  is_out = lambda x: isinstance(x, remainder.ReachableHalf)  # noqa: E731
   updates = jax.tree_util.tree_map(lambda o: o.update, out, is_leaf=is_out)
   master = jax.tree_util.tree_map(lambda o: o.master, out, is_leaf=is_out)
   return updates, master
@@ -215,8 +215,8 @@ def _direct_updates(params, new_trainable, finite, state, new_state,
   def leaf(p, target):
     if not _tree.is_floating_array(p):
       return jnp.zeros_like(p)
-    # The update that takes p to the rounded value (see jmp_lab._exact).
+    # The update that takes p to the rounded value (see jmp_lab.remainder).
     half = target.astype(p.dtype).astype(jnp.float32)
-    return _exact.reachable_half(p, half, p.dtype).update
+    return remainder.reachable_half(p, half, p.dtype).update
 
   return jax.tree_util.tree_map(leaf, params, rounded), new_state
