@@ -16,7 +16,6 @@ import numpy as np
 import optax
 
 from jmp_lab import _tree
-from jmp_lab.loss_scale import LossScale
 from jmp_lab.policy import Policy
 
 # --------------------------------------------------------------------------
@@ -38,20 +37,6 @@ def check_transformation(value: Any, argument: str) -> None:
   raise TypeError(
       f"{argument} must be an optax GradientTransformation (such as "
       f"optax.adamw(1e-3)), got {type(value).__name__} {value!r}{hint}")
-
-
-def check_loss_scale(value: Any, argument: str = "loss_scale") -> None:
-  """Raises TypeError unless ``value`` is a jmp_lab LossScale."""
-  if isinstance(value, LossScale):
-    return
-  hint = ""
-  if isinstance(value, (int, float, np.number)) or (
-      hasattr(value, "shape") and np.ndim(value) == 0):
-    hint = f"; to scale by a fixed number, use jmp_lab.StaticLossScale({value!r})"
-  raise TypeError(
-      f"{argument} must be a jmp_lab loss scale (NoOpLossScale(), "
-      f"StaticLossScale(...) or DynamicLossScale()), got "
-      f"{type(value).__name__} {value!r}{hint}")
 
 
 def concrete_real(value: Any, argument: str) -> float:

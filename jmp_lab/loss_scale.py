@@ -43,6 +43,20 @@ from jmp_lab._src.optim.gate import (all_finite, scalar_predicate,  # noqa: F401
 T = TypeVar("T")
 
 
+def check_loss_scale(value: Any, argument: str = "loss_scale") -> None:
+  """Raises TypeError unless ``value`` is a jmp_lab LossScale."""
+  if isinstance(value, LossScale):
+    return
+  hint = ""
+  if isinstance(value, (int, float, np.number)) or (
+      hasattr(value, "shape") and np.ndim(value) == 0):
+    hint = f"; to scale by a fixed number, use jmp_lab.StaticLossScale({value!r})"
+  raise TypeError(
+      f"{argument} must be a jmp_lab loss scale (NoOpLossScale(), "
+      f"StaticLossScale(...) or DynamicLossScale()), got "
+      f"{type(value).__name__} {value!r}{hint}")
+
+
 # --------------------------------------------------------------------------
 # Scaling arithmetic, shared by every loss scale.
 # --------------------------------------------------------------------------

@@ -155,7 +155,7 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
     return _linear_cross_entropy(*flat, blocking, cap)
 
   def with_kernels(interpret):
-    layout = fused_kernels.Layout(hidden.shape[-1], vocab, cap)
+    layout = fused_kernels.Tiling(hidden.shape[-1], vocab, cap)
     return _fused_linear_cross_entropy(*flat, layout, interpret,
                                        jnp.dtype(kernel.dtype).name)
 

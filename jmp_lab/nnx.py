@@ -70,6 +70,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import jax
@@ -81,19 +82,19 @@ from jmp_lab import _checks, fp8
 from jmp_lab._src.precision import nnx as _front_end
 from jmp_lab._src.precision.nnx import (PolicyParam, dot_product_attention,
                                         policy_dtypes)
-from jmp_lab._src.precision.nnx_layers import Fp8Meta
+from jmp_lab._src.precision.nnx_layers import Fp8State
 from jmp_lab._src.precision.rules import PrecisionRule
+from jmp_lab._src.precision_warnings import recording, warn_unless_half
+from jmp_lab._src.training import step as step_core
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.losses import (log_softmax, softmax,
                             softmax_cross_entropy_with_integer_labels)
 from jmp_lab.loss_scale import LossScale, select_tree
 from jmp_lab.policy import Policy
-from jmp_lab.precision import recording, warn_unless_half
-from jmp_lab._src.training import step as step_core
 from jmp_lab.state import (FusedAdamWState, current_loss_scale,
                            last_step_applied, master_params,
                            optimizer_policy, skipped_steps)
-from jmp_lab.training import scaled_value_and_grad
+from jmp_lab._src.training.value_and_grad import scaled_value_and_grad
 
 #: The flax norms kept in fp32 by default (every class whose name ends in
 #: ``Norm`` is: :func:`jmp_lab.policy.is_norm_class`).
@@ -148,7 +149,7 @@ def with_policy(
   With ``matmul="fp8"`` (``"mixed_fp8"``) in ``policy``, every Linear and
   LinearGeneral (so the attention projections too) runs its matmul as an
   fp8 GEMM (:mod:`jmp_lab.fp8`) and gets an ``fp8_meta``
-  (:class:`Fp8Meta`) variable with its scaling state; ``"fp8_current"``
+  (:class:`Fp8State`) variable with its scaling state; ``"fp8_current"``
   needs no state. An override without ``matmul`` keeps a module in the
   compute dtype.
 
@@ -339,7 +340,7 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   with recording() as matmuls:
     (loss, metrics), grads = scaled_value_and_grad(
         forward, loss_scale, has_aux=True, value_and_grad=nnx.value_and_grad,
-        argnums=nnx.DiffState(0, nnx.Any(optimizer.wrt, Fp8Meta)),
+        argnums=nnx.DiffState(0, nnx.Any(optimizer.wrt, Fp8State)),
         policy=policy)(model)
   if policy is not None:
     warn_unless_half(policy, matmuls, lambda: _loss_jaxpr(loss_fn, model,
@@ -354,11 +355,11 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   after = nnx.as_pure(nnx.state(model, others))
   nnx.update(model, select_tree(applied, after, before))
   if fp8_observed:  # kept on a skipped step, like everything else
-    # Leaf by leaf: the gradient state nests each Fp8Meta's dict value
+    # Leaf by leaf: the gradient state nests each Fp8State's dict value
     # differently from nnx.state, in the same (sorted) order.
     treedef = jax.tree_util.tree_structure(fp8_observed)
     old = treedef.unflatten(jax.tree_util.tree_leaves(
-        nnx.state(model, Fp8Meta)))
+        nnx.state(model, Fp8State)))
     # next_meta in two halves, the scales from the kept histories (see
     # fp8.write_amaxes).
     written = fp8.write_amaxes(old, fp8_observed, steps_before)
@@ -408,8 +409,19 @@ def split_train_step(loss_fn: LossFn, model: nnx.Module, optimizer: Optimizer
 
 
 __all__ = [
-    "DEFAULT_FP32_MODULES", "Fp8Meta", "Optimizer", "PolicyParam", "dot_product_attention",
+    "DEFAULT_FP32_MODULES", "Fp8State", "Optimizer", "PolicyParam", "dot_product_attention",
     "log_softmax", "make_train_step", "policy_dtypes", "softmax",
     "softmax_cross_entropy_with_integer_labels", "split_train_step",
     "train_step", "with_policy",
 ]
+
+
+def __getattr__(name: str):
+  # ``Fp8Meta`` was this module's name for the variable class until it was
+  # renamed: jmp_lab.fp8.Fp8Meta is the dict of scaling arrays it holds.
+  if name == "Fp8Meta":
+    warnings.warn("jmp_lab.nnx.Fp8Meta is now jmp_lab.nnx.Fp8State "
+                  "(jmp_lab.fp8.Fp8Meta is the dict it holds)",
+                  DeprecationWarning, stacklevel=2)
+    return Fp8State
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,8 +45,8 @@ Example::
 
 from jmp_lab._src.precision.api import Autocast, autocast
 from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
-from jmp_lab._src.precision.rules import (ACTIONS, COMPUTE_OPS, FP32_OPS,
-                                          MATMUL_OPS, PrecisionRule, Rules,
+from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
+from jmp_lab._src.precision.rules import (ACTIONS, PrecisionRule, Rules,
                                           fp32_island, layer_island,
                                           make_rules, reduce_island)
 from jmp_lab._src.precision.scopes import (current_compute_dtype, island,

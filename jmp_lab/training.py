@@ -25,23 +25,23 @@ The data flow of one step (see :func:`train_step`):
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lab import _checks, _tree, fp8, fused
-from jmp_lab._src.precision.api import loss_rules
-from jmp_lab._src.precision.scopes import HALF_DTYPES
-from jmp_lab._src.precision_warnings import recording, warn_unless_half
-from jmp_lab.loss_scale import LossScale, select_tree
-from jmp_lab.policy import Policy, get_policy
+from jmp_lab import _checks, fp8
+from jmp_lab._src.optim import fused_adamw as fused
 from jmp_lab._src.optim.fused_adamw import FusedUpdate
 from jmp_lab._src.optim.mixed_precision import MixedPrecisionUpdate
+from jmp_lab._src.precision_warnings import recording, warn_unless_half
 from jmp_lab._src.training import step as step_core
 from jmp_lab._src.training.step import UPDATE_SCOPE  # noqa: F401
+from jmp_lab._src.training.value_and_grad import scaled_value_and_grad
+from jmp_lab.loss_scale import LossScale, select_tree
+from jmp_lab.policy import Policy, get_policy
 from jmp_lab.state import (FusedAdamWState, current_loss_scale,
                            last_step_applied, master_params,
                            skipped_steps)
@@ -54,86 +54,6 @@ def _tx_policy(tx: Any) -> Optional[Policy]:
   if isinstance(policy, (MixedPrecisionUpdate, FusedUpdate)):
     return policy.policy
   return None
-
-
-def scaled_value_and_grad(
-    fun: Callable[..., Any],
-    loss_scale: LossScale,
-    *,
-    has_aux: bool = False,
-    argnums: Union[int, Sequence[int]] = 0,
-    value_and_grad: Callable[..., Callable] = jax.value_and_grad,
-    policy: Union[Policy, str, None] = None,
-) -> Callable[..., tuple[Any, Any]]:
-  """Like ``jax.value_and_grad``, but differentiates ``loss * scale``.
-
-  Args:
-    fun: returns a scalar floating loss, or ``(loss, aux)`` with ``has_aux``.
-    loss_scale: the :class:`~jmp_lab.LossScale` to scale the loss by.
-    has_aux: whether ``fun`` returns ``(loss, aux)``.
-    argnums: which positional arguments to differentiate.
-    value_and_grad: the transformation that differentiates (called with
-      ``argnums`` and ``has_aux``): ``jax.value_and_grad``, or
-      ``flax.nnx.value_and_grad`` for NNX modules (``argnums`` may then be an
-      ``nnx.DiffState``).
-    policy: with a half compute dtype, ``fun`` runs under the policy's loss
-      rules (:func:`jmp_lab.precision.island`): its matmuls (a head applied
-      outside the model, :func:`jmp_lab.losses.linear_cross_entropy`) in the
-      compute dtype, its own arithmetic as written (fp32), and a model
-      under ``with_policy`` inside by its own rules. None: ``fun`` as
-      written.
-
-  Returns:
-    A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
-    ``has_aux``): ``loss`` is the *unscaled* fp32 loss and ``grads`` are the
-    gradients of the scaled loss, in the dtypes of the differentiated
-    arguments. Hand them to a :func:`~jmp_lab.mixed_precision` optimizer,
-    which unscales them.
-
-  Example::
-
-    >>> import jax.numpy as jnp, jmp_lab
-    >>> loss_fn = lambda w, x: jnp.sum(w * x)
-    >>> scale = jmp_lab.StaticLossScale(1024.0)
-    >>> loss, grads = jmp_lab.scaled_value_and_grad(loss_fn, scale)(
-    ...     jnp.ones(2, jnp.float16), jnp.full(2, 3.0, jnp.float16))
-    >>> float(loss), grads.dtype, float(grads[0])
-    (6.0, dtype('float16'), 3072.0)
-  """
-  _checks.check_loss_scale(loss_scale)
-  if not callable(fun):
-    raise TypeError(f"fun must be callable, got {type(fun).__name__} {fun!r}")
-
-  under_policy = fun if policy is None else under_loss_rules(fun, policy)
-
-  def scaled_fun(*args, **kwargs):
-    out = under_policy(*args, **kwargs)
-    loss, aux = out if has_aux else (out, None)
-    if jnp.ndim(loss) != 0 or not _tree.is_floating_value(loss):
-      raise TypeError(
-          f"the loss must be a floating scalar, got "
-          f"{_tree.leaf_description(loss)}")
-    # The loss is fp32 whatever the compute dtype: scaling a half-precision
-    # loss would overflow long before the gradients do.
-    loss = jnp.asarray(loss).astype(jnp.float32)
-    return loss_scale.scale(loss), (loss, aux)
-
-  def value_and_scaled_grad(*args, **kwargs):
-    (_, (loss, aux)), grads = value_and_grad(
-        scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
-
-  return value_and_scaled_grad
-
-
-def under_loss_rules(fun: Callable[..., Any], policy: Union[Policy, str]
-                     ) -> Callable[..., Any]:
-  """``fun`` (a loss) under ``policy``'s loss rules, where the policy
-  computes in half (:func:`jmp_lab.precision.island`); else ``fun``."""
-  policy = get_policy(policy)
-  if policy.compute_dtype not in HALF_DTYPES:
-    return fun
-  return loss_rules(fun, policy)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -479,3 +399,7 @@ def _refusing_donated(jitted: Callable, donate: bool) -> Callable:
     if hasattr(jitted, stage):
       setattr(step, stage, getattr(jitted, stage))
   return step
+
+
+__all__ = ["TrainState", "make_train_step", "scaled_value_and_grad",
+           "train_step"]

@@ -606,7 +606,7 @@ def test_nnx_fp8_linears_add_their_biases_and_sum_their_gradients(spec):
 
 def test_nnx_linears_are_fp8_and_the_meta_is_overwritten_not_optimized():
   model, optimizer = nnx_setup("mixed_fp8")
-  assert isinstance(model.up.fp8_meta, jmp_lab.nnx.Fp8Meta)
+  assert isinstance(model.up.fp8_meta, jmp_lab.nnx.Fp8State)
   step, state = jmp_lab.nnx.split_train_step(nnx_loss, model, optimizer)
   assert jmp_lab.diagnostics.audit_step(step, state, (X, Y)).fp8_flop_share == 1.0
   train = jmp_lab.nnx.make_train_step(nnx_loss)
@@ -668,8 +668,8 @@ def test_nnx_skipped_step_keeps_the_fp8_state_and_orbax_restores_it(tmp_path):
     fresh = nnx_setup("mixed_fp8", jmp_lab.DynamicLossScale(2.0**8))
     restored = checkpointer.restore(tmp_path / "ckpt", nnx.state(fresh))
   nnx.update(fresh, restored)
-  tree_bits_equal(nnx.as_pure(nnx.state(fresh[0], jmp_lab.nnx.Fp8Meta)),
-                  nnx.as_pure(nnx.state(model, jmp_lab.nnx.Fp8Meta)))
+  tree_bits_equal(nnx.as_pure(nnx.state(fresh[0], jmp_lab.nnx.Fp8State)),
+                  nnx.as_pure(nnx.state(model, jmp_lab.nnx.Fp8State)))
   a = train(model, optimizer, (X, Y))
   b = train(*fresh, (X, Y))
   assert float(a["loss"]) == float(b["loss"])
@@ -940,7 +940,7 @@ class _NnxScanned(nnx.Module):
 
 
 def test_nnx_layers_stacked_by_vmap_get_one_scaling_state_each():
-  """A Linear built under nnx.vmap holds a stack of kernels; its Fp8Meta is
+  """A Linear built under nnx.vmap holds a stack of kernels; its Fp8State is
   stacked the same way, so nnx.scan slices one state per layer (an
   unstacked one made nnx.scan fail: "tuple index out of range"). Each layer
   observes its own amaxes, and compiled for the H100 every GEMM of the

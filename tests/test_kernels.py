@@ -447,7 +447,7 @@ def test_cast_transpose_kernel_equals_xla_quantization(shape, programs, dtype,
   x = x.at[3, 5].set(jnp.asarray(-60000.0 if dtype == jnp.float16 else 1e6,
                                  dtype))  # saturates
   scale = jnp.float32(0.37)
-  lay = cast_transpose.layout(shape, programs)
+  lay = cast_transpose.tiling(shape, programs)
   assert lay is not None and lay.programs == programs
   q, q_t, maxima = cast_transpose.cast_transpose(
       x, scale, fp8, lay, interpret=implementation == "interpret")
@@ -479,10 +479,10 @@ def test_cast_transpose_kernel_sums_the_columns(shape, programs, strips,
   x = (jax.random.normal(jax.random.PRNGKey(7), shape) * 4).astype(
       jnp.bfloat16)
   scale = jnp.float32(0.25)
-  lay = cast_transpose.layout(shape, programs, column_sums=True)
+  lay = cast_transpose.tiling(shape, programs, column_sums=True)
   assert lay.strips == strips and lay.programs == programs
   plain = cast_transpose.cast_transpose(
-      x, scale, jnp.float8_e5m2, cast_transpose.layout(shape, programs),
+      x, scale, jnp.float8_e5m2, cast_transpose.tiling(shape, programs),
       interpret=implementation == "interpret")
   q, q_t, maxima, sums = cast_transpose.cast_transpose(
       x, scale, jnp.float8_e5m2, lay, interpret=implementation == "interpret")
@@ -496,12 +496,12 @@ def test_cast_transpose_kernel_sums_the_columns(shape, programs, strips,
 
 
 def test_cast_transpose_layout_tiles_over_exactly_the_programs_or_none():
-  lay = cast_transpose.layout((8192, 2048), 1024)
+  lay = cast_transpose.tiling((8192, 2048), 1024)
   assert (8192 // lay.tile_rows) * (2048 // lay.tile_cols) == (
       lay.tiles_per_program * 1024)
-  assert cast_transpose.layout((100, 768), 1024) is None   # ragged rows
-  assert cast_transpose.layout((64, 64), 1024) is None     # too few tiles
-  assert cast_transpose.layout((64, 64, 2), 4) is None     # not 2-D
+  assert cast_transpose.tiling((100, 768), 1024) is None   # ragged rows
+  assert cast_transpose.tiling((64, 64), 1024) is None     # too few tiles
+  assert cast_transpose.tiling((64, 64, 2), 4) is None     # not 2-D
 
 
 def test_quantize_transpose_off_cuda_is_xla_quantization_and_its_parts():
@@ -546,7 +546,7 @@ def test_cast_transpose_compiles_for_the_h100_as_one_kernel_without_spills(
   64 x 128 the sums took 168 registers a thread, half the resident warps."""
   pytest.importorskip("jax_cuda12_plugin")
   from jmp_lab.diagnostics import compiled_report
-  lay = cast_transpose.layout(shape, 1024, column_sums)
+  lay = cast_transpose.tiling(shape, 1024, column_sums)
   report = compiled_report(
       lambda x, s: cast_transpose.cast_transpose(x, s, jnp.float8_e5m2, lay),
       jax.ShapeDtypeStruct(shape, jnp.bfloat16),

@@ -222,7 +222,7 @@ def test_reduce_dtype_reaches_linear_weight_gradients_and_the_embed_table():
   jnnx.with_policy(model, "mixed_bfloat16")  # applied again: taken back
   assert model.out.dot_general is jax.lax.dot_general is not default
   jnnx.with_policy(model, "mixed_fp8")  # and fp8 may follow
-  assert isinstance(model.out.fp8_meta, jnnx.Fp8Meta)
+  assert isinstance(model.out.fp8_meta, jnnx.Fp8State)
 
 
 class SharedLinear(nnx.Module):

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jmp_lab import _tree
-from jmp_lab.state import find_state
+from jmp_lab._src.optim.states import find_state
 
 # --------------------------------------------------------------------------
 # Memory report.

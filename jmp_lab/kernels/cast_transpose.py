@@ -18,7 +18,7 @@ maximum is ``x``'s amax. The tile sizes are chosen so that the programs
 number exactly ``len(maxima)`` (the fp8 history's length), each walking
 ``tiles_per_program`` tiles, so the maxima need no second reduction. Shapes
 that do not split so, or whose rows or columns are not multiples of 32,
-stay on XLA's path (:func:`layout` returns None).
+stay on XLA's path (:func:`tiling` returns None).
 
 The quantization is the one XLA compiles for the GPU from Flax's
 ``fp8_ops.quantize``: ``x / scale`` in fp32, clipped to the format's
@@ -56,7 +56,7 @@ _MAX_TILE_WITH_SUMS = 64 * 64
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Tiling:
   """How :func:`cast_transpose` splits an ``(rows, cols)`` tensor.
 
   With ``column_sums`` the kernel also writes partial sums of the columns.
@@ -79,18 +79,18 @@ class Layout:
     return row_tiles // self.tiles_per_program if self.strips else row_tiles
 
 
-def layout(shape: tuple[int, ...], programs: int, column_sums: bool = False
-           ) -> Optional[Layout]:
+def tiling(shape: tuple[int, ...], programs: int, column_sums: bool = False
+           ) -> Optional[Tiling]:
   """The tiling of a 2-D ``shape`` over exactly ``programs`` programs, or
   None when there is none (XLA's path then quantizes). With
   ``column_sums``, a tiling whose programs each own one column strip is
   preferred (fewer partial sums to write).
 
-  >>> layout((8192, 768), 1024)
-  Layout(tile_rows=64, tile_cols=32, tiles_per_program=3, programs=1024, column_sums=False, strips=False)
-  >>> layout((8192, 2048), 1024, column_sums=True).strips   # 2 tiles a strip
+  >>> tiling((8192, 768), 1024)
+  Tiling(tile_rows=64, tile_cols=32, tiles_per_program=3, programs=1024, column_sums=False, strips=False)
+  >>> tiling((8192, 2048), 1024, column_sums=True).strips   # 2 tiles a strip
   True
-  >>> layout((100, 768), 1024) is None   # rows not a multiple of 32
+  >>> tiling((100, 768), 1024) is None   # rows not a multiple of 32
   True
   """
   if len(shape) != 2 or programs < 1:
@@ -107,20 +107,20 @@ def layout(shape: tuple[int, ...], programs: int, column_sums: bool = False
         continue
       per_program = tiles // programs
       strips = column_sums and (rows // tile_rows) % per_program == 0
-      tilings.append(Layout(tile_rows, tile_cols, per_program, programs,
+      tilings.append(Tiling(tile_rows, tile_cols, per_program, programs,
                             column_sums, strips))
   # The largest tiles, preferring strips where there are column sums.
   return max(tilings, key=lambda t: t.strips, default=None)
 
 
 def _kernel(scale_ref, x_ref, q_ref, q_t_ref, maxima_ref, *sums_ref,
-            layout: Layout, row_tiles: int, col_tiles: int, fp8_max: float):
+            tiling: Tiling, row_tiles: int, col_tiles: int, fp8_max: float):
   program = pl.program_id(0)
   scale = scale_ref[0]
-  rows, cols = layout.tile_rows, layout.tile_cols
+  rows, cols = tiling.tile_rows, tiling.tile_cols
 
   def where(index):  # the (row tile, column tile) of a tile index
-    if layout.strips:  # down a column strip
+    if tiling.strips:  # down a column strip
       return index % row_tiles, index // row_tiles
     return index // col_tiles, index % col_tiles
 
@@ -128,61 +128,61 @@ def _kernel(scale_ref, x_ref, q_ref, q_t_ref, maxima_ref, *sums_ref,
     # (The column sums are carried only down a strip: a carry the loop
     # does not use still costs registers.)
     running_max, *column_sums = carry
-    row_tile, col_tile = where(program * layout.tiles_per_program + k)
+    row_tile, col_tile = where(program * tiling.tiles_per_program + k)
     row = pl.ds(pl.multiple_of(row_tile * rows, rows), rows)
     col = pl.ds(pl.multiple_of(col_tile * cols, cols), cols)
     x = x_ref[row, col].astype(jnp.float32)
     q = jnp.clip(x / scale, -fp8_max, fp8_max)
     q_ref[row, col] = q.astype(q_ref.dtype)
     q_t_ref[col, row] = q.T.astype(q_t_ref.dtype)
-    if layout.strips:
+    if tiling.strips:
       column_sums = [column_sums[0] + jnp.sum(x, axis=0)]
-    elif layout.column_sums:  # a row of sums for each tile
+    elif tiling.column_sums:  # a row of sums for each tile
       sums_ref[0][pl.ds(row_tile, 1), col] = jnp.sum(x, axis=0)[None, :]
     return (jnp.maximum(running_max, jnp.max(jnp.abs(x))), *column_sums)
 
   carry = (jnp.float32(0),)
-  if layout.strips:
+  if tiling.strips:
     carry += (jnp.zeros((cols,), jnp.float32),)
-  largest, *column_sums = jax.lax.fori_loop(0, layout.tiles_per_program,
+  largest, *column_sums = jax.lax.fori_loop(0, tiling.tiles_per_program,
                                             tile, carry)
   maxima_ref[...] = jnp.full((1,), largest, jnp.float32)
-  if layout.strips:
-    _, col_tile = where(program * layout.tiles_per_program)
-    strip_row = program % (row_tiles // layout.tiles_per_program)
+  if tiling.strips:
+    _, col_tile = where(program * tiling.tiles_per_program)
+    strip_row = program % (row_tiles // tiling.tiles_per_program)
     col = pl.ds(pl.multiple_of(col_tile * cols, cols), cols)
     sums_ref[0][pl.ds(strip_row, 1), col] = column_sums[0][None, :]
 
 
-def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
+def cast_transpose(x: jax.Array, scale: jax.Array, dtype, tiling: Tiling, *,
                    interpret: bool = False) -> tuple[jax.Array, ...]:
   """``(q, q.T, maxima)``: ``x`` (2-D, 16-bit) quantized to the fp8
   ``dtype`` with ``scale`` (``q = x / scale``, clipped), its transpose, and
-  ``layout.programs`` partial maxima of ``|x|`` (fp32). With
-  ``layout.column_sums``, a fourth result: partial sums of ``x``'s columns
-  in fp32, ``layout.sum_rows(rows)`` rows of them (their sum over rows is
+  ``tiling.programs`` partial maxima of ``|x|`` (fp32). With
+  ``tiling.column_sums``, a fourth result: partial sums of ``x``'s columns
+  in fp32, ``tiling.sum_rows(rows)`` rows of them (their sum over rows is
   the column sum: a Dense layer's bias gradient, which Transformer Engine's
   ``cast_transpose_dbias`` computes in the same pass).
 
   >>> import jax.numpy as jnp
   >>> x = jnp.tile(jnp.arange(128, dtype=jnp.bfloat16) / 8, (64, 1))
-  >>> x_layout = layout(x.shape, 2)   # two programs: 64 columns each
+  >>> x_tiling = tiling(x.shape, 2)   # two programs: 64 columns each
   >>> q, q_t, maxima = cast_transpose(x, jnp.float32(0.5), jnp.float8_e5m2,
-  ...                                 x_layout, interpret=True)
+  ...                                 x_tiling, interpret=True)
   >>> q.dtype, q_t.shape, maxima.tolist()
   (dtype(float8_e5m2), (128, 64), [7.875, 15.875])
   >>> bool((q_t.T == q).all()), float(q[0, 2])   # (2 / 8) / 0.5
   (True, 0.5)
   >>> *_, sums = cast_transpose(x, jnp.float32(0.5), jnp.float8_e5m2,
-  ...     layout(x.shape, 2, column_sums=True), interpret=True)
+  ...     tiling(x.shape, 2, column_sums=True), interpret=True)
   >>> sums.shape, float(sums.sum(axis=0)[2])   # 64 rows of 2 / 8
   ((1, 128), 16.0)
   """
   rows, cols = x.shape
   fp8_max = float(jnp.finfo(dtype).max)
   kernel = functools.partial(
-      _kernel, layout=layout, row_tiles=rows // layout.tile_rows,
-      col_tiles=cols // layout.tile_cols, fp8_max=fp8_max)
+      _kernel, tiling=tiling, row_tiles=rows // tiling.tile_rows,
+      col_tiles=cols // tiling.tile_cols, fp8_max=fp8_max)
 
   def whole(shape):  # each program slices its own tiles
     return pl.BlockSpec(shape, lambda p: (0,) * len(shape))
@@ -191,9 +191,9 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
                pl.BlockSpec((1,), lambda p: (p,))]
   out_shape = [jax.ShapeDtypeStruct(x.shape, dtype),
                jax.ShapeDtypeStruct((cols, rows), dtype),
-               jax.ShapeDtypeStruct((layout.programs,), jnp.float32)]
-  if layout.column_sums:
-    sums_shape = (layout.sum_rows(rows), cols)
+               jax.ShapeDtypeStruct((tiling.programs,), jnp.float32)]
+  if tiling.column_sums:
+    sums_shape = (tiling.sum_rows(rows), cols)
     out_specs.append(whole(sums_shape))
     out_shape.append(jax.ShapeDtypeStruct(sums_shape, jnp.float32))
   compiler_params = None
@@ -203,7 +203,7 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
     compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS,
                                               num_stages=2)
   return tuple(pl.pallas_call(
-      kernel, grid=(layout.programs,),
+      kernel, grid=(tiling.programs,),
       in_specs=[whole((1,)), whole(x.shape)],
       out_specs=tuple(out_specs), out_shape=tuple(out_shape),
       compiler_params=compiler_params, interpret=interpret,
@@ -212,7 +212,7 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, layout: Layout, *,
 
 
 # ---------------------------------------------------------------------------
-# The op: the kernel where it runs (CUDA, a layout), XLA's quantization
+# The op: the kernel where it runs (CUDA, a tiling), XLA's quantization
 # elsewhere; split by rows across devices; a vmap rule.
 # ---------------------------------------------------------------------------
 
@@ -234,10 +234,10 @@ def _local(x, scale, dtype_name: str, programs: int, quantize: Callable,
            column_sums: bool):
   """One device's rows: the kernel, or XLA's path where its rows do not
   tile (``quantize`` is XLA's formula)."""
-  local_layout = layout(x.shape, programs, column_sums)
-  if local_layout is None:
+  local_tiling = tiling(x.shape, programs, column_sums)
+  if local_tiling is None:
     return _xla_path(x, scale, quantize, programs, column_sums)
-  out = cast_transpose(x, scale, jnp.dtype(dtype_name), local_layout)
+  out = cast_transpose(x, scale, jnp.dtype(dtype_name), local_tiling)
   if column_sums:  # the strips' partial sums, summed
     return out[:3] + (jnp.sum(out[3], axis=0),)
   return out
@@ -290,7 +290,7 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
                        programs: int, quantize: Callable, *,
                        column_sums: bool = False) -> tuple[jax.Array, ...]:
   """``(q, q.T, maxima)`` of a 2-D ``x``: :func:`cast_transpose` in a step
-  compiled for CUDA where ``x`` is 16-bit and :func:`layout` tiles it over
+  compiled for CUDA where ``x`` is 16-bit and :func:`tiling` tiles it over
   ``programs``; elsewhere XLA's path: ``quantize(x, scale)`` (the fp8
   tensor), its transpose, and ``x``'s maxima over ``programs`` equal parts.
   With ``column_sums``, a fourth result: ``x``'s column sums in fp32 (the
@@ -305,7 +305,7 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
   path.
   """
   if (x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16)
-      or layout(x.shape, programs, column_sums) is None):
+      or tiling(x.shape, programs, column_sums) is None):
     return _xla_path(x, scale, quantize, programs, column_sums)
   dtype_name = jnp.dtype(dtype).name
   scale = jnp.reshape(scale.astype(jnp.float32), (1,))

@@ -21,7 +21,7 @@ tile of each per pair of tiles). The price is compute: the logits GEMM runs
 three times (forward and once in each backward kernel), against twice in
 the XLA path. ``benchmarks/RESULTS.md`` has the compiled figures.
 
-Layout and limits. ``rows`` is the kernel as vocabulary rows, ``(V, D)``,
+Tiling and limits. ``rows`` is the kernel as vocabulary rows, ``(V, D)``,
 padded to whole tiles (a tied embedding's table is this already); the
 hidden states are ``(N, D)``, padded to whole tiles of tokens. Operands are
 bf16 or fp16 (the GEMMs are half-precision tensor-core dots with fp32
@@ -67,7 +67,7 @@ MAX_HELD_COLUMNS = 768
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Tiling:
   """The static shape of one call: hidden width, vocabulary, soft cap."""
   width: int              # D
   vocab: int              # V: rows at or past it are padding
@@ -124,7 +124,7 @@ def gemm_flops(kernel_name: str, hidden_dims: Sequence[int],
   if kernel_name == "_statistics_kernel":
     return product
   if kernel_name in ("_hidden_gradient_kernel", "_rows_gradient_kernel"):
-    return product * (Layout(width, vocab, None).groups + 1)
+    return product * (Tiling(width, vocab, None).groups + 1)
   return None
 
 
@@ -143,14 +143,14 @@ def why_xla_is_cheaper(width: int) -> str:
   return ""
 
 
-def _logits(hidden, rows_ref, vocab_slice, layout: Layout):
+def _logits(hidden, rows_ref, vocab_slice, tiling: Tiling):
   """A tile's fp32 logits (soft-capped) and ``tanh`` of the cap's argument
   (None without a cap) for the backward pass. ``hidden`` is the held tile's
   chunks, or ``(hidden_ref, token_slice)`` to read it chunk by chunk in a
   loop (wide D: an unrolled sum would stage every chunk in shared memory)."""
   def chunk_logits(hidden_chunk, c):
     return pl.dot(hidden_chunk,
-                  rows_ref[vocab_slice, pl.ds(c * layout.chunk, layout.chunk)],
+                  rows_ref[vocab_slice, pl.ds(c * tiling.chunk, tiling.chunk)],
                   trans_b=True).astype(jnp.float32)
 
   if isinstance(hidden, list):
@@ -159,43 +159,43 @@ def _logits(hidden, rows_ref, vocab_slice, layout: Layout):
     hidden_ref, token_slice = hidden
     zeros = jnp.zeros((token_slice.size, vocab_slice.size), jnp.float32)
     logits = jax.lax.fori_loop(
-        0, layout.chunks, lambda c, acc: acc + chunk_logits(
-            hidden_ref[token_slice, pl.ds(c * layout.chunk, layout.chunk)],
+        0, tiling.chunks, lambda c, acc: acc + chunk_logits(
+            hidden_ref[token_slice, pl.ds(c * tiling.chunk, tiling.chunk)],
             c), zeros)
   capped = None
-  if layout.cap is not None:
-    capped = jnp.tanh(logits / layout.cap)
-    logits = layout.cap * capped
+  if tiling.cap is not None:
+    capped = jnp.tanh(logits / tiling.cap)
+    logits = tiling.cap * capped
   return logits, capped
 
 
-def _hidden_chunks(hidden_ref, token_slice, layout: Layout):
-  return [hidden_ref[token_slice, pl.ds(c * layout.chunk, layout.chunk)]
-          for c in range(layout.chunks)]
+def _hidden_chunks(hidden_ref, token_slice, tiling: Tiling):
+  return [hidden_ref[token_slice, pl.ds(c * tiling.chunk, tiling.chunk)]
+          for c in range(tiling.chunks)]
 
 
-def _held_hidden(hidden_ref, token_slice, layout: Layout):
+def _held_hidden(hidden_ref, token_slice, tiling: Tiling):
   """The program's hidden tile, loaded once and held through the loop over
   the vocabulary where it fits (D up to 768); None where it must be read
   again at each step (from L2: the same tile each time)."""
-  if layout.width > MAX_HELD_COLUMNS:
+  if tiling.width > MAX_HELD_COLUMNS:
     return None
-  return _hidden_chunks(hidden_ref, token_slice, layout)
+  return _hidden_chunks(hidden_ref, token_slice, tiling)
 
 
 def _statistics_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, label_ref,
-                       *, layout: Layout, vocab_tiles: int):
+                       *, tiling: Tiling, vocab_tiles: int):
   tokens = pl.ds(pl.program_id(0) * FORWARD_TOKENS, FORWARD_TOKENS)
   labels = labels_ref[tokens]
-  held = _held_hidden(hidden_ref, tokens, layout)
+  held = _held_hidden(hidden_ref, tokens, tiling)
 
   def step(j, carry):
     maximum, total, label_logit = carry
     hidden = held or (hidden_ref, tokens)
     logits, _ = _logits(hidden, rows_ref,
-                        pl.ds(j * FORWARD_VOCAB, FORWARD_VOCAB), layout)
+                        pl.ds(j * FORWARD_VOCAB, FORWARD_VOCAB), tiling)
     ids = j * FORWARD_VOCAB + jnp.arange(FORWARD_VOCAB)
-    logits = jnp.where(ids[None, :] < layout.vocab, logits, -jnp.inf)
+    logits = jnp.where(ids[None, :] < tiling.vocab, logits, -jnp.inf)
     label_logit = label_logit + jnp.sum(
         jnp.where(ids[None, :] == labels[:, None], logits, 0.0), axis=1)
     new_max = jnp.maximum(maximum, jnp.max(logits, axis=1))
@@ -212,7 +212,7 @@ def _statistics_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, label_ref,
   label_ref[tokens] = label_logit
 
 
-def _logits_gradient(logits, capped, ids, labels, lse, g, layout: Layout,
+def _logits_gradient(logits, capped, ids, labels, lse, g, tiling: Tiling,
                      dtype):
   """``g * (softmax - onehot)`` of a tile, through the soft cap, in the
   operands' dtype for the gradient GEMMs."""
@@ -221,66 +221,66 @@ def _logits_gradient(logits, capped, ids, labels, lse, g, layout: Layout,
   d_logits = (probs - onehot) * g[:, None]
   if capped is not None:
     d_logits = d_logits * (1.0 - capped * capped)
-  return jnp.where(ids[None, :] < layout.vocab, d_logits, 0.0).astype(dtype)
+  return jnp.where(ids[None, :] < tiling.vocab, d_logits, 0.0).astype(dtype)
 
 
 def _hidden_gradient_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, g_ref,
-                            d_hidden_ref, *, layout: Layout, vocab_tiles: int):
+                            d_hidden_ref, *, tiling: Tiling, vocab_tiles: int):
   tokens = pl.ds(pl.program_id(0) * HIDDEN_GRAD_TOKENS, HIDDEN_GRAD_TOKENS)
-  first_chunk = pl.program_id(1) * layout.chunks_per_group
+  first_chunk = pl.program_id(1) * tiling.chunks_per_group
   labels, lse, g = labels_ref[tokens], lse_ref[tokens], g_ref[tokens]
-  held = _held_hidden(hidden_ref, tokens, layout)
+  held = _held_hidden(hidden_ref, tokens, tiling)
 
   def columns(c):
-    return pl.ds((first_chunk + c) * layout.chunk, layout.chunk)
+    return pl.ds((first_chunk + c) * tiling.chunk, tiling.chunk)
 
   def step(j, sums):
     vocab = pl.ds(j * HIDDEN_GRAD_VOCAB, HIDDEN_GRAD_VOCAB)
     hidden = held or (hidden_ref, tokens)
-    logits, capped = _logits(hidden, rows_ref, vocab, layout)
+    logits, capped = _logits(hidden, rows_ref, vocab, tiling)
     ids = j * HIDDEN_GRAD_VOCAB + jnp.arange(HIDDEN_GRAD_VOCAB)
-    d_logits = _logits_gradient(logits, capped, ids, labels, lse, g, layout,
+    d_logits = _logits_gradient(logits, capped, ids, labels, lse, g, tiling,
                                 hidden_ref.dtype)
     return tuple(s + pl.dot(d_logits, rows_ref[vocab, columns(c)])
                  for c, s in enumerate(sums))
 
   sums = jax.lax.fori_loop(
       0, vocab_tiles, step,
-      tuple(jnp.zeros((HIDDEN_GRAD_TOKENS, layout.chunk), jnp.float32)
-            for _ in range(layout.chunks_per_group)))
+      tuple(jnp.zeros((HIDDEN_GRAD_TOKENS, tiling.chunk), jnp.float32)
+            for _ in range(tiling.chunks_per_group)))
   for c, s in enumerate(sums):
     d_hidden_ref[tokens, columns(c)] = s.astype(d_hidden_ref.dtype)
 
 
 def _rows_gradient_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, g_ref,
-                          d_rows_ref, *, layout: Layout, token_tiles: int):
+                          d_rows_ref, *, tiling: Tiling, token_tiles: int):
   vocab = pl.ds(pl.program_id(0) * ROWS_GRAD_VOCAB, ROWS_GRAD_VOCAB)
-  first_chunk = pl.program_id(1) * layout.chunks_per_group
+  first_chunk = pl.program_id(1) * tiling.chunks_per_group
   ids = pl.program_id(0) * ROWS_GRAD_VOCAB + jnp.arange(ROWS_GRAD_VOCAB)
 
   def step(i, sums):
     tokens = pl.ds(i * ROWS_GRAD_TOKENS, ROWS_GRAD_TOKENS)
-    held = _held_hidden(hidden_ref, tokens, layout)
+    held = _held_hidden(hidden_ref, tokens, tiling)
     logits, capped = _logits(held or (hidden_ref, tokens), rows_ref, vocab,
-                             layout)
+                             tiling)
     d_logits = _logits_gradient(logits, capped, ids, labels_ref[tokens],
-                                lse_ref[tokens], g_ref[tokens], layout,
+                                lse_ref[tokens], g_ref[tokens], tiling,
                                 hidden_ref.dtype)
     # This program's group of columns of the hidden states.
-    mine = held if layout.groups == 1 and held else [
-        hidden_ref[tokens, pl.ds((first_chunk + c) * layout.chunk,
-                                 layout.chunk)]
-        for c in range(layout.chunks_per_group)]
+    mine = held if tiling.groups == 1 and held else [
+        hidden_ref[tokens, pl.ds((first_chunk + c) * tiling.chunk,
+                                 tiling.chunk)]
+        for c in range(tiling.chunks_per_group)]
     return tuple(s + pl.dot(d_logits, h, trans_a=True)
                  for h, s in zip(mine, sums))
 
   sums = jax.lax.fori_loop(
       0, token_tiles, step,
-      tuple(jnp.zeros((ROWS_GRAD_VOCAB, layout.chunk), jnp.float32)
-            for _ in range(layout.chunks_per_group)))
+      tuple(jnp.zeros((ROWS_GRAD_VOCAB, tiling.chunk), jnp.float32)
+            for _ in range(tiling.chunks_per_group)))
   for c, s in enumerate(sums):
-    d_rows_ref[vocab, pl.ds((first_chunk + c) * layout.chunk,
-                            layout.chunk)] = s.astype(d_rows_ref.dtype)
+    d_rows_ref[vocab, pl.ds((first_chunk + c) * tiling.chunk,
+                            tiling.chunk)] = s.astype(d_rows_ref.dtype)
 
 
 def _whole(shape):
@@ -335,10 +335,10 @@ def vocabulary_rows(kernel, dtype):
   return _pad_first_axis(kernel.astype(dtype).T, VOCAB_MULTIPLE)
 
 
-def _local_statistics(hidden, rows, labels, layout, interpret):
+def _local_statistics(hidden, rows, labels, tiling, interpret):
   tokens = hidden.shape[0]
   hidden, labels = _pad_tokens(hidden, labels)
-  kernel = functools.partial(_statistics_kernel, layout=layout,
+  kernel = functools.partial(_statistics_kernel, tiling=tiling,
                              vocab_tiles=rows.shape[0] // FORWARD_VOCAB)
   out = (jax.ShapeDtypeStruct(labels.shape, jnp.float32),) * 2
   # One stage: two would double the shared memory of the held hidden tile.
@@ -348,23 +348,23 @@ def _local_statistics(hidden, rows, labels, layout, interpret):
   return lse[:tokens], label_logit[:tokens]
 
 
-def _local_hidden_gradient(hidden, rows, labels, lse, g, layout, interpret):
+def _local_hidden_gradient(hidden, rows, labels, lse, g, tiling, interpret):
   tokens = hidden.shape[0]
   hidden, labels, lse, g = _pad_tokens(hidden, labels, lse, g)
-  kernel = functools.partial(_hidden_gradient_kernel, layout=layout,
+  kernel = functools.partial(_hidden_gradient_kernel, tiling=tiling,
                              vocab_tiles=rows.shape[0] // HIDDEN_GRAD_VOCAB)
-  grid = (hidden.shape[0] // HIDDEN_GRAD_TOKENS, layout.groups)
+  grid = (hidden.shape[0] // HIDDEN_GRAD_TOKENS, tiling.groups)
   return _call(kernel, grid, (hidden, rows, labels, lse, g),
                jax.ShapeDtypeStruct(hidden.shape, hidden.dtype), interpret,
                num_stages=2)[:tokens]
 
 
-def _local_rows_gradient(hidden, rows, labels, lse, g, layout, interpret,
+def _local_rows_gradient(hidden, rows, labels, lse, g, tiling, interpret,
                          dtype):
   hidden, labels, lse, g = _pad_tokens(hidden, labels, lse, g)
-  kernel = functools.partial(_rows_gradient_kernel, layout=layout,
+  kernel = functools.partial(_rows_gradient_kernel, tiling=tiling,
                              token_tiles=hidden.shape[0] // ROWS_GRAD_TOKENS)
-  grid = (rows.shape[0] // ROWS_GRAD_VOCAB, layout.groups)
+  grid = (rows.shape[0] // ROWS_GRAD_VOCAB, tiling.groups)
   return _call(kernel, grid, (hidden, rows, labels, lse, g),
                jax.ShapeDtypeStruct(rows.shape, dtype), interpret,
                num_stages=2)
@@ -456,23 +456,23 @@ def _vmappable(fn, per_token: bool):
   return batchable
 
 
-def statistics(hidden, rows, labels, layout: Layout, *, interpret=False):
+def statistics(hidden, rows, labels, tiling: Tiling, *, interpret=False):
   """Per token: fp32 log-sum-exp of the logits and the label's logit."""
   _check_rows(rows)
-  return _vmappable(lambda h, r, y: _statistics(h, r, y, layout, interpret),
+  return _vmappable(lambda h, r, y: _statistics(h, r, y, tiling, interpret),
                     per_token=True)(hidden, rows, labels)
 
 
-def hidden_gradient(hidden, rows, labels, lse, g, layout: Layout, *,
+def hidden_gradient(hidden, rows, labels, lse, g, tiling: Tiling, *,
                     interpret=False):
   """``d_logits @ rows`` without the logits, in the hidden's dtype."""
   _check_rows(rows)
   return _vmappable(
-      lambda *xs: _hidden_gradient(*xs, layout, interpret),
+      lambda *xs: _hidden_gradient(*xs, tiling, interpret),
       per_token=True)(hidden, rows, labels, lse, g)
 
 
-def rows_gradient(hidden, rows, labels, lse, g, layout: Layout, dtype, *,
+def rows_gradient(hidden, rows, labels, lse, g, tiling: Tiling, dtype, *,
                   interpret=False):
   """``d_logits.T @ hidden`` without the logits, accumulated in fp32 and
   written in ``dtype`` (the kernel's); summed over the devices that split
@@ -480,5 +480,5 @@ def rows_gradient(hidden, rows, labels, lse, g, layout: Layout, dtype, *,
   _check_rows(rows)
   name = jnp.dtype(dtype).name
   return _vmappable(
-      lambda *xs: _rows_gradient(*xs, layout, interpret, name),
+      lambda *xs: _rows_gradient(*xs, tiling, interpret, name),
       per_token=False)(hidden, rows, labels, lse, g)

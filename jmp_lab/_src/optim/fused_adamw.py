@@ -14,13 +14,15 @@ import optax
 
 from jmp_lab import _checks, _tree
 from jmp_lab._src.optim import fused_flat, fused_tree
-from jmp_lab._src.optim.fused_spec import FusedSpec, ScalarOrSchedule
+from jmp_lab._src.optim.fused_spec import (FusedSpec, ScalarOrSchedule,
+                                          WritesParams)
 from jmp_lab._src.optim.masters import Master
 from jmp_lab._src.optim.states import FusedAdamWState, ParamsSpec, find_state
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels import registry
 from jmp_lab.kernels.reference import AdamWConfig
-from jmp_lab.loss_scale import LossScale, default_loss_scale, fresh_copy
+from jmp_lab.loss_scale import (LossScale, check_loss_scale,
+                                default_loss_scale, fresh_copy)
 from jmp_lab.policy import Policy, get_policy
 
 LAYOUTS = ("tree", "flat")
@@ -133,7 +135,7 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
   policy = get_policy(policy)
   if loss_scale is None:
     loss_scale = default_loss_scale(policy)
-  _checks.check_loss_scale(loss_scale)
+  check_loss_scale(loss_scale)
   _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
                          max_grad_norm)
   backend = registry.resolve(backend)
@@ -188,7 +190,7 @@ def _init(spec: FusedSpec, params: Any) -> FusedAdamWState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FusedUpdate:
+class FusedUpdate(WritesParams):
   """The update of a :func:`fused_adamw`: ``update(grads, state, params)``
   gives optax's ``(updates, new state)``; :meth:`new_params` gives the
   params the kernel wrote instead.

@@ -3,6 +3,7 @@ layouts' steps (:mod:`.fused_tree`, :mod:`.fused_flat`)."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Callable, Optional, Union
 
@@ -10,13 +11,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab._src.optim.masters import Master
-from jmp_lab._src.optim.states import FusedAdamWState
-from jmp_lab.kernels.reference import AdamWConfig, inverse_bias_corrections
-from jmp_lab.loss_scale import LossScale
-from jmp_lab.policy import Policy
+from jmp_lab.kernels.reference import inverse_bias_corrections
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
+
+
+class WritesParams(abc.ABC):
+  """An update that can hand back the new params its kernel wrote, with no
+  ``updates`` tree and no ``optax.apply_updates`` pass
+  (:class:`jmp_lab.fused.FusedUpdate`); the train steps use it where they
+  can."""
+
+  @abc.abstractmethod
+  def new_params(self, grads: Any, state: Any, params: Any = None, *,
+                 also_finite: Any = None) -> tuple[Any, Any]:
+    """``(new params, new state)``."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,8 +43,8 @@ class FusedSpec:
     mu_dtype, nu_dtype: the moments' stored dtypes.
   """
 
-  policy: Policy
-  loss_scale: LossScale
+  policy: Any            # a jmp_lab.Policy
+  loss_scale: Any        # a jmp_lab.LossScale
   learning_rate: ScalarOrSchedule
   b1: float
   b2: float
@@ -48,8 +57,8 @@ class FusedSpec:
   backend: str
   tree_backend: str
   layout: str
-  master: Master
-  config: AdamWConfig
+  master: Any            # a masters.Master
+  config: Any            # a kernels.AdamWConfig
   mu_dtype: np.dtype
   nu_dtype: np.dtype
 
@@ -76,8 +85,8 @@ class FusedSpec:
       return jax.tree_util.tree_map(lambda _: True, params)
     return self.mask(params) if callable(self.mask) else self.mask
 
-  def next_state(self, state: FusedAdamWState, finite: jax.Array, master,
-                 mu, nu, remainders=None) -> FusedAdamWState:
+  def next_state(self, state: Any, finite: jax.Array, master, mu, nu,
+                 remainders=None) -> Any:
     """The state after a step: the counters and loss scale advance by the
     finite flag; the kernel's outputs are the new buffers."""
     return state._replace(

@@ -12,7 +12,8 @@ import optax
 from jmp_lab import _checks
 from jmp_lab._src.optim import gate, masters
 from jmp_lab._src.optim.states import MixedPrecisionState, ParamsSpec
-from jmp_lab.loss_scale import LossScale, default_loss_scale, fresh_copy
+from jmp_lab.loss_scale import (LossScale, check_loss_scale,
+                                default_loss_scale, fresh_copy)
 from jmp_lab.policy import Policy, get_policy
 
 
@@ -72,7 +73,7 @@ def mixed_precision(
   policy = get_policy(policy)
   if loss_scale is None:
     loss_scale = default_loss_scale(policy)
-  _checks.check_loss_scale(loss_scale)
+  check_loss_scale(loss_scale)
   update = MixedPrecisionUpdate(
       optax.with_extra_args_support(inner), policy, loss_scale,
       masters.Master.of(master, rounding, rounding_seed, policy), axis_name)

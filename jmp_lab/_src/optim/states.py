@@ -26,7 +26,6 @@ import numpy as np
 import optax
 
 from jmp_lab import _tree, remainder
-from jmp_lab.loss_scale import LossScale
 from jmp_lab.policy import Policy
 
 
@@ -90,7 +89,7 @@ class MixedPrecisionState(NamedTuple):
 
   master_params: Optional[optax.Params]  # fp32 tree, or None for fp32 params
   inner_state: optax.OptState            # the wrapped transformation's state
-  loss_scale: LossScale
+  loss_scale: Any                        # a jmp_lab.LossScale
   skipped_steps: jax.Array               # int32 scalar
   last_step_applied: jax.Array           # bool scalar
   params_spec: ParamsSpec                # static: the params it was built for
@@ -132,7 +131,7 @@ class FusedAdamWState(NamedTuple):
   master_params: Optional[Any]           # fp32 (tree or flat), None for fp32 params
   mu: Any                                # first moment (tree or flat)
   nu: Any                                # second moment (tree or flat)
-  loss_scale: LossScale
+  loss_scale: Any                        # a jmp_lab.LossScale
   skipped_steps: jax.Array               # int32 scalar
   last_step_applied: jax.Array           # bool scalar
   layout: Any                            # static: TreeLayout or FlatLayout
@@ -189,7 +188,7 @@ def master_params(opt_state: Any, params: Any = None
   return find_state(opt_state).master_tree(params)
 
 
-def current_loss_scale(opt_state: Any) -> LossScale:
+def current_loss_scale(opt_state: Any) -> Any:
   """The loss scale to use for the next forward pass."""
   return find_state(opt_state).loss_scale
 

@@ -14,3 +14,6 @@ Layers, bottom up (each imports only those below it):
 * :mod:`.api` -- ``autocast``; :mod:`.linen`, :mod:`.nnx` -- front ends
   that only apply the plan's answers.
 """
+
+# The handlers register their choosers in the interpreter's table.
+from jmp_lab._src.precision import control, handlers  # noqa: E402,F401

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Optional, Union
 
-from jmp_lab._src.precision import nnx as nnx_front_end
 from jmp_lab._src.precision.interpreter import apply_rules
 from jmp_lab._src.precision.rules import Rules, make_rules
 from jmp_lab.policy import Policy, get_policy
@@ -107,22 +106,3 @@ class Autocast:
   @property
   def __wrapped__(self) -> Callable[..., Any]:
     return self.fn
-
-
-def loss_rules(fn: Callable[..., Any], policy: PolicySpec
-               ) -> Callable[..., Any]:
-  """``fn`` (a train step's loss) as an fp32 island whose matmuls run in the
-  policy's compute dtype: a head or ``linear_cross_entropy`` applied in the
-  loss computes in half, the loss's own arithmetic stays as written (fp32),
-  and modules under ``with_policy`` inside keep their own rules. NNX objects
-  among the arguments (an NNX model) are split and merged around the trace,
-  as NNX's own transforms do."""
-  policy = get_policy(policy)
-  rules = make_rules(policy.compute_dtype, island=True)
-
-  def run(*args, **kwargs):
-    if nnx_front_end.holds_nnx_objects((args, kwargs)):
-      return nnx_front_end.call_under_rules(fn, args, kwargs, rules)
-    return apply_rules(fn, rules)(*args, **kwargs)
-
-  return run

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab._src.precision import observers, scopes, tracing
-from jmp_lab._src.precision.handlers import Op, as_written, bind
-from jmp_lab._src.precision.rules import MATMUL_OPS
-from jmp_lab._src.precision.values import (Role, aval, dtype_of,
+from jmp_lab._src.precision import observers, scopes, table, tracing
+from jmp_lab._src.precision.ops import MATMUL_OPS
+from jmp_lab._src.precision.values import (Op, Role, as_written, aval, bind,
+                                           dtype_of,
                                            is_array, is_floating, restore,
                                            role_of_result, roles_by_dtype,
                                            written_dtype)
@@ -462,3 +462,5 @@ _REBUILT = {
     "checkpoint": checkpoint,
     "shard_map": shard_map,
 }
+
+table.higher_order = handler_for

@@ -10,86 +10,17 @@ their handlers in :mod:`.control`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import _gemm
-from jmp_lab._src.precision import observers, scopes
-from jmp_lab._src.precision.rules import COMPUTE_OPS, MATMUL_OPS, Rules
-from jmp_lab._src.precision.values import (F32, Role, cast, dtype_of, is_half,
-                                           is_floating, restore,
-                                           role_of_result, written_dtype)
-
-Handler = Callable[["Op"], tuple[list, list]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-  """What every equation of one interpretation shares.
-
-  Attributes:
-    rules: the op rules.
-    base: the named scopes above the jaxpr being evaluated.
-    transposable: False inside a ``custom_vjp`` (never transposed).
-    report: ``{(primitive, path): why}`` of what ran as written.
-    evaluate: the interpreter's ``(jaxpr, consts, args, roles, context) ->
-      (outs, roles)``, for the handlers of sub-jaxprs.
-  """
-
-  rules: Rules
-  base: tuple[str, ...]
-  transposable: bool
-  report: dict
-  evaluate: Callable
-
-  def inside(self, path: tuple[str, ...], **changes) -> "Context":
-    return dataclasses.replace(self, base=path, **changes)
-
-  def unreached(self, primitive: str, path: tuple[str, ...], why: str):
-    self.report.setdefault((primitive, scopes.user_path(path) or "<top>"),
-                           why)
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-  """One equation being evaluated."""
-
-  eqn: Any
-  invals: list
-  roles: list
-  path: tuple[str, ...]
-  region: scopes.Region
-  pulled: bool      # it only feeds fp32 ops: it runs in fp32 too
-  context: Context
-
-  @property
-  def name(self) -> str:
-    return self.eqn.primitive.name
-
-
-def bind(eqn, args: Sequence[Any], params: Optional[dict] = None) -> list:
-  """``eqn``'s primitive applied to ``args`` (with ``params``)."""
-  params = eqn.params if params is None else params
-  bind_params = eqn.primitive.get_bind_params(params)
-  if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-    subfuns, bind_params = bind_params
-    out = eqn.primitive.bind(*subfuns, *args, **bind_params)
-  else:
-    out = eqn.primitive.bind(*args, **bind_params)
-  return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def as_written(op: Op) -> tuple[list, list]:
-  """The op in the dtypes the code wrote."""
-  args = [restore(x, v) for x, v in zip(op.invals, op.eqn.invars)]
-  outs = bind(op.eqn, args)
-  inputs = [r for r, v in zip(op.roles, op.eqn.invars) if written_dtype(v)]
-  return outs, [role_of_result(o, inputs) for o in outs]
-
+from jmp_lab._src.precision import observers, scopes, table
+from jmp_lab._src.precision.ops import COMPUTE_OPS, MATMUL_OPS
+from jmp_lab._src.precision.values import (F32, Handler, Op, Role, as_written,
+                                           bind, cast, dtype_of, is_half,
+                                           is_floating, restore, written_dtype)
 
 def matmul(op: Op) -> tuple[list, list]:
   """Both operands in the region's matmul dtype; fp32 accumulation."""
@@ -233,9 +164,10 @@ _FIRST_ORDER: dict[str, Handler] = {
 }
 
 
-def handler_for(name: str, region: scopes.Region, rules: Rules,
+def handler_for(name: str, region: scopes.Region, rules,
                 pulled: bool) -> Handler:
-  """The handler of a first-order primitive in ``region``."""
+  """The handler of a first-order primitive in ``region`` (``rules``: the
+  op rules, whose ``fp32_ops`` it reads)."""
   if name in MATMUL_OPS:
     return matmul
   if region.compute is None:
@@ -245,3 +177,6 @@ def handler_for(name: str, region: scopes.Region, rules: Rules,
   if name in rules.fp32_ops:
     return fp32
   return _FIRST_ORDER.get(name, as_written)
+
+
+table.first_order = handler_for

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jmp_lab._nesting import Nesting
-from jmp_lab._src.precision import control, handlers, observers, scopes
+from jmp_lab._src.precision import observers, scopes, table
+from jmp_lab._src.precision.ops import COMPUTE_OPS
 from jmp_lab._src.precision.tracing import trace
-from jmp_lab._src.precision.handlers import Context, Op
-from jmp_lab._src.precision.rules import COMPUTE_OPS, Rules
-from jmp_lab._src.precision.values import (Role, aval, cast, dtype_of,
+from jmp_lab._src.precision.values import (Context, Op, Role, aval, cast,
+                                           dtype_of,
                                            is_array, is_floating)
 
 # jax internals the interpreter needs (see the module doc).
@@ -43,7 +43,7 @@ def is_tracing() -> bool:
   return _TRACING.active
 
 
-def apply_rules(fn: Callable[..., Any], rules: Rules, *,
+def apply_rules(fn: Callable[..., Any], rules: Any, *,
                 output_dtype: Any = None) -> Callable[..., Any]:
   """``fn`` evaluated under ``rules``; floating outputs cast to
   ``output_dtype`` (None: left as the rules made them). Array arguments are
@@ -93,7 +93,7 @@ def apply_rules(fn: Callable[..., Any], rules: Rules, *,
   return wrapped
 
 
-def _rules_scope(rules: Rules):
+def _rules_scope(rules: Any):
   """The named scope of the rules' default region."""
   if rules.island:
     return scopes.island(rules.compute_dtype)
@@ -135,11 +135,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any],
 
 
 def _dispatch(op: Op) -> tuple[list, list]:
-  higher = control.handler_for(op.eqn)
-  if higher is not None:
-    return higher(op)
-  return handlers.handler_for(op.name, op.region, op.context.rules,
-                              op.pulled)(op)
+  return table.handler(op)(op)
 
 
 def pulled_into_fp32(jaxpr, fp32_ops: frozenset) -> set[int]:

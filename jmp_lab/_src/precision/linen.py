@@ -24,8 +24,9 @@ from typing import Any, Callable, Mapping
 import flax.linen as nn
 import jax
 
-from jmp_lab import fp8
+from jmp_lab._src.numerics import fp8_state
 from jmp_lab._src.precision import linen_layers, scopes
+from jmp_lab._src.precision import rules as rules_lib
 from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
 from jmp_lab._src.precision.plan import Decision, Plan
 from jmp_lab._src.precision.rules import make_rules
@@ -40,7 +41,7 @@ class PolicyModule:
 
   module: nn.Module
   plan: Plan
-  fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH
+  fp8_history_length: int = fp8_state.AMAX_HISTORY_LENGTH
 
   @property
   def policy(self) -> Policy:
@@ -213,7 +214,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
 def with_policy(module: nn.Module, policy: Any, *, rules=(),
                 class_overrides=None, path_overrides=None,
                 fp32_norms: bool = True,
-                fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
+                fp8_history_length: int = fp8_state.AMAX_HISTORY_LENGTH,
                 keep_layer_dtypes: bool = False) -> PolicyModule:
   """See :func:`jmp_lab.linen.with_policy` (the face holds the docs)."""
   if isinstance(module, PolicyModule):
@@ -228,7 +229,7 @@ def with_policy(module: nn.Module, policy: Any, *, rules=(),
   if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
     raise ValueError(f"fp8_history_length must be a positive int, got "
                      f"{fp8_history_length!r}")
-  plan = Plan.of(policy, rules=rules, class_overrides=class_overrides,
+  plan = rules_lib.plan_of(policy, rules=rules, class_overrides=class_overrides,
                  path_overrides=path_overrides, fp32_norms=fp32_norms,
                  keep_layer_dtypes=keep_layer_dtypes,
                  embed_classes=(nn.Embed,))

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab import fp8
+from jmp_lab._src.numerics import fp8_matmul, fp8_state
 from jmp_lab import reduce as reduce_lib
 from jmp_lab._src.precision import scopes
 from jmp_lab._src.precision.plan import CONV, DENSE, EINSUM, Decision, Plan
@@ -157,8 +157,8 @@ def _matmul_override(module: nn.Module, mode: Optional[str],
       # In the compute dtype: a layer that pins float32 hands its matmul
       # fp32 operands, which compile to 16-bit GEMMs (the delayed mode's
       # Fp8DotGeneral is a module, whose inputs the interceptor casts).
-      return set_for_one_call(module, "dot_general", fp8.operands_in(
-          fp8.current_dot_general, policy.compute_dtype))
+      return set_for_one_call(module, "dot_general", fp8_matmul.operands_in(
+          fp8_matmul.current_dot_general, policy.compute_dtype))
     if fp8_bias_inside(module, mode):
       stack = contextlib.ExitStack()
       stack.enter_context(set_for_one_call(
@@ -246,7 +246,7 @@ class Fp8DotGeneral(nn.Module):
   differentiates and replaces with :func:`jmp_lab.fp8.next_meta` of their
   gradients (the amaxes the step observed)."""
 
-  history_length: int = fp8.AMAX_HISTORY_LENGTH
+  history_length: int = fp8_state.AMAX_HISTORY_LENGTH
   # Where the policy adds the layer's bias inside the fp8 product: a
   # function that returns the layer's bias param (see _fp8_bias_param).
   bias_param: Optional[Any] = None
@@ -254,31 +254,31 @@ class Fp8DotGeneral(nn.Module):
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None):
-    return fp8.dot_general(
+    return fp8_matmul.dot_general(
         lhs, rhs, dimension_numbers, precision, preferred_element_type,
         meta=fp8_meta(self, self.history_length),
         bias=None if self.bias_param is None else self.bias_param())
 
 
-def fp8_meta(module: nn.Module, history_length: int) -> fp8.Fp8Meta:
+def fp8_meta(module: nn.Module, history_length: int) -> fp8_state.Fp8Meta:
   """``module``'s delayed-scaling state: variables in its own scope's
   :data:`jmp_lab.fp8.COLLECTION`, created by ``init``. A clear error where
   an ``apply`` has none (flax's says the collection is empty)."""
-  initial = fp8.init_meta(history_length)
-  if not module.is_mutable_collection(fp8.COLLECTION) and not all(
-      module.has_variable(fp8.COLLECTION, name) for name in initial):
+  initial = fp8_state.init_meta(history_length)
+  if not module.is_mutable_collection(fp8_state.COLLECTION) and not all(
+      module.has_variable(fp8_state.COLLECTION, name) for name in initial):
     where = ("init cannot create it" if module.is_initializing()
              else "this apply has none")
     raise ValueError(
         f"an fp8 policy keeps each fp8 matmul's scaling state in the "
-        f"model's {fp8.COLLECTION!r} collection (jmp_lab.fp8.COLLECTION), "
+        f"model's {fp8_state.COLLECTION!r} collection (jmp_lab.fp8.COLLECTION), "
         f"and {where} for {'/'.join(module.path)!r}. Pass every collection "
         f"init returned, not only 'params': model.apply({{'params': params, "
         f"**model_state}}, ...), as jmp_lab.TrainState.create(model_state="
         f"...) keeps them. A model that runs layers under nn.scan or nn.vmap "
         f"must list the collection there: nn.scan(..., variable_axes="
         f"{{'params': 0, jmp_lab.fp8.COLLECTION: 0}})")
-  return {name: module.variable(fp8.COLLECTION, name, lambda v=v: v).value
+  return {name: module.variable(fp8_state.COLLECTION, name, lambda v=v: v).value
           for name, v in initial.items()}
 
 
@@ -314,7 +314,7 @@ def _fp8_bias_param(module: nn.Module) -> jax.Array:
 
 
 def _fp8_einsum_call(module: nn.Einsum, args, kwargs,
-                     meta: Optional[fp8.Fp8Meta], compute_dtype) -> jax.Array:
+                     meta: Optional[fp8_state.Fp8Meta], compute_dtype) -> jax.Array:
   """flax's ``nn.Einsum.__call__`` with its product as
   :func:`jmp_lab.fp8.einsum` (linen's Einsum has no matmul attribute to set).
 
@@ -345,7 +345,7 @@ def _fp8_einsum_call(module: nn.Einsum, args, kwargs,
                          if c in rhs_names], module.param_dtype)
   inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias,
                                               dtype=compute_dtype)
-  out = fp8.einsum(subscripts, inputs, kernel, meta=meta)
+  out = fp8_matmul.einsum(subscripts, inputs, kernel, meta=meta)
   if bias is not None:
     out = out + jnp.reshape(bias, reduce_lib.einsum_bias_broadcast(
         subscripts, inputs, kernel))

@@ -30,12 +30,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jmp_lab import fp8
+from jmp_lab._src.numerics import fp8_state
 from jmp_lab import reduce as reduce_lib
 from jmp_lab import _tree
 from jmp_lab._nesting import Nesting
-from jmp_lab._src.precision import nnx_layers, scopes
-from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
+from jmp_lab._src.precision import nnx_calls, nnx_layers, scopes
+from jmp_lab._src.precision import rules as rules_lib
+from jmp_lab._src.precision.interpreter import is_tracing
 from jmp_lab._src.precision.nnx_layers import base_class, swapped
 from jmp_lab._src.precision.plan import Decision, Plan
 from jmp_lab._src.precision.rules import make_rules
@@ -104,16 +105,6 @@ def _cast_on_read_class(cls: type) -> type:
       "get_value": _read_in_compute_dtype(cls), "_jmp_lab_cast_on_read": True})
 
 
-def _is_nnx_object(x: Any) -> bool:
-  return isinstance(x, (nnx.Variable, nnx.Pytree))
-
-
-def holds_nnx_objects(tree: Any) -> bool:
-  """Whether ``tree`` holds an NNX module, variable or other NNX object."""
-  return any(_is_nnx_object(x) for x in jax.tree_util.tree_leaves(
-      tree, is_leaf=_is_nnx_object))
-
-
 def _cast_arrays(tree: Any, dtype: Optional[np.dtype]) -> Any:
   """Floating arrays of ``tree`` in ``dtype`` (None: unchanged); NNX
   objects (a ``Rngs``, a submodule passed as an argument) are passed on as
@@ -122,63 +113,17 @@ def _cast_arrays(tree: Any, dtype: Optional[np.dtype]) -> Any:
     return tree
   with scopes.policy_cast_scope():
     return jax.tree_util.tree_map(
-        lambda x: x if _is_nnx_object(x) else cast_floating(x, dtype), tree,
-        is_leaf=_is_nnx_object)
+        lambda x: x if nnx_calls.is_nnx_object(x) else cast_floating(x, dtype), tree,
+        is_leaf=nnx_calls.is_nnx_object)
 
 
 def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
                  args: tuple, kwargs: dict) -> Any:
   """``module.<method>(*args, **kwargs)`` under the engine, in
   ``compute``."""
-  return call_under_rules(lambda m, *a, **k: getattr(m, method)(*a, **k),
-                          (module, *args), kwargs, make_rules(compute))
-
-
-def call_under_rules(fn: Callable, args: tuple, kwargs: dict, rules) -> Any:
-  """``fn(*args, **kwargs)`` under the engine's ``rules``, NNX objects
-  among the arguments included.
-
-  The engine traces a pure function, so the module graphs (and any NNX
-  object among the arguments, such as an ``nnx.Rngs``) are split, merged
-  inside, and their new state (batch statistics, RNG counts) put back
-  after: the pattern of NNX's own transforms.
-  """
-  nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs),
-                                                is_leaf=_is_nnx_object)
-           if _is_nnx_object(x)]
-  arrays = jax.tree_util.tree_map(
-      lambda x: None if _is_nnx_object(x) else x, (args, kwargs),
-      is_leaf=_is_nnx_object)
-  graphdef, state = nnx.split(tuple(nodes))
-
-  def pure(state, arrays):
-    merged = tuple(nnx.merge(graphdef, state))
-    replaced = iter(merged)
-    call_args, call_kwargs = jax.tree_util.tree_map(
-        lambda x, a: next(replaced) if _is_nnx_object(x) else a,
-        (args, kwargs), arrays, is_leaf=_is_nnx_object)
-    return fn(*call_args, **call_kwargs), nnx.state(merged)
-
-  out, new_state = apply_rules(pure, rules)(state, arrays)
-  changed = _changed_variables(state, new_state)
-  if changed is None:  # the call made new variables: put back everything
-    nnx.update(tuple(nodes), new_state)
-  elif changed:
-    nnx.update(tuple(nodes), nnx.from_flat_state(changed))
-  return out
-
-
-def _changed_variables(before: Any, after: Any) -> Optional[list]:
-  """The ``(path, variable)`` pairs of ``after`` whose value is not the one
-  in ``before`` (None if the two differ in their paths). Only these are put
-  back: a plain forward pass writes nothing, so it may run inside
-  ``jax.jit`` on a model made outside it, as a plain NNX module may."""
-  old, new = list(nnx.to_flat_state(before)), list(nnx.to_flat_state(after))
-  if [path for path, _ in old] != [path for path, _ in new]:
-    return None
-  raw = lambda v: v.get_raw_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
-  return [(path, n) for (path, o), (_, n) in zip(old, new)
-          if raw(n) is not raw(o)]
+  return nnx_calls.call_under_rules(
+      lambda m, *a, **k: getattr(m, method)(*a, **k), (module, *args), kwargs,
+      make_rules(compute))
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,7 +135,7 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
   """``base`` whose ``__call__`` runs in ``compute`` (its inputs cast to it
   with ``cast_inputs``) and returns ``output`` (None: as it comes), with the layer's own ``dtype`` set to ``own_dtype``
   for the call; with ``fp8_delayed``, its matmul in fp8 scaled by its
-  :class:`~.nnx_layers.Fp8Meta`; with ``reduce_bias``, its bias gradient
+  :class:`~.nnx_layers.Fp8State`; with ``reduce_bias``, its bias gradient
   summed in that dtype. An ``Embed``'s ``attend`` is a boundary too; with
   ``attend=(compute dtype, reduce dtype)`` its GEMM runs in that compute
   dtype with the table's gradient summed in the reduce dtype."""
@@ -359,7 +304,7 @@ def policy_dtypes(module: nnx.Module) -> Optional[tuple[np.dtype, np.dtype]]:
 def with_policy(model: nnx.Module, policy: Any, *, rules=(),
                 class_overrides=None, path_overrides=None,
                 fp32_norms: bool = True,
-                fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
+                fp8_history_length: int = fp8_state.AMAX_HISTORY_LENGTH,
                 keep_layer_dtypes: bool = False) -> nnx.Module:
   """See :func:`jmp_lab.nnx.with_policy` (the face holds the docs)."""
   if not isinstance(model, nnx.Module):
@@ -370,7 +315,7 @@ def with_policy(model: nnx.Module, policy: Any, *, rules=(),
   if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
     raise ValueError(f"fp8_history_length must be a positive int, got "
                      f"{fp8_history_length!r}")
-  plan = Plan.of(policy, rules=rules, class_overrides=class_overrides,
+  plan = rules_lib.plan_of(policy, rules=rules, class_overrides=class_overrides,
                  path_overrides=path_overrides, fp32_norms=fp32_norms,
                  keep_layer_dtypes=keep_layer_dtypes,
                  embed_classes=(nnx.Embed,))

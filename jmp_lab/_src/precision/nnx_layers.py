@@ -4,7 +4,7 @@ NNX modules are objects built once, so :func:`jmp_lab.nnx.with_policy` sets
 their attributes in place (calling it again takes back what an earlier
 policy gave): a ``Linear``/``LinearGeneral``/``Conv``/``Einsum`` gets the
 reduce dtype's matmul (:mod:`jmp_lab.reduce`), or the current-scaling fp8
-one, or an :class:`Fp8Meta` variable with its delayed-scaling state. The
+one, or an :class:`Fp8State` variable with its delayed-scaling state. The
 policy class's call (:mod:`.nnx`) swaps in the delayed fp8 matmul for each
 call, and attaches bias gradients in the reduce dtype.
 """
@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp_lab import fp8
+from jmp_lab._src.numerics import fp8_matmul, fp8_state
 from jmp_lab import reduce as reduce_lib
 from jmp_lab._src.precision.plan import CONV, DENSE, EINSUM, Decision, Plan
 
 
-class Fp8Meta(nnx.Variable):
+class Fp8State(nnx.Variable):
   """The delayed fp8 scaling state of one Linear (:func:`jmp_lab.fp8.init_meta`):
   differentiated by :func:`jmp_lab.nnx.train_step`, which replaces it with
   :func:`jmp_lab.fp8.next_meta` of its gradient (the amaxes the step
@@ -63,12 +63,12 @@ _KINDS = {nnx.Linear: DENSE, nnx.LinearGeneral: DENSE, nnx.Conv: CONV,
 # Modules whose matmul can run in fp8: (class, its matmul attribute, the
 # default, the current-scaling version, the delayed-scaling factory).
 FP8_MODULES = (
-    (nnx.Linear, "dot_general", jax.lax.dot_general, fp8.current_dot_general,
-     fp8.delayed_dot_general),
+    (nnx.Linear, "dot_general", jax.lax.dot_general, fp8_matmul.current_dot_general,
+     fp8_matmul.delayed_dot_general),
     (nnx.LinearGeneral, "dot_general", jax.lax.dot_general,
-     fp8.current_dot_general, fp8.delayed_dot_general),
-    (nnx.Einsum, "einsum_op", jnp.einsum, fp8.current_einsum,
-     fp8.delayed_einsum),
+     fp8_matmul.current_dot_general, fp8_matmul.delayed_dot_general),
+    (nnx.Einsum, "einsum_op", jnp.einsum, fp8_matmul.current_einsum,
+     fp8_matmul.delayed_einsum),
 )
 # Layers that add their bias broadcast over their output's leading axes
 # (nnx.Einsum: over the axes its equation says).
@@ -124,7 +124,7 @@ def set_matmul(module: nnx.Module, mode: Optional[str],
                reduce_dtype: Optional[np.dtype], history_length: int) -> None:
   """Gives a layer the matmul of ``mode`` (and takes back what an earlier
   policy gave it): the reduce dtype's, the current-scaling fp8 one, or an
-  :class:`Fp8Meta` for delayed scaling."""
+  :class:`Fp8State` for delayed scaling."""
   for cls, attribute, default, _ in _REDUCIBLE_MODULES:
     if base_class(module) is cls and getattr(module, attribute) in _INSTALLED:
       setattr(module, attribute, default)
@@ -144,14 +144,14 @@ def set_matmul(module: nnx.Module, mode: Optional[str],
 
 def _set_fp8_meta(module: nnx.Module, wanted: bool,
                   history_length: int) -> None:
-  has_meta = isinstance(getattr(module, "fp8_meta", None), Fp8Meta)
+  has_meta = isinstance(getattr(module, "fp8_meta", None), Fp8State)
   if wanted and not has_meta:
     # One state per layer of a stack (layers built under nnx.vmap, run
     # under nnx.scan): its leading axes are the kernel's stacking axes.
     layers = _stacking_shape(module)
-    module.fp8_meta = Fp8Meta(jax.tree_util.tree_map(
+    module.fp8_meta = Fp8State(jax.tree_util.tree_map(
         lambda v: jnp.broadcast_to(v, layers + v.shape),
-        fp8.init_meta(history_length)))
+        fp8_state.init_meta(history_length)))
   elif not wanted and has_meta:
     del module.fp8_meta
 
@@ -207,7 +207,7 @@ def bias_broadcast(module: nnx.Module, bias_shape, args, kwargs) -> tuple:
 def delayed_fp8_matmul(module: nnx.Module, compute: np.dtype,
                        stack: contextlib.ExitStack) -> bool:
   """For one call: the layer's matmul attribute is the delayed-scaling fp8
-  matmul that reads (and, differentiated, updates) its :class:`Fp8Meta`,
+  matmul that reads (and, differentiated, updates) its :class:`Fp8State`,
   adding the layer's bias where :func:`fp8_bias_inside`. Returns whether the
   bias went inside."""
   _, attribute, _, _, delayed = fp8_entry(module)
@@ -217,7 +217,7 @@ def delayed_fp8_matmul(module: nnx.Module, compute: np.dtype,
   if inside:  # flax's call then neither reads nor adds it
     stack.enter_context(swapped(module, "bias", None))
     stack.enter_context(swapped(module, "use_bias", False))
-  stack.enter_context(swapped(module, attribute, fp8.operands_in(
+  stack.enter_context(swapped(module, attribute, fp8_matmul.operands_in(
       matmul, compute, einsum=attribute == "einsum_op")))
   return inside
 
@@ -228,5 +228,5 @@ def current_fp8_operands(module: nnx.Module, compute: np.dtype,
   compute dtype."""
   entry = fp8_entry(module)
   if entry is not None and getattr(module, entry[1]) is entry[3]:
-    stack.enter_context(swapped(module, entry[1], fp8.operands_in(
+    stack.enter_context(swapped(module, entry[1], fp8_matmul.operands_in(
         entry[3], compute, einsum=entry[1] == "einsum_op")))

@@ -18,11 +18,12 @@ from typing import Any, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab._src.precision.rules import (AS_WRITTEN, PrecisionRule,
-                                          rules_from_options)
-from jmp_lab.policy import Policy, get_policy
+from jmp_lab.policy import Policy
 
 F32 = np.dtype(jnp.float32)
+
+# What a rule resolves to for a module that runs as written (rules.AS_WRITTEN).
+_AS_WRITTEN = "as_written"
 
 # Kinds of layer a front end can adapt (Plan.matmul_mode).
 DENSE, EINSUM, CONV, EMBED = "dense", "einsum", "conv", "embed"
@@ -58,8 +59,8 @@ class Plan:
   Example::
 
     >>> import flax.linen as nn
-    >>> from jmp_lab._src.precision.plan import Plan
-    >>> plan = Plan.of("mixed_bfloat16")
+    >>> from jmp_lab._src.precision.rules import plan_of
+    >>> plan = plan_of("mixed_bfloat16")
     >>> plan.decide([("norm", nn.LayerNorm())]).compute_dtype   # fp32 norms
     dtype('float32')
     >>> plan.decide([("mlp", nn.Dense(4))]).compute_dtype
@@ -67,14 +68,7 @@ class Plan:
   """
 
   policy: Policy
-  rules: tuple[PrecisionRule, ...]
-
-  @classmethod
-  def of(cls, policy: Any, **options) -> "Plan":
-    """The plan of ``policy`` and ``with_policy``'s keyword arguments
-    (:func:`~.rules.rules_from_options`)."""
-    policy = get_policy(policy)
-    return cls(policy, rules_from_options(policy, **options))
+  rules: tuple  # of rules.PrecisionRule, first match wins
 
   def decide(self, chain: Sequence[tuple[str, Any]]) -> Decision:
     """The decision for the first module of ``chain``: ``(path, module)``
@@ -84,7 +78,8 @@ class Plan:
       for rule in self.rules:
         if rule.matches(path, module):
           resolved = rule.resolve(self.policy, module)
-          return Decision(None if resolved == AS_WRITTEN else resolved, True)
+          return Decision(None if resolved == _AS_WRITTEN else resolved,
+                          True)
     return Decision(self.policy, False)
 
   def output_dtype(self, decision: Decision, top: bool) -> Optional[np.dtype]:
@@ -104,7 +99,7 @@ class Plan:
     for rule in self.rules:
       if rule.matches_params and re.search(rule.path, param_path):
         resolved = rule.resolve(self.policy)
-        return None if resolved == AS_WRITTEN else resolved.compute_dtype
+        return None if resolved == _AS_WRITTEN else resolved.compute_dtype
     return None if decision.as_written else decision.policy.compute_dtype
 
   def layer_dtype(self, decision: Decision) -> Optional[np.dtype]:

@@ -54,8 +54,16 @@ AS_WRITTEN = Region(None, None)
 
 
 def _checked_dtype(dtype: Any, what: str) -> np.dtype:
-  from jmp_lab.policy import canonicalize_dtype  # the one dtype parser
-  return canonicalize_dtype(dtype, what=what)
+  """``dtype`` (a dtype, a scalar type or a numpy name) if floating."""
+  try:
+    dtype = np.dtype(jnp.dtype(dtype))
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or (
+      dtype.itemsize < 2):
+    raise ValueError(f"{what} must be a floating dtype of 16 bits or more "
+                     f"(bfloat16, float16, float32, float64), got {dtype!r}")
+  return dtype
 
 
 def scope(dtype: Any) -> contextlib.AbstractContextManager:

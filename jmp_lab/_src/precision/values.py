@@ -1,4 +1,5 @@
-"""What the interpreter knows of each value: its role, and casts by role.
+"""What the interpreter knows of each value (its role, casts by role) and of
+each equation it evaluates (:class:`Op`, :class:`Context`, binding).
 
 A value's *role* says who decided its dtype:
 
@@ -20,13 +21,15 @@ as torch's promotion does.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab._src.precision import scopes
 from jmp_lab._src.precision.scopes import HALF_DTYPES
 
 F32 = np.dtype(jnp.float32)
@@ -123,3 +126,72 @@ def roles_by_dtype(values: Sequence[Any]) -> list[Role]:
 def aval(x: Any) -> Any:
   # A tracer's own type: it may carry varying manual axes (shard_map).
   return jax.typeof(x)
+
+
+# ---- equations ---------------------------------------------------------------
+
+Handler = Callable[["Op"], tuple[list, list]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What every equation of one interpretation shares.
+
+  Attributes:
+    rules: the op rules.
+    base: the named scopes above the jaxpr being evaluated.
+    transposable: False inside a ``custom_vjp`` (never transposed).
+    report: ``{(primitive, path): why}`` of what ran as written.
+    evaluate: the interpreter's ``(jaxpr, consts, args, roles, context) ->
+      (outs, roles)``, for the handlers of sub-jaxprs.
+  """
+
+  rules: Any
+  base: tuple[str, ...]
+  transposable: bool
+  report: dict
+  evaluate: Callable
+
+  def inside(self, path: tuple[str, ...], **changes) -> "Context":
+    return dataclasses.replace(self, base=path, **changes)
+
+  def unreached(self, primitive: str, path: tuple[str, ...], why: str):
+    self.report.setdefault((primitive, scopes.user_path(path) or "<top>"),
+                           why)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One equation being evaluated."""
+
+  eqn: Any
+  invals: list
+  roles: list
+  path: tuple[str, ...]
+  region: scopes.Region
+  pulled: bool      # it only feeds fp32 ops: it runs in fp32 too
+  context: Context
+
+  @property
+  def name(self) -> str:
+    return self.eqn.primitive.name
+
+
+def bind(eqn, args: Sequence[Any], params: Optional[dict] = None) -> list:
+  """``eqn``'s primitive applied to ``args`` (with ``params``)."""
+  params = eqn.params if params is None else params
+  bind_params = eqn.primitive.get_bind_params(params)
+  if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+    subfuns, bind_params = bind_params
+    out = eqn.primitive.bind(*subfuns, *args, **bind_params)
+  else:
+    out = eqn.primitive.bind(*args, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def as_written(op: "Op") -> tuple[list, list]:
+  """The op in the dtypes the code wrote."""
+  args = [restore(x, v) for x, v in zip(op.invals, op.eqn.invars)]
+  outs = bind(op.eqn, args)
+  inputs = [r for r, v in zip(op.roles, op.eqn.invars) if written_dtype(v)]
+  return outs, [role_of_result(o, inputs) for o in outs]

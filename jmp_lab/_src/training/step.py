@@ -11,8 +11,9 @@ from typing import Any, Optional
 import jax
 import optax
 
-from jmp_lab import _checks, fp8
-from jmp_lab._src.optim.fused_adamw import FusedUpdate
+from jmp_lab import _checks
+from jmp_lab._src.numerics import fp8_state
+from jmp_lab._src.optim.fused_spec import WritesParams
 from jmp_lab._src.optim.states import State, find_state, last_step_applied
 from jmp_lab.loss_scale import select_tree
 
@@ -48,7 +49,7 @@ def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
     kwargs["also_finite"] = also_finite
   # Named, so that compiled reports can find the update's kernels.
   with jax.named_scope(UPDATE_SCOPE):
-    if isinstance(tx.update, FusedUpdate) and not extra_args:
+    if isinstance(tx.update, WritesParams) and not extra_args:
       return tx.update.new_params(grads, opt_state, params,
                                   also_finite=also_finite)
     updates, new_opt_state = tx.update(grads, opt_state, params, **kwargs)
@@ -58,19 +59,19 @@ def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
 def fp8_observed(old_meta: Optional[Any], observed: Optional[Any]
                  ) -> Optional[jax.Array]:
   """Whether the step's observed fp8 amaxes are finite (None without fp8):
-  the optimizer's gate skips the step otherwise (:func:`fp8.observed_finite`)."""
+  the optimizer's gate skips the step otherwise (:func:`fp8_state.observed_finite`)."""
   if old_meta is None or not jax.tree_util.tree_leaves(observed):
     return None
-  return fp8.observed_finite(observed)
+  return fp8_state.observed_finite(observed)
 
 
 def fp8_after_step(old_meta: Any, observed: Any, step: Any,
                    applied: jax.Array) -> Any:
   """The fp8 scaling state after a step: the amaxes written into the
   histories, kept as they were on a skipped step, and the scales computed
-  from the kept histories (``fp8.write_amaxes``, then ``fp8.rescale``)."""
-  written = fp8.write_amaxes(old_meta, observed, step)
-  return fp8.rescale(select_tree(applied, written, old_meta), applied)
+  from the kept histories (``fp8_state.write_amaxes``, then ``fp8_state.rescale``)."""
+  written = fp8_state.write_amaxes(old_meta, observed, step)
+  return fp8_state.rescale(select_tree(applied, written, old_meta), applied)
 
 
 def metrics(own: dict, loss: Any, loss_scale: Any, opt_state: Any,

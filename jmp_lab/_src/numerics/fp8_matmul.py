@@ -1,0 +1,481 @@
+"""fp8 matmuls: quantization (delayed and current scaling) and the products
+of Dense layers and einsums (the face :mod:`jmp_lab.fp8` has the docs)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen import fp8_ops
+
+from jmp_lab._src.numerics.fp8_state import (E4M3, E5M2, Fp8Meta,
+                                             check_meta)
+from jmp_lab.kernels import cast_transpose
+
+
+# XLA GPU's longest row reduction that it compiles into one kernel
+# (ReductionIsRaceFree: 1,024 threads x 16 elements).
+_ONE_KERNEL_ROW = 16384
+
+
+def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+  """What one step observes of ``x``, as the cotangents of its scale and
+  history; ``x``'s amax is the largest value in the two.
+
+  When ``x`` splits into as many equal parts as the history has entries,
+  the history slot holds the parts' maxima (zero in the scale slot), and
+  :func:`next_meta` finishes the reduction for all tensors at once: XLA
+  compiles a reduction of a large tensor to one number into two kernels,
+  and the second, a one-block kernel per tensor, was most of what fp8's
+  amaxes cost in kernels. Each part is at most 16,384 elements long, or
+  taken from up to 8 strided chunks when it is longer (a reduction over
+  ``(chunks, parts, part)``'s first and last axes): XLA splits a row
+  reduction longer than that into two kernels, and one whose reduced major
+  axis is at most 8 it keeps in one (its race-free bounds), so the
+  quantizing kernel computes the parts (GPT-2 small's fp8 step loses the
+  24 second-stage kernels of its 3,072-wide MLP tensors). Otherwise (a
+  tensor smaller than the history) the scale slot holds the amax, and the
+  history slot zeros.
+  """
+  length = amax_history.shape[-1]
+  if amax_history.ndim == 1 and x.size >= length and x.size % length == 0:
+    per_part = x.size // length
+    chunks = next((c for c in range(1, 9) if per_part % c == 0
+                   and per_part // c <= _ONE_KERNEL_ROW), 1)
+    parts = jnp.max(jnp.abs(x).reshape(chunks, length, -1), axis=(0, 2))
+    return jnp.zeros_like(scale), parts.astype(jnp.float32)
+  return (jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(jnp.shape(scale)),
+          jnp.zeros_like(amax_history))
+
+
+def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
+                         ) -> jax.Array:
+  """Flax's ``fp8_ops.qdq`` with the fp8 tensor behind an optimization
+  barrier, so that it is a value of its own in the compiled program.
+
+  XLA then compiles the quantization and ``x``'s amax reduction into one
+  kernel (the reduction with the fp8 tensor as a second output), and writes
+  the transposed copy that cuBLASLt's fp8 weight-gradient GEMM reads by
+  transposing the fp8 bytes. Without the barrier it fuses the cast into
+  each transpose instead (two kernels reading the 16-bit tensor) and
+  leaves the amax a reduction of its own that reads the tensor once more.
+  Compiled for the H100 (``benchmarks/fp8_breakdown.py``), the barrier on
+  every operand and output gradient, with the amaxes split in parts
+  (:func:`_observation`), takes GPT-2 small's fp8 step from 75.0 to
+  72.4 GB and 1,892 to 1,746 kernels (1,721 once long parts are read in
+  strided chunks), and the 1.3B-class lean step from 199.9 to 194.0 GB and
+  3,659 to 3,417. (Leaving the output gradients without it saves 2.1 GB
+  more on the 1.3B-class step, but costs GPT-2 small 3.2 GB.) The barrier
+  changes no value.
+  """
+  return fp8_ops.dequantize(_quantize(x, q_dtype, scale), x.dtype, scale)
+
+
+def _quantize(x: jax.Array, q_dtype, scale: jax.Array) -> jax.Array:
+  """``x`` as fp8 (Flax's ``fp8_ops.quantize``), behind the optimization
+  barrier of :func:`_quantize_dequantize`."""
+  return jax.lax.optimization_barrier(
+      fp8_ops.quantize(x, q_dtype, scale, x.dtype))
+
+
+# --- delayed scaling: quantize with the stored scale, observe the amax -------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _delayed_in_qdq(q_dtype, x, scale, amax_history):
+  del amax_history
+  return _quantize_dequantize(x, q_dtype, scale)
+
+
+def _delayed_in_qdq_fwd(q_dtype, x, scale, amax_history):
+  return (_delayed_in_qdq(q_dtype, x, scale, amax_history),
+          _observation(x, scale, amax_history))
+
+
+def _delayed_in_qdq_bwd(q_dtype, residuals, g):
+  del q_dtype
+  # Straight through for x (its gradient is quantized at the output); the
+  # state's "gradient" is the observation next_meta reads.
+  return (g, *residuals)
+
+
+_delayed_in_qdq.defvjp(_delayed_in_qdq_fwd, _delayed_in_qdq_bwd)
+
+
+@jax.custom_vjp
+def _delayed_out_qdq(y, scale, amax_history):
+  del scale, amax_history
+  return y
+
+
+def _delayed_out_qdq_fwd(y, scale, amax_history):
+  return y, (scale, amax_history)
+
+
+def _delayed_out_qdq_bwd(residuals, g):
+  scale, amax_history = residuals
+  return (_quantize_dequantize(g, E5M2, scale),
+          *_observation(g, scale, amax_history))
+
+
+_delayed_out_qdq.defvjp(_delayed_out_qdq_fwd, _delayed_out_qdq_bwd)
+
+
+# --- current scaling: the scale of each tensor from its own amax ------------
+
+
+def _current_qdq(x: jax.Array, fp8_dtype) -> jax.Array:
+  """``x`` quantized to ``fp8_dtype`` with the scale of its own amax, and
+  dequantized back to its dtype."""
+  fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  scale = jnp.where(amax > 0, amax / fp8_max, 1.0)
+  return fp8_ops.qdq(x, fp8_dtype, jax.lax.stop_gradient(scale), x.dtype)
+
+
+@jax.custom_vjp
+def _current_in_qdq(x):
+  return _current_qdq(x, E4M3)
+
+
+def _current_in_qdq_fwd(x):
+  return _current_qdq(x, E4M3), None
+
+
+def _current_in_qdq_bwd(_, g):
+  return (g,)  # straight through: the gradient is quantized at the output
+
+
+_current_in_qdq.defvjp(_current_in_qdq_fwd, _current_in_qdq_bwd)
+
+
+@jax.custom_vjp
+def _current_out_qdq(y):
+  return y
+
+
+def _current_out_qdq_fwd(y):
+  return y, None
+
+
+def _current_out_qdq_bwd(_, g):
+  return (_current_qdq(g, E5M2),)
+
+
+_current_out_qdq.defvjp(_current_out_qdq_fwd, _current_out_qdq_bwd)
+
+
+# --- the matmul ----------------------------------------------------------------
+
+
+def quantize_operands(lhs: jax.Array, rhs: jax.Array,
+                      meta: Optional[Fp8Meta] = None
+                      ) -> tuple[jax.Array, jax.Array]:
+  """The two operands of an fp8 matmul, quantized to E4M3 and dequantized
+  to ``rhs``'s dtype (the compute dtype; ``rhs`` is the kernel): delayed
+  scaling with ``meta``, current scaling without."""
+  compute = rhs.dtype
+  lhs = lhs.astype(compute)
+  if meta is None:
+    return _current_in_qdq(lhs), _current_in_qdq(rhs)
+  check_meta(meta)
+  return (_delayed_in_qdq(E4M3, lhs, meta["input_scale"],
+                          meta["input_amax_history"]),
+          _delayed_in_qdq(E4M3, rhs, meta["kernel_scale"],
+                          meta["kernel_amax_history"]))
+
+
+def quantize_output_gradient(y: jax.Array, meta: Optional[Fp8Meta] = None
+                             ) -> jax.Array:
+  """``y`` unchanged; its gradient quantized to E5M2 (delayed scaling with
+  ``meta``, current scaling without)."""
+  if meta is None:
+    return _current_out_qdq(y)
+  return _delayed_out_qdq(y, meta["output_grad_scale"],
+                          meta["output_grad_amax_history"])
+
+
+def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
+                 lhs: jax.Array, rhs: jax.Array, meta: Optional[Fp8Meta],
+                 out_sharding) -> jax.Array:
+  """``product(lhs, rhs)`` (a matmul or einsum of the two) with E4M3
+  operands and an E5M2 output gradient; ``rhs`` is the kernel."""
+  if out_sharding is not None:
+    raise ValueError(f"an fp8 matmul does not take out_sharding (got "
+                     f"{out_sharding!r})")
+
+  # Rematerialized: the backward quantizes the operands again, next to the
+  # gradient GEMMs, instead of reading the dequantized values saved by the
+  # forward. Under nn.scan (a loop) those saved values cross the loop as
+  # 16-bit tensors, and XLA then compiles the backward GEMMs in 16 bits, not
+  # fp8; unrolled, XLA's CSE merges the two quantizations back into one
+  # (prevent_cse=False), so the weights are still quantized once a step.
+  @functools.partial(jax.checkpoint, prevent_cse=False,
+                     policy=jax.checkpoint_policies.nothing_saveable)
+  def quantized_product(lhs, rhs, meta):
+    if meta is None:
+      # Current scaling quantizes an input shared by two layers (a gated
+      # MLP's gate and up projections) identically for both: XLA then
+      # merges the quantizations, merges the two GEMMs that read the one
+      # result into one over a concatenated kernel, and that GEMM is no
+      # longer the fp8 pattern: 16-bit on the H100. Tying the input to its
+      # own kernel keeps one quantization, and one fp8 GEMM, per layer.
+      lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
+    return product(*quantize_operands(lhs, rhs, meta))
+
+  return quantize_output_gradient(quantized_product(lhs, rhs, meta), meta)
+
+
+# --- a Dense layer's product: the backward written out -----------------------
+
+
+def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers
+                       ) -> int:
+  """How many axes a Dense-like ``dot_general`` contracts (``lhs``'s last
+  ones with ``rhs``'s first ones, no batch axes), or 0 for another kind."""
+  (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = (
+      dimension_numbers)
+  n = len(lhs_contracting)
+  if (lhs_batch or rhs_batch or n == 0 or n != len(rhs_contracting)
+      or tuple(lhs_contracting) != tuple(range(lhs.ndim - n, lhs.ndim))
+      or tuple(rhs_contracting) != tuple(range(n))):
+    return 0
+  return n
+
+
+@jax.custom_vjp
+def _delayed_matmul(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
+                    meta: Fp8Meta) -> jax.Array:
+  return _delayed_matmul_fwd(x, w, b, meta)[0]
+
+
+def _delayed_matmul_fwd(x, w, b, meta):
+  qx = _quantize(x, E4M3, meta["input_scale"])
+  qw = _quantize(w, E4M3, meta["kernel_scale"])
+  y = jax.lax.dot_general(
+      fp8_ops.dequantize(qx, x.dtype, meta["input_scale"]),
+      fp8_ops.dequantize(qw, w.dtype, meta["kernel_scale"]),
+      (((1,), (0,)), ((), ())))
+  if b is not None:
+    # Added to the 2-D product, a bias is the GEMM's epilogue (cuBLASLt's
+    # bias vector); added to a 4-D output, as flax's DenseGeneral adds a
+    # (heads, head_dim) bias, XLA broadcast it into a full matrix first.
+    y = y + b.astype(y.dtype)[None, :]
+  observed = (
+      _observation(x, meta["input_scale"], meta["input_amax_history"]),
+      _observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
+  # The fp8 operands are the residuals: the backward GEMMs read them (fp8
+  # on the H100 under nn.scan too, where a 16-bit residual would cross the
+  # loop), and the weights are quantized once a step.
+  return y, (qx, qw, meta, observed, b)
+
+
+def _delayed_matmul_bwd(residuals, g):
+  qx, qw, meta, (input_seen, kernel_seen), bias = residuals
+  dtype = g.dtype
+  scale, history = meta["output_grad_scale"], meta["output_grad_amax_history"]
+  programs = history.shape[-1] if history.ndim == 1 else 1
+  # Both fp8 layouts of the output gradient from one read of it: the input
+  # gradient's GEMM reads q_g, the weight gradient's q_g.T, whose token axis
+  # (the contracted one) is innermost, as Hopper's fp8 GEMMs read it; and
+  # the bias gradient, the column sums, from the same read.
+  q_g, q_g_t, maxima, *column_sums = cast_transpose.quantize_transpose(
+      g, scale, E5M2, programs,
+      lambda x, s: _quantize(x, E5M2, s), column_sums=bias is not None)
+  d_b = None if bias is None else column_sums[0].astype(bias.dtype)  # (N,)
+  g_seen = (jnp.zeros_like(scale), maxima.reshape(history.shape))
+  if history.ndim != 1:  # an unusual history: the amax in the scale slot
+    g_seen = (jnp.max(maxima).reshape(jnp.shape(scale)),
+              jnp.zeros_like(history))
+  x = fp8_ops.dequantize(qx, dtype, meta["input_scale"])
+  w = fp8_ops.dequantize(qw, dtype, meta["kernel_scale"])
+  d_x = jax.lax.dot_general(fp8_ops.dequantize(q_g, dtype, scale), w,
+                            (((1,), (1,)), ((), ())))
+  d_w = jax.lax.dot_general(x, fp8_ops.dequantize(q_g_t, dtype, scale),
+                            (((0,), (1,)), ((), ())))
+  seen = {"input_scale": input_seen[0], "input_amax_history": input_seen[1],
+          "kernel_scale": kernel_seen[0],
+          "kernel_amax_history": kernel_seen[1],
+          "output_grad_scale": g_seen[0],
+          "output_grad_amax_history": g_seen[1]}
+  return d_x.astype(dtype), d_w.astype(dtype), d_b, seen
+
+
+_delayed_matmul.defvjp(_delayed_matmul_fwd, _delayed_matmul_bwd)
+
+
+def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Fp8Meta,
+                   contracted: int, bias: Optional[jax.Array] = None
+                   ) -> jax.Array:
+  """A Dense layer's fp8 product with delayed scaling (plus ``bias``), as
+  one 2-D matmul whose backward is written out: its output gradient is
+  quantized once into both layouts the two gradient GEMMs read, and summed
+  into the bias gradient in the same pass
+  (:func:`jmp_lab.kernels.cast_transpose.quantize_transpose`), where
+  autodiff's backward left XLA to transpose the quantized gradient in a
+  second pass and to read it once more for the bias."""
+  compute = rhs.dtype
+  width = int(np.prod(rhs.shape[:contracted]))
+  x = lhs.astype(compute).reshape(-1, width)
+  flat_bias = None if bias is None else bias.reshape(-1)
+  y = _delayed_matmul(x, rhs.reshape(width, -1), flat_bias, meta)
+  return y.reshape(lhs.shape[:lhs.ndim - contracted] + rhs.shape[contracted:])
+
+
+def _check_bias(bias: Any, features: tuple[int, ...]) -> None:
+  if bias is None:
+    return
+  if not (hasattr(bias, "shape") and hasattr(bias, "dtype")
+          and jnp.issubdtype(bias.dtype, jnp.floating)):
+    raise TypeError(f"bias must be a floating-point array, got {bias!r}")
+  if tuple(bias.shape) != tuple(features):
+    raise ValueError(
+        f"bias must have the product's feature shape {tuple(features)} (the "
+        f"trailing axes of the result), got shape {tuple(bias.shape)}")
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                precision=None, preferred_element_type=None, *,
+                meta: Optional[Fp8Meta] = None,
+                bias: Optional[jax.Array] = None, out_sharding=None
+                ) -> jax.Array:
+  """``lax.dot_general`` as an fp8 GEMM: E4M3 operands, E5M2 gradient.
+
+  ``rhs`` is the kernel; ``lhs`` is cast to its dtype (the compute dtype),
+  in which the result is returned. With ``meta`` (:func:`init_meta`) the
+  scaling is delayed, and the gradient with respect to ``meta`` is the
+  updated meta (overwrite-with-gradient); without, it is current scaling.
+  ``precision`` and ``preferred_element_type`` are not used: an fp8 GEMM
+  accumulates in fp32 and returns the compute dtype.
+
+  ``bias`` (shaped as the result's trailing, ``rhs``'s free, axes; any
+  float dtype) is added to the result. For a Dense-like product (``lhs``'s
+  last axes with ``rhs``'s first) under delayed scaling it is added to the
+  2-D product, where XLA makes it the GEMM's bias epilogue, and its
+  gradient, summed in fp32 and returned in its own dtype, comes out of the
+  kernel that quantizes the output gradient (Transformer Engine's
+  ``cast_transpose_dbias``). The linen and NNX policies pass a Dense
+  layer's bias here. Otherwise it is added to the result.
+
+  >>> import jax, jax.numpy as jnp
+  >>> x, w = jnp.full((8, 4), 3.0, jnp.bfloat16), jnp.ones((4, 2), jnp.bfloat16)
+  >>> meta = init_meta(4)
+  >>> y = dot_general(x, w, (((1,), (0,)), ((), ())), meta=meta,
+  ...                 bias=jnp.array([0.5, -1.0]))
+  >>> y.dtype, y[0].tolist()   # scales of 1: 12 + bias
+  (dtype(bfloat16), [12.5, 11.0])
+  >>> loss = lambda b: dot_general(x, w, (((1,), (0,)), ((), ())), meta=meta,
+  ...                              bias=b).astype(jnp.float32).sum()
+  >>> jax.grad(loss)(jnp.zeros(2)).tolist()   # summed over the 8 rows
+  [8.0, 8.0]
+  """
+  del precision, preferred_element_type
+  contracted = _dense_contraction(lhs, rhs, dimension_numbers)
+  if meta is not None and contracted:
+    if out_sharding is not None:
+      raise ValueError(f"an fp8 matmul does not take out_sharding (got "
+                       f"{out_sharding!r})")
+    check_meta(meta)
+    _check_bias(bias, rhs.shape[contracted:])
+    return _dense_product(lhs, rhs, meta, contracted, bias)
+  out = _fp8_product(
+      lambda a, b: jax.lax.dot_general(a, b, dimension_numbers),
+      lhs, rhs, meta, out_sharding)
+  if bias is None:
+    return out
+  (_, rhs_contracting), (_, rhs_batch) = dimension_numbers
+  rhs_free = rhs.ndim - len(rhs_contracting) - len(rhs_batch)
+  _check_bias(bias, out.shape[out.ndim - rhs_free:])
+  return out + bias.astype(out.dtype)
+
+
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, precision=None,
+           preferred_element_type=None, *, meta: Optional[Fp8Meta] = None,
+           out_sharding=None) -> jax.Array:
+  """``jnp.einsum(subscripts, lhs, rhs)`` as an fp8 GEMM, as
+  :func:`dot_general` (``rhs`` is the kernel): flax NNX's ``Einsum``
+  (``einsum_op``) and linen's ``Einsum`` under an fp8 policy.
+
+  >>> import jax.numpy as jnp
+  >>> x, w = jnp.full((2, 3, 4), 3.0, jnp.bfloat16), jnp.ones((4, 5), jnp.bfloat16)
+  >>> y = einsum("btd,dk->btk", x, w)   # current scaling: 3.0 is exact
+  >>> y.dtype, float(y[0, 0, 0])
+  (dtype(bfloat16), 12.0)
+  """
+  del precision, preferred_element_type
+  return _fp8_product(lambda a, b: jnp.einsum(subscripts, a, b), lhs, rhs,
+                      meta, out_sharding)
+
+
+def current_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                        preferred_element_type=None, out_sharding=None):
+  """:func:`dot_general` with current scaling: the signature of
+  ``lax.dot_general``, for a layer's ``dot_general`` attribute."""
+  return dot_general(lhs, rhs, dimension_numbers, precision,
+                     preferred_element_type, out_sharding=out_sharding)
+
+
+def current_einsum(subscripts, lhs, rhs, precision=None,
+                   preferred_element_type=None, out_sharding=None):
+  """:func:`einsum` with current scaling, for an NNX ``Einsum``'s
+  ``einsum_op``."""
+  return einsum(subscripts, lhs, rhs, precision, preferred_element_type,
+                out_sharding=out_sharding)
+
+
+def operands_in(matmul: Callable[..., jax.Array], dtype: Any, *,
+                einsum: bool = False) -> Callable[..., jax.Array]:
+  """``matmul`` (an fp8 ``dot_general`` or, with ``einsum=True``, an fp8
+  einsum whose subscripts come first) with its two operands cast to
+  ``dtype`` first: the layer attribute a policy installs.
+
+  A layer with its own ``dtype=jnp.float32`` hands its matmul fp32
+  operands, and XLA rewrites quantize-dequantize into an fp8 GEMM only
+  around a half-precision one: cast to the compute dtype first, they
+  compile to fp8 on the H100 (fp32, to 16-bit GEMMs).
+
+  >>> import jax.numpy as jnp
+  >>> dot = operands_in(current_dot_general, jnp.bfloat16)
+  >>> dot(jnp.ones((2, 4)), jnp.ones((4, 3)), (((1,), (0,)), ((), ()))).dtype
+  dtype(bfloat16)
+  """
+  first = 1 if einsum else 0
+
+  def cast_then_multiply(*args, **kwargs):
+    args = list(args)
+    for i in (first, first + 1):
+      if jnp.issubdtype(jnp.result_type(args[i]), jnp.floating):
+        args[i] = jnp.asarray(args[i]).astype(dtype)
+    return matmul(*args, **kwargs)
+
+  return cast_then_multiply
+
+
+def delayed_dot_general(meta: Fp8Meta, bias: Optional[jax.Array] = None
+                        ) -> Callable[..., jax.Array]:
+  """:func:`dot_general` with delayed scaling from ``meta`` (and ``bias``
+  added inside the product), with the signature of ``lax.dot_general``."""
+
+  def fn(lhs, rhs, dimension_numbers, precision=None,
+         preferred_element_type=None, out_sharding=None):
+    return dot_general(lhs, rhs, dimension_numbers, precision,
+                       preferred_element_type, meta=meta, bias=bias,
+                       out_sharding=out_sharding)
+
+  return fn
+
+
+def delayed_einsum(meta: Fp8Meta) -> Callable[..., jax.Array]:
+  """:func:`einsum` with delayed scaling from ``meta``, with the signature
+  of an NNX ``Einsum``'s ``einsum_op``."""
+
+  def fn(subscripts, lhs, rhs, precision=None, preferred_element_type=None,
+         out_sharding=None):
+    return einsum(subscripts, lhs, rhs, precision, preferred_element_type,
+                  meta=meta, out_sharding=out_sharding)
+
+  return fn

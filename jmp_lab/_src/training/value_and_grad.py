@@ -1,0 +1,112 @@
+"""Differentiating a scaled loss: ``scaled_value_and_grad``, and the loss
+rules a train step runs its loss under."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from jmp_lab import _tree
+from jmp_lab._src.precision import nnx_calls
+from jmp_lab._src.precision.interpreter import apply_rules
+from jmp_lab._src.precision.rules import make_rules
+from jmp_lab._src.precision.scopes import HALF_DTYPES
+from jmp_lab.loss_scale import LossScale, check_loss_scale
+from jmp_lab.policy import Policy, get_policy
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    has_aux: bool = False,
+    argnums: Union[int, Sequence[int]] = 0,
+    value_and_grad: Callable[..., Callable] = jax.value_and_grad,
+    policy: Union[Policy, str, None] = None,
+) -> Callable[..., tuple[Any, Any]]:
+  """Like ``jax.value_and_grad``, but differentiates ``loss * scale``.
+
+  Args:
+    fun: returns a scalar floating loss, or ``(loss, aux)`` with ``has_aux``.
+    loss_scale: the :class:`~jmp_lab.LossScale` to scale the loss by.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    argnums: which positional arguments to differentiate.
+    value_and_grad: the transformation that differentiates (called with
+      ``argnums`` and ``has_aux``): ``jax.value_and_grad``, or
+      ``flax.nnx.value_and_grad`` for NNX modules (``argnums`` may then be an
+      ``nnx.DiffState``).
+    policy: with a half compute dtype, ``fun`` runs under the policy's loss
+      rules (:func:`jmp_lab.precision.island`): its matmuls (a head applied
+      outside the model, :func:`jmp_lab.losses.linear_cross_entropy`) in the
+      compute dtype, its own arithmetic as written (fp32), and a model
+      under ``with_policy`` inside by its own rules. None: ``fun`` as
+      written.
+
+  Returns:
+    A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
+    ``has_aux``): ``loss`` is the *unscaled* fp32 loss and ``grads`` are the
+    gradients of the scaled loss, in the dtypes of the differentiated
+    arguments. Hand them to a :func:`~jmp_lab.mixed_precision` optimizer,
+    which unscales them.
+
+  Example::
+
+    >>> import jax.numpy as jnp, jmp_lab
+    >>> loss_fn = lambda w, x: jnp.sum(w * x)
+    >>> scale = jmp_lab.StaticLossScale(1024.0)
+    >>> loss, grads = jmp_lab.scaled_value_and_grad(loss_fn, scale)(
+    ...     jnp.ones(2, jnp.float16), jnp.full(2, 3.0, jnp.float16))
+    >>> float(loss), grads.dtype, float(grads[0])
+    (6.0, dtype('float16'), 3072.0)
+  """
+  check_loss_scale(loss_scale)
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {type(fun).__name__} {fun!r}")
+
+  under_policy = fun if policy is None else under_loss_rules(fun, policy)
+
+  def scaled_fun(*args, **kwargs):
+    out = under_policy(*args, **kwargs)
+    loss, aux = out if has_aux else (out, None)
+    if jnp.ndim(loss) != 0 or not _tree.is_floating_value(loss):
+      raise TypeError(
+          f"the loss must be a floating scalar, got "
+          f"{_tree.leaf_description(loss)}")
+    # The loss is fp32 whatever the compute dtype: scaling a half-precision
+    # loss would overflow long before the gradients do.
+    loss = jnp.asarray(loss).astype(jnp.float32)
+    return loss_scale.scale(loss), (loss, aux)
+
+  def value_and_scaled_grad(*args, **kwargs):
+    (_, (loss, aux)), grads = value_and_grad(
+        scaled_fun, argnums=argnums, has_aux=True)(*args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return value_and_scaled_grad
+
+
+def under_loss_rules(fun: Callable[..., Any], policy: Union[Policy, str]
+                     ) -> Callable[..., Any]:
+  """``fun`` (a train step's loss) under ``policy``'s loss rules, where the
+  policy computes in half; else ``fun``.
+
+  The loss is an fp32 island whose matmuls run in the compute dtype
+  (:func:`jmp_lab.precision.island`): a head or ``linear_cross_entropy``
+  applied in the loss computes in half, the loss's own arithmetic stays as
+  written (fp32), and modules under ``with_policy`` inside keep their own
+  rules. NNX objects among the arguments (an NNX model) are split and
+  merged around the trace, as NNX's own transforms do.
+  """
+  policy = get_policy(policy)
+  if policy.compute_dtype not in HALF_DTYPES:
+    return fun
+  rules = make_rules(policy.compute_dtype, island=True)
+
+  def run(*args, **kwargs):
+    if nnx_calls.holds_nnx_objects((args, kwargs)):
+      return nnx_calls.call_under_rules(fun, args, kwargs, rules)
+    return apply_rules(fun, rules)(*args, **kwargs)
+
+  return run

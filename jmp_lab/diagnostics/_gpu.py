@@ -1,0 +1,303 @@
+"""Compiling for an H100 or H200 without one: targets, the CUDA plugin, the
+device mesh, the compile itself, and ptxas' register counts (spills).
+:mod:`jmp_lab.diagnostics.compiled` reads what it compiles."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import glob
+import importlib.metadata
+import importlib.resources
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+# --------------------------------------------------------------------------
+# Targets.
+# --------------------------------------------------------------------------
+
+# Dense tensor-core peaks from NVIDIA's H100 SXM / H200 data sheets (FLOP/s);
+# "fp32" is the non-tensor-core rate. Used only for the roofline model.
+HOPPER_PEAKS = {"fp8": 1979e12, "16-bit": 989.4e12, "tf32": 494.7e12,
+                 "fp32": 66.9e12, "fp64": 66.9e12}
+_TARGET_FILES = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+  """A GPU to compile for: XLA's ``GpuTargetConfigProto`` text and its peaks.
+
+  Attributes:
+    name: ``"h100"``, ``"h200"`` or ``"custom"``.
+    config: the target description (protobuf text).
+    memory_bandwidth: bytes/s, from the description.
+    peak_flops: dense FLOP/s by math kind (fp8, 16-bit, tf32, fp32).
+  """
+
+  name: str
+  config: str = dataclasses.field(repr=False)
+  memory_bandwidth: float
+  peak_flops: dict[str, float] = dataclasses.field(repr=False)
+
+
+def gpu_target(target: Union[str, GpuTarget]) -> GpuTarget:
+  """``"h100"``, ``"h200"`` or a ``GpuTargetConfigProto`` text, as a target.
+
+  Example::
+
+    >>> gpu_target("h100").memory_bandwidth
+    3352320000000.0
+  """
+  if isinstance(target, GpuTarget):
+    return target
+  if not isinstance(target, str):
+    raise TypeError(f"target must be 'h100', 'h200' or a GpuTargetConfigProto "
+                    f"text, got {type(target).__name__} {target!r}")
+  name = target.strip().lower()
+  if name in _TARGET_FILES:
+    config = (importlib.resources.files("jmp_lab.diagnostics") / "gpu_targets"
+              / _TARGET_FILES[name]).read_text()
+  elif "gpu_device_info" in target:
+    name, config = "custom", target
+  else:
+    raise ValueError(f"unknown target {target!r}; accepted: "
+                     f"{', '.join(_TARGET_FILES)} or a GpuTargetConfigProto "
+                     f"text (with gpu_device_info)")
+  bandwidth = re.search(r"memory_bandwidth:\s*(\d+)", config)
+  return GpuTarget(name, config,
+                   float(bandwidth.group(1)) if bandwidth else math.nan,
+                   dict(HOPPER_PEAKS))
+
+
+# --------------------------------------------------------------------------
+# Compiling without a device.
+# --------------------------------------------------------------------------
+
+_INSTALL_HINT = (
+    "compiling for a GPU without one needs the CUDA plugin of the installed "
+    "jax version and ptxas: pip install \"jmp_lab[gpu-compile]\" (that is "
+    f"jax[cuda12-local]=={jax.__version__} and nvidia-cuda-nvcc-cu12), or "
+    "the CUDA 13 plugin a GPU machine's jax brings")
+# The CUDA plugins jax ships: CUDA 12 (what the gpu-compile extra installs)
+# and CUDA 13 (jax 0.11's GPU machines).
+CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+
+
+def cuda_plugin() -> tuple[str, str]:
+  """``(package, version)`` of the installed CUDA plugin that matches jax.
+
+  Raises:
+    RuntimeError: when no CUDA plugin is installed, or none matches jax's
+      version (the message says which were found and what to install).
+  """
+  found = {}
+  for name in CUDA_PLUGINS:
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  for name, version in found.items():
+    if version == jax.__version__:
+      return name, version
+  if not found:
+    raise RuntimeError(_INSTALL_HINT)
+  listed = ", ".join(f"{n} {v}" for n, v in found.items())
+  raise RuntimeError(f"{listed} does not match jax {jax.__version__}; "
+                     f"{_INSTALL_HINT}")
+
+
+def check_plugin() -> None:
+  cuda_plugin()
+
+
+def gpu_mesh(target: Union[str, GpuTarget] = "h100", devices: int = 1,
+             axis_name: str = "data") -> jax.sharding.Mesh:
+  """A mesh of ``devices`` GPUs of ``target`` to compile for (no GPU needed).
+
+  The same arguments give the same mesh, so a step built on it (a
+  ``shard_map``, explicit shardings) compiles with :func:`compile_for_gpu`.
+  """
+  if not (isinstance(devices, int) and devices >= 1):
+    raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+  check_plugin()
+  target = gpu_target(target)
+  return _gpu_mesh(target.name, target.config, devices, axis_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_mesh(name: str, config: str, devices: int,
+              axis_name: str) -> jax.sharding.Mesh:
+  from jax.experimental import topologies
+  try:
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology=f"1x1x{devices}", target_config=config)
+  except (NotImplementedError, RuntimeError) as e:
+    raise RuntimeError(
+        f"could not describe {devices} x {name} to XLA ({e}); on a "
+        f"machine without a GPU set JAX_PLATFORMS=cpu before jax starts") from e
+  return topologies.make_mesh(topology, (devices,), (axis_name,))
+
+
+def abstract_args(args: Any, mesh, in_specs: Any) -> Any:
+  """``args`` as ShapeDtypeStructs sharded on ``mesh`` by ``in_specs``."""
+
+  def leaf(x, spec):
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                  sharding=NamedSharding(mesh, spec))
+    return x
+
+  if in_specs is None:
+    return jax.tree_util.tree_map(lambda x: leaf(x, PartitionSpec()), args)
+  is_spec = lambda s: isinstance(s, PartitionSpec) or s is None  # noqa: E731
+  return jax.tree_util.tree_map(
+      lambda spec, sub: jax.tree_util.tree_map(
+          lambda x: leaf(x, spec or PartitionSpec()), sub),
+      in_specs, args, is_leaf=is_spec)
+
+
+@contextlib.contextmanager
+def mosaic_dumps(directory: str):
+  """Mosaic GPU writes its ptxas log where these variables say."""
+  wanted = {"MOSAIC_GPU_DUMP_TO": directory, "MOSAIC_GPU_DUMP_PTXAS": "1"}
+  saved = {k: os.environ.get(k) for k in wanted}
+  os.environ.update(wanted)
+  try:
+    yield
+  finally:
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+
+
+def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
+                    devices: int = 1, in_specs: Any = None,
+                    donate_argnums: Union[int, Sequence[int]] = (),
+                    triton_gemm: bool = False, fail_on_spill: bool = True,
+                    dump_to: Optional[str] = None):
+  """``fn`` compiled for ``devices`` GPUs of ``target``, without a GPU.
+
+  Args:
+    fn: a function, or a ``jax.jit``-ed one (its donation is kept).
+    *args: example arguments: arrays, ShapeDtypeStructs, or pytrees of them
+      (a TrainState); only shapes and dtypes are used.
+    target: ``"h100"``, ``"h200"``, a target text or a :class:`GpuTarget`.
+    devices: GPUs in the mesh (its one axis is ``"data"``).
+    in_specs: a prefix tree of ``PartitionSpec`` s for ``args`` (default:
+      replicated), e.g. ``(P(), P("data"))`` for a data-parallel step.
+    donate_argnums: for a plain ``fn``, the arguments to donate.
+    triton_gemm: let XLA emit GEMMs as Triton fusions. Without a device there
+      is no autotuning, so the default sends them to cuBLAS, as they mostly
+      go on a real H100.
+    fail_on_spill: make a register spill in XLA's kernels a compile error.
+    dump_to: a folder for XLA's and Mosaic's dumps (PTX, ptxas logs).
+  """
+  mesh = gpu_mesh(target, devices)
+  jitted = fn if hasattr(fn, "trace") else jax.jit(
+      fn, donate_argnums=donate_argnums)
+  options = {"xla_gpu_enable_triton_gemm": bool(triton_gemm),
+             # A production build's LLVM level, whatever XLA_FLAGS say (the
+             # test suite lowers it for its CPU programs).
+             "xla_backend_optimization_level": 3,
+             "xla_gpu_fail_ptx_compilation_on_register_spilling":
+                 bool(fail_on_spill)}
+  if dump_to:
+    options["xla_dump_to"] = dump_to
+  specs = abstract_args(args, mesh, in_specs)
+  # Mosaic GPU compiles its kernels inside XLA's compile, so the dump
+  # variables must hold for both steps.
+  with mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext():
+    lowered = jitted.trace(*specs).lower()
+    try:
+      return lowered.compile(compiler_options=options)
+    except Exception as e:  # pylint: disable=broad-except  (XLA's own type)
+      if "register spilling" not in str(e):
+        raise
+  raise RuntimeError(
+      f"compiled for {target if isinstance(target, str) else target.name}, "
+      f"{_spilling_kernels(lowered, options)}, which compile_for_gpu and "
+      f"compiled_report refuse by default (a spill "
+      f"costs local-memory traffic on every launch); pass "
+      f"fail_on_spill=False to compile and report it anyway") from None
+
+
+def _spilling_kernels(lowered, options) -> str:
+  """Which of XLA's kernels spill: compiled again with spills allowed, and
+  the PTX read back through ``ptxas -v``."""
+  with tempfile.TemporaryDirectory(prefix="jmp_lab_spills_") as dump_dir:
+    try:
+      lowered.compile(compiler_options={
+          **options, "xla_gpu_fail_ptx_compilation_on_register_spilling":
+              False, "xla_dump_to": dump_dir})
+    except Exception:  # pylint: disable=broad-except
+      return "some of XLA's kernels spill registers"
+    spilling = sorted(name for name, (_, spill) in register_usage(
+        dump_dir, None).items() if spill)
+  if not spilling:
+    return "some of XLA's kernels spill registers"
+  names = ", ".join(spilling[:5]) + (f" and {len(spilling) - 5} more"
+                                     if len(spilling) > 5 else "")
+  return (f"XLA's kernels {names} spill registers" if len(spilling) > 1
+          else f"XLA's kernel {names} spills registers")
+
+
+
+def _ptxas() -> Optional[str]:
+  try:
+    import nvidia.cuda_nvcc  # the nvidia-cuda-nvcc-cu12 wheel
+    for root in nvidia.cuda_nvcc.__path__:
+      candidate = os.path.join(root, "bin", "ptxas")
+      if os.path.exists(candidate):
+        return candidate
+  except ImportError:
+    pass
+  return shutil.which("ptxas")
+
+
+_PTXAS_ENTRY = re.compile(
+    r"Compiling entry function '([^']+)'.*?(\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads.*?Used (\d+) registers", re.S)
+
+
+def _ptxas_usage(log: str) -> dict[str, tuple[int, int]]:
+  """``{entry: (registers, spill bytes)}`` from a ``ptxas -v`` log."""
+  return {name: (int(regs), int(stores) + int(loads))
+          for name, stores, loads, regs in _PTXAS_ENTRY.findall(log)}
+
+
+def register_usage(dump_dir: str, names: Optional[Sequence[str]]
+                    ) -> dict[str, tuple[int, int]]:
+  """Registers and spills of the named kernels (None: every kernel), from
+  the dumps in ``dump_dir``.
+
+  Mosaic GPU writes its own ptxas logs; XLA writes PTX, which ptxas compiles
+  again here with ``-v`` (only the files that hold a wanted kernel).
+  """
+  usage: dict[str, tuple[int, int]] = {}
+  for log in glob.glob(os.path.join(dump_dir, "*.ptxas")):
+    with open(log) as f:
+      usage.update(_ptxas_usage(f.read()))
+  ptxas = _ptxas()
+  if ptxas is None:
+    return usage
+  for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):
+    with open(ptx) as f:
+      text = f.read()
+    if names is not None and not any(f".entry {name}(" in text
+                                     for name in names):
+      continue
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                         capture_output=True, text=True, check=False)
+    usage.update(_ptxas_usage(run.stdout + run.stderr))
+  return usage
