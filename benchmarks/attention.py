@@ -27,6 +27,7 @@ import optax
 
 import jmp_lab
 from jmp_lab import attention, losses
+from jmp_lab._src.numerics import losses as losses_impl  # the block size it picks
 
 
 def _row(name, fn, *args, target):
@@ -78,7 +79,7 @@ def loss_rows(args) -> list[str]:
         h, t.T, y, block_size=b, implementation="xla").mean()
     name = (f"linear_cross_entropy, XLA, block {block}" if block else
             f"linear_cross_entropy, XLA, default block "
-            f"({losses._block_size(args.vocab, None)})")
+            f"({losses_impl._block_size(args.vocab, None)})")
     rows.append(_row(name, jax.grad(fn, argnums=(0, 1)), hidden, table,
                      labels, target=args.target))
   fused = lambda h, t, y: losses.linear_cross_entropy(  # noqa: E731

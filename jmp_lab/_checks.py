@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lab import _tree
-from jmp_lab.policy import Policy
+from jmp_lab.kernels import pytrees
+from jmp_lab._src.policy import Policy
 
 # --------------------------------------------------------------------------
 # Arguments of the public constructors.
@@ -76,8 +76,8 @@ def check_finite_in(value: Any, argument: str, *, low: float, high: float,
 def check_loss(loss: Any, contract: str) -> None:
   """A loss_fn's loss must be a floating scalar (``contract`` says what the
   loss_fn must return)."""
-  if not (_tree.is_floating_value(loss) and jnp.ndim(loss) == 0):
-    raise TypeError(f"{contract}; got a loss of {_tree.leaf_description(loss)}")
+  if not (pytrees.is_floating_value(loss) and jnp.ndim(loss) == 0):
+    raise TypeError(f"{contract}; got a loss of {pytrees.leaf_description(loss)}")
 
 
 def checked_metrics(metrics: Any, contract: str) -> dict:
@@ -117,11 +117,11 @@ def check_policies_agree(policies: Sequence[tuple[str, Optional[Policy]]],
 def check_trainable_params(params: Any) -> None:
   """Refuses integer or boolean leaves among a train state's params: the
   step differentiates every param, and jax cannot differentiate those."""
-  for path, leaf in _tree.leaves_with_paths(params):
+  for path, leaf in pytrees.leaves_with_paths(params):
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
       raise TypeError(
-          f"TrainState.create's params hold {_tree.leaf_description(leaf)} "
+          f"TrainState.create's params hold {pytrees.leaf_description(leaf)} "
           f"at {path}: the train step differentiates every param, and "
           f"integer or boolean leaves cannot be differentiated. Keep them "
           f"in model_state (a step counter, a mask), or out of the state")
@@ -129,32 +129,32 @@ def check_trainable_params(params: Any) -> None:
 
 def check_params(params: Any, policy: Policy) -> None:
   """Raises if a floating param is not in ``policy.param_dtype``."""
-  for path, leaf in _tree.leaves_with_paths(params):
-    if _tree.is_floating_array(leaf) and leaf.dtype != policy.param_dtype:
+  for path, leaf in pytrees.leaves_with_paths(params):
+    if pytrees.is_floating_array(leaf) and leaf.dtype != policy.param_dtype:
       raise ValueError(
-          f"param {path} is {_tree.leaf_description(leaf)} but the policy's "
+          f"param {path} is {pytrees.leaf_description(leaf)} but the policy's "
           f"param_dtype is {policy.param_dtype.name}; cast the params with "
           f"policy.cast_to_param(params) first")
 
 
 def check_grads(grads: Any, params: Any) -> None:
   """Raises if ``grads`` does not match ``params`` leaf for leaf."""
-  mismatch = _tree.first_structure_mismatch(params, grads)
+  mismatch = pytrees.first_structure_mismatch(params, grads)
   if mismatch is not None:
     raise ValueError(f"grads do not match params: {mismatch}")
-  for (path, p), (_, g) in zip(_tree.leaves_with_paths(params),
-                               _tree.leaves_with_paths(grads)):
+  for (path, p), (_, g) in zip(pytrees.leaves_with_paths(params),
+                               pytrees.leaves_with_paths(grads)):
     if jnp.shape(p) != jnp.shape(g):
       raise ValueError(
           f"gradient {path} has shape {jnp.shape(g)} but its param has shape "
           f"{jnp.shape(p)}")
-    if _tree.is_floating_array(p):
+    if pytrees.is_floating_array(p):
       if jnp.result_type(g) != p.dtype:
         raise ValueError(
-            f"gradient {path} is {_tree.leaf_description(g)} but its param is "
-            f"{_tree.leaf_description(p)}; gradients must be in the param "
+            f"gradient {path} is {pytrees.leaf_description(g)} but its param is "
+            f"{pytrees.leaf_description(p)}; gradients must be in the param "
             f"dtype (differentiate the scaled loss with respect to the params)")
-    elif _tree.is_floating_value(g):
+    elif pytrees.is_floating_value(g):
       raise ValueError(
-          f"gradient {path} is floating ({_tree.leaf_description(g)}) but its "
-          f"param is {_tree.leaf_description(p)}, which is not trainable")
+          f"gradient {path} is floating ({pytrees.leaf_description(g)}) but its "
+          f"param is {pytrees.leaf_description(p)}, which is not trainable")

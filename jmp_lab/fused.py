@@ -50,8 +50,8 @@ Example::
   True
 """
 
-from jmp_lab._src.optim.fused_adamw import (LAYOUTS, FusedUpdate, flat_params,
-                                           fused_adamw, unflatten_params)
+from jmp_lab._src.optim.fused_adamw import LAYOUTS, FusedUpdate, fused_adamw
+from jmp_lab._src.optim.fused_flat import flat_params, unflatten_params
 
 __all__ = ["FusedUpdate", "LAYOUTS", "flat_params", "fused_adamw",
            "unflatten_params"]

@@ -65,14 +65,18 @@ from typing import Iterable, Mapping, Optional, Union
 
 import flax.linen as nn
 
-from jmp_lab import fp8, losses
+from jmp_lab._src.numerics import fp8_state as fp8
+from jmp_lab._src.numerics import losses
 from jmp_lab._src.precision import linen as _front_end
 from jmp_lab._src.precision.linen import PolicyModule, dot_product_attention
 from jmp_lab._src.precision.linen_layers import Fp8DotGeneral
-from jmp_lab._src.precision.rules import (PrecisionRule, fp32_island,
-                                          layer_island, reduce_island)
-from jmp_lab.attention import kernel_dtype
-from jmp_lab.policy import Policy
+from jmp_lab._src.precision.rules import PrecisionRule
+# Older code imports these from here; jmp_lab.precision and
+# jmp_lab.attention own them.
+from jmp_lab._src.precision.rules import (  # noqa: F401
+    fp32_island, layer_island, reduce_island)
+from jmp_lab._src.numerics.attention import kernel_dtype  # noqa: F401
+from jmp_lab._src.policy import Policy
 
 #: The flax norms kept in fp32 by default (every class whose name ends in
 #: ``Norm`` is: :func:`jmp_lab.policy.is_norm_class`).
@@ -168,7 +172,6 @@ def with_policy(
 
 __all__ = [
     "DEFAULT_FP32_MODULES", "Fp8DotGeneral", "PolicyModule",
-    "dot_product_attention", "fp32_island", "kernel_dtype", "layer_island",
-    "log_softmax", "reduce_island", "softmax",
+    "dot_product_attention", "log_softmax", "softmax",
     "softmax_cross_entropy_with_integer_labels", "with_policy",
 ]

@@ -29,61 +29,16 @@ Example::
   True
 """
 
-from __future__ import annotations
+from jmp_lab.kernels.rounding import (
+    counter_bits,
+    hash32,
+    step_seed,
+    stochastic_round_bf16,
+)
 
-import jax
-import jax.numpy as jnp
-
-_LOW_BITS = 0xFFFF
-
-
-def _u32(value: int) -> jax.Array:
-  return jnp.uint32(value)
-
-
-def hash32(x: jax.Array) -> jax.Array:
-  """A bijective integer hash of uint32 values (Wellons' "lowbias32")."""
-  x = x ^ (x >> _u32(16))
-  x = x * _u32(0x7FEB352D)
-  x = x ^ (x >> _u32(15))
-  x = x * _u32(0x846CA68B)
-  return x ^ (x >> _u32(16))
-
-
-def step_seed(key_data: jax.Array, count: jax.Array) -> jax.Array:
-  """The uint32 seed of step ``count`` (applied steps) under a key.
-
-  A skipped step does not advance ``count``, so it draws nothing: the next
-  step rounds with the same bits it would have had.
-  """
-  words = jnp.ravel(key_data).astype(jnp.uint32)
-  seed = hash32(count.astype(jnp.uint32) ^ _u32(0x9E3779B9))
-  for k in range(words.shape[0]):
-    seed = hash32(seed ^ words[k])
-  return seed
-
-
-def counter_bits(seed: jax.Array, stream: int, index: jax.Array) -> jax.Array:
-  """32 random bits for each ``index`` (int32 or uint32) of ``stream``.
-
-  Distinct (stream, index) pairs give independent-looking bits; one stream
-  (a leaf of the params) has no repeats, since the hash is a bijection.
-  """
-  stream_key = hash32(seed ^ hash32(_u32(stream)))
-  index = jax.lax.bitcast_convert_type(index, jnp.uint32) if (
-      index.dtype == jnp.int32) else index.astype(jnp.uint32)
-  return hash32(index ^ stream_key)
-
-
-def stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
-  """``x`` (fp32) rounded to bf16, up with probability by distance.
-
-  ``bits`` (uint32, the shape of ``x``): uniform random bits; the low 16 are
-  used. As with round to nearest, a value within a bf16 ulp of bf16's
-  largest finite number may round to inf.
-  """
-  pattern = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  noise = bits.astype(jnp.uint32) & _u32(_LOW_BITS)
-  truncated = (pattern + noise) & _u32(0xFFFF0000)
-  return jax.lax.bitcast_convert_type(truncated, jnp.float32).astype(
-      jnp.bfloat16)
+__all__ = [
+    "counter_bits",
+    "hash32",
+    "step_seed",
+    "stochastic_round_bf16",
+]

@@ -13,6 +13,7 @@ from flax import nnx
 
 import jmp_lab
 from jmp_lab import attention
+from jmp_lab._src.numerics import attention as attention_impl  # its warn-once set
 from jmp_lab import linen as jl
 
 B, T, N, H = 2, 32, 4, 16
@@ -110,7 +111,7 @@ def test_compiled_for_an_h100_cudnn_by_default_triton_for_segments():
 
 def test_what_cannot_be_fused_is_materialized_and_said_once():
   q, k, v = qkv(jnp.bfloat16)
-  attention._WARNED.clear()
+  attention_impl._WARNED.clear()
   with pytest.warns(UserWarning, match="a mask .pass causal=True"):
     got = attention.dot_product_attention(q, k, v, mask=CAUSAL, causal=True)
   with warnings.catch_warnings():

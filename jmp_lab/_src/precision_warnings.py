@@ -18,7 +18,8 @@ import numpy as np
 
 from jmp_lab._src.precision import observers
 from jmp_lab._src.precision.scopes import HALF_DTYPES
-from jmp_lab.policy import Policy
+from jmp_lab._src.matmuls import matmul_records
+from jmp_lab._src.policy import Policy
 
 
 class PrecisionWarning(UserWarning):
@@ -116,7 +117,6 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
           f"class/path overrides) keep them there", PrecisionWarning,
           stacklevel=_user_stacklevel())
     return
-  from jmp_lab.diagnostics.audit import matmul_records  # diagnostics on top
   records = matmul_records(trace())
   if records and not any(r.half for r in records):
     warnings.warn(

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab import _tree
+from jmp_lab.kernels import pytrees
 
 # --------------------------------------------------------------------------
 # Representable ranges.
@@ -164,8 +164,8 @@ def gradient_histogram(grads: Any) -> GradientHistogram:
   """
   per_leaf, zeros, non_finite = {}, 0, 0
   smallest, largest = math.inf, 0.0
-  for path, leaf in _tree.leaves_with_paths(grads):
-    if not _tree.is_floating_array(leaf) or leaf.size == 0:
+  for path, leaf in pytrees.leaves_with_paths(grads):
+    if not pytrees.is_floating_array(leaf) or leaf.size == 0:
       continue
     # Reduced on device: only the counts and four scalars come back.
     counts, z, nf, low, high = jax.device_get(jax.jit(_exponent_counts)(leaf))
@@ -222,3 +222,11 @@ def plot_gradient_histogram(hist: GradientHistogram, *,
   return fig
 
 
+__all__ = [
+    "BF16",
+    "FP16",
+    "FloatRange",
+    "gradient_histogram",
+    "GradientHistogram",
+    "plot_gradient_histogram",
+]

@@ -191,3 +191,13 @@ def parse_module(text: str) -> Module:
       if instruction is not None:
         current.instructions.append(instruction)
   return Module(computations)
+
+
+__all__ = [
+    "Array",
+    "Computation",
+    "Instruction",
+    "Module",
+    "parse_arrays",
+    "parse_module",
+]

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from jmp_lab import _tree
+from jmp_lab.kernels import pytrees
 from jmp_lab._src.optim.states import find_state
 
 # --------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def memory_row(name: str, *, params: Any, opt_state: Any,
     device_stats = jax.local_devices()[0].memory_stats() or {}
     peak = device_stats.get("peak_bytes_in_use")
   floating = [x for x in jax.tree_util.tree_leaves(params)
-              if _tree.is_floating_array(x)]
+              if pytrees.is_floating_array(x)]
   n_params = sum(x.size for x in floating)
   return MemoryRow(
       grad_bytes=_tree_bytes(floating),
@@ -151,3 +151,11 @@ def _memory_table(rows: Sequence[MemoryRow]) -> str:
   return "\n".join(lines)
 
 
+__all__ = [
+    "activation_bytes",
+    "compiled_memory",
+    "memory_report",
+    "memory_row",
+    "MemoryReport",
+    "MemoryRow",
+]

@@ -112,3 +112,8 @@ class TrainingRecorder:
     if path:
       fig.savefig(path, dpi=120)
     return fig
+
+
+__all__ = [
+    "TrainingRecorder",
+]

@@ -330,3 +330,11 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
     return out, (True,) * outputs
 
   return dispatch(x, scale)
+
+
+__all__ = [
+    "cast_transpose",
+    "quantize_transpose",
+    "Tiling",
+    "tiling",
+]

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab import _tree
+from jmp_lab.kernels import pytrees
 
 LANES = 256
 BLOCK_ROWS = 8
@@ -140,7 +140,7 @@ def make_tree_layout(params: Any, decay_mask: Any, param_dtype) -> TreeLayout:
   """The :class:`TreeLayout` of ``params`` (see :func:`make_layout`)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   masks = treedef.flatten_up_to(_broadcast_mask(decay_mask, params))
-  trainable = tuple(_tree.is_floating_array(x) for x in leaves)
+  trainable = tuple(pytrees.is_floating_array(x) for x in leaves)
   decays = tuple(bool(m) and t for m, t in zip(masks, trainable))
   return TreeLayout(treedef, trainable, decays, np.dtype(param_dtype))
 
@@ -158,7 +158,7 @@ def make_layout(params: Any, decay_mask: Any, param_dtype,
   """
   leaves, treedef = jax.tree_util.tree_flatten(params)
   masks = treedef.flatten_up_to(_broadcast_mask(decay_mask, params))
-  trainable = tuple(_tree.is_floating_array(x) for x in leaves)
+  trainable = tuple(pytrees.is_floating_array(x) for x in leaves)
   shapes = tuple(tuple(np.shape(x)) for x in leaves)
   offsets: list[Optional[int]] = [None] * len(leaves)
   cursor = 0
@@ -181,7 +181,7 @@ def _broadcast_mask(mask: Any, params: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda m, sub: jax.tree_util.tree_map(lambda _: m, sub), mask, params)
   except ValueError:
-    mismatch = _tree.first_structure_mismatch(params, mask)
+    mismatch = pytrees.first_structure_mismatch(params, mask)
     raise ValueError(
         f"the weight-decay mask must have the params' structure, or be a "
         f"prefix of it, with a bool per leaf: {mismatch}") from None
@@ -256,3 +256,20 @@ def _shapes_tree(layout: FlatLayout) -> Any:
 
 
 view.defvjp(_view_fwd, _view_bwd)
+
+
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "BLOCK_ROWS",
+    "LANES",
+    "MAX_PROGRAMS",
+    "FlatLayout",
+    "make_layout",
+    "make_tree_layout",
+    "num_programs",
+    "pack",
+    "padded_size",
+    "TreeLayout",
+    "unpack",
+    "view",
+]

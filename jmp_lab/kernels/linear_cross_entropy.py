@@ -482,3 +482,17 @@ def rows_gradient(hidden, rows, labels, lse, g, tiling: Tiling, dtype, *,
   return _vmappable(
       lambda *xs: _rows_gradient(*xs, tiling, interpret, name),
       per_token=False)(hidden, rows, labels, lse, g)
+
+
+__all__ = [
+    "TOKEN_MULTIPLE",
+    "VOCAB_MULTIPLE",
+    "gemm_flops",
+    "hidden_gradient",
+    "rows_gradient",
+    "statistics",
+    "Tiling",
+    "vocabulary_rows",
+    "why_unsupported",
+    "why_xla_is_cheaper",
+]

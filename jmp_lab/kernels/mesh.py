@@ -23,3 +23,9 @@ def split_over(mesh, axes: tuple, ndim: int, dim: int = 0) -> NamedSharding:
   if ndim:
     spec[dim] = entry
   return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+__all__ = [
+    "leading_mesh_axes",
+    "split_over",
+]

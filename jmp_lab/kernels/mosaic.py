@@ -124,3 +124,11 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
                       compiler_params=COMPILER_PARAMS)(hyper, flags, g, p,
                                                        mu, nu)
   return Outputs(*outs)
+
+
+__all__ = [
+    "COMPILER_PARAMS",
+    "fused_update",
+    "load",
+    "sqrt_via_rsqrt",
+]

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jmp_lab import remainder, rounding
+from jmp_lab.kernels import remainder, rounding
 from jmp_lab.kernels.reference import (CLIP, FINITE, INV_BIAS1, INV_BIAS2, LR,
                                        SCALE, SEED, AdamWConfig,
                                        Outputs, adamw_elementwise)
@@ -383,3 +383,15 @@ def stats_fn(interpret: bool):
 def update_fn(interpret: bool):
   """This module's update pass, for the backend registry."""
   return functools.partial(update, interpret=interpret)
+
+
+__all__ = [
+    "BLOCK",
+    "LEAVES_PER_LAUNCH",
+    "STATS_BLOCKS",
+    "grad_stats",
+    "Segments",
+    "stats_fn",
+    "update",
+    "update_fn",
+]

@@ -92,3 +92,9 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
 def flat_update(interpret: bool):
   """This module's flat-layout update, for the backend registry."""
   return functools.partial(fused_update, interpret=interpret)
+
+
+__all__ = [
+    "flat_update",
+    "fused_update",
+]

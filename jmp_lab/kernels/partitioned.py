@@ -184,3 +184,10 @@ def backend_tree_step(name: str, config, decays, g, p, mu, nu, remainders,
       stochastic=config.stochastic)
   return tree_step(plan, g, p, mu, nu, remainders, scale, scalar_args,
                    partitionable=partitionable and name != "reference")
+
+
+__all__ = [
+    "backend_tree_step",
+    "StepPlan",
+    "tree_step",
+]

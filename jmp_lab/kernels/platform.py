@@ -46,3 +46,11 @@ def local_gpu_capability() -> Optional[float]:
       capability = getattr(device, "compute_capability", None)
       return None if capability is None else float(capability)
   return None
+
+
+__all__ = [
+    "TRITON_DEPRECATION",
+    "importable",
+    "local_gpu_capability",
+    "quiet_triton_deprecation",
+]

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab import remainder as remainder_lib
-from jmp_lab.remainder import reachable_half
-from jmp_lab import rounding
+from jmp_lab.kernels import remainder as remainder_lib
+from jmp_lab.kernels.remainder import reachable_half
+from jmp_lab.kernels import rounding
 from jmp_lab.kernels import stats
 
 LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP = range(5)
@@ -194,3 +194,16 @@ def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
       [], [], [], [])
   keep_extra = (write_extra or config.remainder) and not config.direct
   return Outputs(master, mu, nu, extra if keep_extra else None)
+
+
+__all__ = [
+    "NUM_HYPER",
+    "adamw_elementwise",
+    "AdamWConfig",
+    "element_indices",
+    "fused_update",
+    "inverse_bias_corrections",
+    "Outputs",
+    "tree_grad_stats",
+    "tree_update",
+]

@@ -165,3 +165,17 @@ def tree_backend(name: str, *, half_params: bool) -> str:
   fewer bytes (the figures are in ``benchmarks/RESULTS.md``).
   """
   return "reference" if name == "auto" and not half_params else name
+
+
+__all__ = [
+    "NAMES",
+    "available",
+    "Backend",
+    "for_cuda",
+    "fused_update",
+    "register",
+    "resolve",
+    "tree_backend",
+    "tree_grad_stats",
+    "tree_update",
+]

@@ -46,3 +46,11 @@ def grad_stats(grads: Sequence, scale) -> tuple[jax.Array, jax.Array]:
   unscaled = [g.astype(jnp.float32) / scale for g in grads]
   sumsq = sum((jnp.sum(g * g) for g in unscaled), jnp.float32(0))
   return sumsq, all_finite(unscaled)
+
+
+__all__ = [
+    "agree",
+    "all_finite",
+    "finite",
+    "grad_stats",
+]

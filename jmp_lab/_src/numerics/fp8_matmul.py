@@ -363,6 +363,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
 
   >>> import jax, jax.numpy as jnp
   >>> x, w = jnp.full((8, 4), 3.0, jnp.bfloat16), jnp.ones((4, 2), jnp.bfloat16)
+  >>> from jmp_lab.fp8 import init_meta
   >>> meta = init_meta(4)
   >>> y = dot_general(x, w, (((1,), (0,)), ((), ())), meta=meta,
   ...                 bias=jnp.array([0.5, -1.0]))

@@ -7,23 +7,23 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional, Union
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lab import _checks, _tree
+from jmp_lab import _checks
+from jmp_lab.kernels import pytrees
 from jmp_lab._src.optim import fused_flat, fused_tree
-from jmp_lab._src.optim.fused_spec import (FusedSpec, ScalarOrSchedule,
-                                          WritesParams)
+from jmp_lab._src.optim.fused_spec import FusedSpec, ScalarOrSchedule
+from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.masters import Master
-from jmp_lab._src.optim.states import FusedAdamWState, ParamsSpec, find_state
+from jmp_lab._src.optim.states import FusedAdamWState, ParamsSpec
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels import registry
 from jmp_lab.kernels.reference import AdamWConfig
-from jmp_lab.loss_scale import (LossScale, check_loss_scale,
+from jmp_lab._src.loss_scale import (LossScale, check_loss_scale,
                                 default_loss_scale, fresh_copy)
-from jmp_lab.policy import Policy, get_policy
+from jmp_lab._src.policy import Policy, get_policy
 
 LAYOUTS = ("tree", "flat")
 
@@ -260,9 +260,9 @@ def _check_call(state, params) -> None:
 def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
                            max_grad_norm):
   if not callable(learning_rate):
-    if _tree.is_floating_array(learning_rate) and jnp.ndim(learning_rate):
+    if pytrees.is_floating_array(learning_rate) and jnp.ndim(learning_rate):
       raise TypeError(f"learning_rate must be a scalar or a schedule, got "
-                      f"{_tree.leaf_description(learning_rate)}")
+                      f"{pytrees.leaf_description(learning_rate)}")
     # A NaN or inf rate would make every param NaN without a skipped step.
     _checks.check_finite_in(learning_rate, "learning_rate", low=0,
                             high=float("inf"), high_open=True)
@@ -289,60 +289,3 @@ def _moment_dtype(dtype, name: str) -> np.dtype:
     raise ValueError(f"{name} must be float32 or bfloat16 (or None for "
                      f"float32), got {dtype!r}")
   return parsed
-
-
-def _fused_state(opt_state: Any) -> FusedAdamWState:
-  state = find_state(opt_state)
-  if not isinstance(state, FusedAdamWState):
-    raise TypeError(
-        f"flat params need a fused_adamw optimizer state, got a "
-        f"{type(state).__name__}")
-  if not isinstance(state.layout, flat_layout.FlatLayout):
-    raise ValueError(
-        "flat params need the flat state layout: build the optimizer with "
-        "jmp_lab.fused_adamw(..., layout='flat'); this state has "
-        "layout='tree'")
-  return state
-
-
-def flat_params(opt_state: Any, params: Any) -> jax.Array:
-  """``params`` as one flat ``(rows, 256)`` buffer in the param dtype.
-
-  Needs the state of ``fused_adamw(..., layout="flat")``.
-
-  Keep the params in this form and let the model read them through
-  :func:`unflatten_params`: the gradients then arrive flat, and
-  ``update(flat_grads, state, flat_params)`` skips packing the gradient tree
-  (a pass over memory) and returns flat updates.
-
-  Example::
-
-    >>> import jax.numpy as jnp, jmp_lab
-    >>> params = {"step": jnp.int32(0), "w": jnp.ones((2, 3), jnp.bfloat16)}
-    >>> tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16", layout="flat",
-    ...                          loss_scale=jmp_lab.NoOpLossScale())
-    >>> opt_state = tx.init(params)
-    >>> flat = jmp_lab.flat_params(opt_state, params)
-    >>> flat.dtype, jmp_lab.unflatten_params(opt_state, flat)["w"].shape
-    (dtype(bfloat16), (2, 3))
-  """
-  state = _fused_state(opt_state)
-  state.params_spec.check(params)
-  return flat_layout.pack(state.layout, params, state.layout.param_dtype)
-
-
-def unflatten_params(opt_state: Any, flat: jax.Array) -> Any:
-  """The params tree viewed from a flat buffer (integer leaves are None).
-
-  Differentiable: the gradient of a loss of the view, with respect to the
-  flat buffer, is the flat gradient, assembled in one pass.
-  """
-  state = _fused_state(opt_state)
-  want = (state.layout.rows, flat_layout.LANES)
-  if not fused_flat.is_flat(state.layout, flat):
-    raise ValueError(
-        f"flat must be a {want} array from flat_params, got "
-        f"{_tree.leaf_description(flat)}")
-  return flat_layout.view(state.layout, flat)
-
-

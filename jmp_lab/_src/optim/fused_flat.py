@@ -8,10 +8,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_lab import _checks, _tree
+from jmp_lab import _checks
+from jmp_lab.kernels import pytrees
 from jmp_lab._src.optim import gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
-from jmp_lab._src.optim.states import FusedAdamWState
+from jmp_lab._src.optim.states import FusedAdamWState, find_state
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels import registry, stats
 
@@ -66,14 +67,14 @@ def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
                      spec.clip_factor(jnp.sum(jnp.square(grads32))),
                      state.loss_scale.loss_scale)
   if spec.master.fp32_copy:
-    flat_params = state.master_params
+    flat_master = state.master_params
   else:
-    flat_params = params if flat else flat_layout.pack(buffers, params,
+    flat_master = params if flat else flat_layout.pack(buffers, params,
                                                        jnp.float32)
   flags = jnp.stack([finite.astype(jnp.int32),
                      jnp.asarray(buffers.decay_boundary, jnp.int32)])
   out = registry.fused_update(spec.backend, spec.config, flat_grads,
-                             flat_params, state.mu, state.nu, hyper, flags)
+                             flat_master, state.mu, state.nu, hyper, flags)
   return (out, spec.next_state(state, finite, out.master, out.mu, out.nu),
           flat)
 
@@ -137,5 +138,62 @@ def exact_updates(spec: FusedSpec, new_values: Any, params: Any) -> Any:
   return jax.tree_util.tree_map(
       lambda new, p: (new.astype(jnp.float32) - p.astype(jnp.float32)
                       if half else new)
-      if _tree.is_floating_array(p) else jnp.zeros_like(p),
+      if pytrees.is_floating_array(p) else jnp.zeros_like(p),
       new_values, params)
+
+
+def _fused_state(opt_state: Any) -> FusedAdamWState:
+  state = find_state(opt_state)
+  if not isinstance(state, FusedAdamWState):
+    raise TypeError(
+        f"flat params need a fused_adamw optimizer state, got a "
+        f"{type(state).__name__}")
+  if not isinstance(state.layout, flat_layout.FlatLayout):
+    raise ValueError(
+        "flat params need the flat state layout: build the optimizer with "
+        "jmp_lab.fused_adamw(..., layout='flat'); this state has "
+        "layout='tree'")
+  return state
+
+
+def flat_params(opt_state: Any, params: Any) -> jax.Array:
+  """``params`` as one flat ``(rows, 256)`` buffer in the param dtype.
+
+  Needs the state of ``fused_adamw(..., layout="flat")``.
+
+  Keep the params in this form and let the model read them through
+  :func:`unflatten_params`: the gradients then arrive flat, and
+  ``update(flat_grads, state, flat_params)`` skips packing the gradient tree
+  (a pass over memory) and returns flat updates.
+
+  Example::
+
+    >>> import jax.numpy as jnp, jmp_lab
+    >>> params = {"step": jnp.int32(0), "w": jnp.ones((2, 3), jnp.bfloat16)}
+    >>> tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16", layout="flat",
+    ...                          loss_scale=jmp_lab.NoOpLossScale())
+    >>> opt_state = tx.init(params)
+    >>> flat = jmp_lab.flat_params(opt_state, params)
+    >>> flat.dtype, jmp_lab.unflatten_params(opt_state, flat)["w"].shape
+    (dtype(bfloat16), (2, 3))
+  """
+  state = _fused_state(opt_state)
+  state.params_spec.check(params)
+  return flat_layout.pack(state.layout, params, state.layout.param_dtype)
+
+
+def unflatten_params(opt_state: Any, flat: jax.Array) -> Any:
+  """The params tree viewed from a flat buffer (integer leaves are None).
+
+  Differentiable: the gradient of a loss of the view, with respect to the
+  flat buffer, is the flat gradient, assembled in one pass.
+  """
+  state = _fused_state(opt_state)
+  want = (state.layout.rows, flat_layout.LANES)
+  if not is_flat(state.layout, flat):
+    raise ValueError(
+        f"flat must be a {want} array from flat_params, got "
+        f"{pytrees.leaf_description(flat)}")
+  return flat_layout.view(state.layout, flat)
+
+

@@ -3,7 +3,6 @@ layouts' steps (:mod:`.fused_tree`, :mod:`.fused_flat`)."""
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 from typing import Any, Callable, Optional, Union
 
@@ -14,18 +13,6 @@ import numpy as np
 from jmp_lab.kernels.reference import inverse_bias_corrections
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
-
-
-class WritesParams(abc.ABC):
-  """An update that can hand back the new params its kernel wrote, with no
-  ``updates`` tree and no ``optax.apply_updates`` pass
-  (:class:`jmp_lab.fused.FusedUpdate`); the train steps use it where they
-  can."""
-
-  @abc.abstractmethod
-  def new_params(self, grads: Any, state: Any, params: Any = None, *,
-                 also_finite: Any = None) -> tuple[Any, Any]:
-    """``(new params, new state)``."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

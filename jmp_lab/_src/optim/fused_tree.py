@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lab import _checks
-from jmp_lab import rounding as rounding_lib
+from jmp_lab.kernels import rounding as rounding_lib
 from jmp_lab._src.optim import gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
 from jmp_lab._src.optim.states import FusedAdamWState

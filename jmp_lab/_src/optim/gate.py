@@ -17,7 +17,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from jmp_lab import _tree
+from jmp_lab.kernels import pytrees
 from jmp_lab.kernels import stats
 from jmp_lab.kernels.stats import Axes
 
@@ -36,7 +36,7 @@ def flags(also_finite: Any) -> list:
         jnp.result_type(flag) != jnp.bool_):
       raise TypeError(
           f"also_finite must be a scalar bool (or a sequence of them), such "
-          f"as jmp_lab.all_finite(...), got {_tree.leaf_description(flag)}")
+          f"as jmp_lab.all_finite(...), got {pytrees.leaf_description(flag)}")
   return found
 
 
@@ -59,7 +59,7 @@ def all_finite(tree: Any, *, axis_name: Axes = None,
     A scalar ``bool`` array.
   """
   values = [x for x in jax.tree_util.tree_leaves(tree)
-            if _tree.is_floating_value(x)]
+            if pytrees.is_floating_value(x)]
   return stats.agree(stats.all_finite(values, flags(also_finite)), axis_name)
 
 
@@ -70,7 +70,7 @@ def unscale(grads: Any, params: Any, loss_scale: Any) -> Any:
   # the inner optimizer must still see fp32.
   unscaled = jax.tree_util.tree_map(
       lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
-      if _tree.is_floating_array(g) else g, loss_scale.unscale(grads))
+      if pytrees.is_floating_array(g) else g, loss_scale.unscale(grads))
   return floating_only(unscaled, params)
 
 
@@ -93,7 +93,7 @@ def scalar_predicate(pred: Any, what: str) -> jax.Array:
   if dtype is None or np.dtype(dtype) != np.bool_ or shape != ():
     raise TypeError(
         f"{what} must be a scalar bool (such as the result of all_finite), "
-        f"got {_tree.leaf_description(pred)}"
+        f"got {pytrees.leaf_description(pred)}"
     )
   return pred
 
@@ -115,14 +115,14 @@ def select_tree(pred: Any, on_true: T, on_false: T) -> T:
       the message names the first such leaf.
   """
   pred = scalar_predicate(pred, "select_tree's pred")
-  _tree.check_same_structure(on_true, on_false, names=("on_true", "on_false"))
-  for (path, x), (_, y) in zip(_tree.leaves_with_paths(on_true),
-                               _tree.leaves_with_paths(on_false)):
+  pytrees.check_same_structure(on_true, on_false, names=("on_true", "on_false"))
+  for (path, x), (_, y) in zip(pytrees.leaves_with_paths(on_true),
+                               pytrees.leaves_with_paths(on_false)):
     if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
       raise ValueError(
           f"select_tree: leaf {path} differs: on_true is "
-          f"{_tree.leaf_description(x)}, on_false is "
-          f"{_tree.leaf_description(y)}; shapes and dtypes must match"
+          f"{pytrees.leaf_description(x)}, on_false is "
+          f"{pytrees.leaf_description(y)}; shapes and dtypes must match"
       )
   return jax.tree_util.tree_map(
       lambda x, y: jax.lax.select(pred, x, y) if jnp.ndim(x) == 0
@@ -137,7 +137,7 @@ def floating_only(tree: Any, like: Any) -> Any:
   float0 gradients) would break most optax transforms.
   """
   return jax.tree_util.tree_map(
-      lambda x, ref: x if _tree.is_floating_array(ref) else None, tree, like)
+      lambda x, ref: x if pytrees.is_floating_array(ref) else None, tree, like)
 
 
 def merge_floating(floating: Any, rest: Any) -> Any:

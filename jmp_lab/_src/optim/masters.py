@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab import _tree, remainder
-from jmp_lab import rounding as rounding_lib
+from jmp_lab.kernels import remainder
+from jmp_lab.kernels import pytrees
+from jmp_lab.kernels import rounding as rounding_lib
 from jmp_lab._src.optim.gate import merge_floating
-from jmp_lab.policy import Policy
+from jmp_lab._src.policy import Policy
 
 MODES = ("float32", "remainder", "none")
 ROUNDINGS = ("nearest", "stochastic")
@@ -62,7 +63,7 @@ def check_mode(master: str, rounding: str, policy: Policy) -> None:
 def as_f32(tree: Any) -> Any:
   """The floating leaves of ``tree`` in fp32."""
   return jax.tree_util.tree_map(
-      lambda x: x.astype(jnp.float32) if _tree.is_floating_array(x) else x,
+      lambda x: x.astype(jnp.float32) if pytrees.is_floating_array(x) else x,
       tree)
 
 
@@ -129,7 +130,7 @@ class Master:
     """The state fields of a tree optimizer: ``master_params``,
     ``master_remainder`` and ``rounding_key``."""
     floating = lambda fn: jax.tree_util.tree_map(  # noqa: E731
-        lambda x: fn(x) if _tree.is_floating_array(x) else None, params)
+        lambda x: fn(x) if pytrees.is_floating_array(x) else None, params)
     return dict(
         master_params=as_f32(params) if self.fp32_copy else None,
         master_remainder=(floating(self.remainder_of)
@@ -182,7 +183,7 @@ def _exact_updates(params: Any, new_master: Any) -> tuple[Any, Any]:
   """
 
   def leaf(p, m):
-    if not _tree.is_floating_array(p):
+    if not pytrees.is_floating_array(p):
       return remainder.ReachableHalf(m, p, jnp.zeros_like(p))
     return remainder.reachable_half(p, m, p.dtype)
 
@@ -213,7 +214,7 @@ def _direct_updates(params, new_trainable, finite, state, new_state,
   rounded = merge_floating(treedef.unflatten(targets), params)
 
   def leaf(p, target):
-    if not _tree.is_floating_array(p):
+    if not pytrees.is_floating_array(p):
       return jnp.zeros_like(p)
     # The update that takes p to the rounded value (see jmp_lab.remainder).
     half = target.astype(p.dtype).astype(jnp.float32)

@@ -12,9 +12,10 @@ import optax
 from jmp_lab import _checks
 from jmp_lab._src.optim import gate, masters
 from jmp_lab._src.optim.states import MixedPrecisionState, ParamsSpec
-from jmp_lab.loss_scale import (LossScale, check_loss_scale,
+from jmp_lab._src.optim.updates import Update
+from jmp_lab._src.loss_scale import (LossScale, check_loss_scale,
                                 default_loss_scale, fresh_copy)
-from jmp_lab.policy import Policy, get_policy
+from jmp_lab._src.policy import Policy, get_policy
 
 
 def mixed_precision(
@@ -81,7 +82,7 @@ def mixed_precision(
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MixedPrecisionUpdate:
+class MixedPrecisionUpdate(Update):
   """The update of a :func:`mixed_precision` (hashed by identity):
   ``update(grads, state, params)`` gives optax's ``(updates, new state)``;
   its ``init`` is the transformation's.

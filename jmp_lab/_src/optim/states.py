@@ -25,8 +25,9 @@ import jax
 import numpy as np
 import optax
 
-from jmp_lab import _tree, remainder
-from jmp_lab.policy import Policy
+from jmp_lab.kernels import remainder
+from jmp_lab.kernels import pytrees
+from jmp_lab._src.policy import Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ParamsSpec:
 
   @classmethod
   def of(cls, params: Any) -> "ParamsSpec":
-    leaves = _tree.leaves_with_paths(params)
+    leaves = pytrees.leaves_with_paths(params)
     return cls(jax.tree_util.tree_structure(params),
                tuple(path for path, _ in leaves),
                tuple(tuple(np.shape(x)) for _, x in leaves),

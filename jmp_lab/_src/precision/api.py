@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from jmp_lab._src.precision.interpreter import apply_rules
 from jmp_lab._src.precision.rules import Rules, make_rules
-from jmp_lab.policy import Policy, get_policy
+from jmp_lab._src.policy import Policy, get_policy
 
 PolicySpec = Union[Policy, str]
 

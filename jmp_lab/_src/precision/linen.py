@@ -30,8 +30,8 @@ from jmp_lab._src.precision import rules as rules_lib
 from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
 from jmp_lab._src.precision.plan import Decision, Plan
 from jmp_lab._src.precision.rules import make_rules
-from jmp_lab.attention import attention_fn
-from jmp_lab.policy import Policy, cast_floating
+from jmp_lab._src.numerics.attention import attention_fn
+from jmp_lab._src.policy import Policy, cast_floating, get_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +229,9 @@ def with_policy(module: nn.Module, policy: Any, *, rules=(),
   if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
     raise ValueError(f"fp8_history_length must be a positive int, got "
                      f"{fp8_history_length!r}")
-  plan = rules_lib.plan_of(policy, rules=rules, class_overrides=class_overrides,
-                 path_overrides=path_overrides, fp32_norms=fp32_norms,
-                 keep_layer_dtypes=keep_layer_dtypes,
-                 embed_classes=(nn.Embed,))
+  policy = get_policy(policy)
+  plan = Plan(policy, rules_lib.rules_from_options(
+      policy, rules=rules, class_overrides=class_overrides,
+      path_overrides=path_overrides, fp32_norms=fp32_norms,
+      keep_layer_dtypes=keep_layer_dtypes, embed_classes=(nn.Embed,)))
   return PolicyModule(module, plan, fp8_history_length)

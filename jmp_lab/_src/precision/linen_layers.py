@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab._src.numerics import fp8_matmul, fp8_state
-from jmp_lab import reduce as reduce_lib
+from jmp_lab._src.numerics import reduce as reduce_lib
 from jmp_lab._src.precision import scopes
+from jmp_lab._src.precision import flax_calls
 from jmp_lab._src.precision.plan import CONV, DENSE, EINSUM, Decision, Plan
-from jmp_lab.policy import layer_dtype
+from jmp_lab._src.policy import layer_dtype
 
 # Modules whose matmul or convolution is an attribute (see jmp_lab.reduce):
 # (class, attribute, its _cls twin, the reduce-dtype version's factory).
@@ -217,7 +218,7 @@ def attach_gradients(module: nn.Module, out: Any, params: Mapping[str, Any],
   ``stop_gradient``) attached, summed in ``reduce_dtype``."""
   einsum = isinstance(module, nn.Einsum)
   if einsum:
-    inputs, subscripts = reduce_lib.flax_einsum_call(module, args, kwargs)
+    inputs, subscripts = flax_calls.flax_einsum_call(module, args, kwargs)
     inputs = inputs.astype(compute_dtype)  # as flax's einsum saw it
     kernel = jax.ShapeDtypeStruct(tuple(module.shape), inputs.dtype)
   if "kernel" in params:
@@ -329,7 +330,7 @@ def _fp8_einsum_call(module: nn.Einsum, args, kwargs,
   dtype anyway, and operands dequantized to fp32 and cast to bf16 on the
   way into the einsum's transposes compiled to 16-bit GEMMs on the H100.
   """
-  inputs, _ = reduce_lib.flax_einsum_call(module, args, kwargs)
+  inputs, _ = flax_calls.flax_einsum_call(module, args, kwargs)
   # flax's rule: the equation given once, to the constructor or the call.
   subscripts = merge_param("einsum_str", module.einsum_str,
                            args[1] if len(args) > 1 else kwargs.get(

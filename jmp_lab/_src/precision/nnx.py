@@ -31,17 +31,17 @@ import numpy as np
 from flax import nnx
 
 from jmp_lab._src.numerics import fp8_state
-from jmp_lab import reduce as reduce_lib
-from jmp_lab import _tree
+from jmp_lab._src.numerics import reduce as reduce_lib
+from jmp_lab.kernels import pytrees
 from jmp_lab._nesting import Nesting
-from jmp_lab._src.precision import nnx_calls, nnx_layers, scopes
+from jmp_lab._src.precision import interpreter, nnx_layers, scopes
 from jmp_lab._src.precision import rules as rules_lib
 from jmp_lab._src.precision.interpreter import is_tracing
 from jmp_lab._src.precision.nnx_layers import base_class, swapped
 from jmp_lab._src.precision.plan import Decision, Plan
 from jmp_lab._src.precision.rules import make_rules
-from jmp_lab.attention import attention_fn
-from jmp_lab.policy import cast_floating, layer_dtype
+from jmp_lab._src.numerics.attention import attention_fn
+from jmp_lab._src.policy import cast_floating, get_policy, layer_dtype
 
 # The params read through stop_gradient for one layer call (by id): their
 # gradient is attached after the call, in the reduce dtype (_policy_class).
@@ -113,15 +113,15 @@ def _cast_arrays(tree: Any, dtype: Optional[np.dtype]) -> Any:
     return tree
   with scopes.policy_cast_scope():
     return jax.tree_util.tree_map(
-        lambda x: x if nnx_calls.is_nnx_object(x) else cast_floating(x, dtype), tree,
-        is_leaf=nnx_calls.is_nnx_object)
+        lambda x: x if interpreter.is_nnx_object(x) else cast_floating(x, dtype), tree,
+        is_leaf=interpreter.is_nnx_object)
 
 
 def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
                  args: tuple, kwargs: dict) -> Any:
   """``module.<method>(*args, **kwargs)`` under the engine, in
   ``compute``."""
-  return nnx_calls.call_under_rules(
+  return interpreter.call_under_rules(
       lambda m, *a, **k: getattr(m, method)(*a, **k), (module, *args), kwargs,
       make_rules(compute))
 
@@ -242,7 +242,7 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int) -> None:
                  if path[:end] in modules)
     read = plan.param_dtype(decisions[owner], "/".join(map(str, path)))
     value = variable.get_raw_value()
-    if _tree.is_floating_array(value):
+    if pytrees.is_floating_array(value):
       variable.set_raw_value(value.astype(plan.policy.param_dtype),
                              _unsafe_bypass_check=True)
     variable.__class__ = _cast_on_read_class(type(variable))
@@ -295,12 +295,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None,
                       sow=sow)
 
 
-def policy_dtypes(module: nnx.Module) -> Optional[tuple[np.dtype, np.dtype]]:
-  """``(compute_dtype, output_dtype)`` that :func:`jmp_lab.nnx.with_policy`
-  gave ``module``'s calls, or None when it has no policy."""
-  return getattr(type(module), "_jmp_lab_dtypes", None)
-
-
 def with_policy(model: nnx.Module, policy: Any, *, rules=(),
                 class_overrides=None, path_overrides=None,
                 fp32_norms: bool = True,
@@ -315,9 +309,10 @@ def with_policy(model: nnx.Module, policy: Any, *, rules=(),
   if not isinstance(fp8_history_length, int) or fp8_history_length < 1:
     raise ValueError(f"fp8_history_length must be a positive int, got "
                      f"{fp8_history_length!r}")
-  plan = rules_lib.plan_of(policy, rules=rules, class_overrides=class_overrides,
-                 path_overrides=path_overrides, fp32_norms=fp32_norms,
-                 keep_layer_dtypes=keep_layer_dtypes,
-                 embed_classes=(nnx.Embed,))
+  policy = get_policy(policy)
+  plan = Plan(policy, rules_lib.rules_from_options(
+      policy, rules=rules, class_overrides=class_overrides,
+      path_overrides=path_overrides, fp32_norms=fp32_norms,
+      keep_layer_dtypes=keep_layer_dtypes, embed_classes=(nnx.Embed,)))
   apply_plan(model, plan, fp8_history_length)
   return model

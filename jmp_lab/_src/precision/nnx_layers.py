@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from jmp_lab._src.numerics import fp8_matmul, fp8_state
-from jmp_lab import reduce as reduce_lib
+from jmp_lab._src.numerics import reduce as reduce_lib
+from jmp_lab._src.precision import flax_calls
 from jmp_lab._src.precision.plan import CONV, DENSE, EINSUM, Decision, Plan
 
 
@@ -35,6 +36,12 @@ class Fp8State(nnx.Variable):
 def base_class(module: nnx.Module) -> type:
   """The class a module had before :func:`jmp_lab.nnx.with_policy`."""
   return getattr(type(module), "_jmp_lab_base", type(module))
+
+
+def policy_dtypes(module: nnx.Module) -> Optional[tuple[np.dtype, np.dtype]]:
+  """``(compute_dtype, output_dtype)`` that :func:`jmp_lab.nnx.with_policy`
+  gave ``module``'s calls, or None when it has no policy."""
+  return getattr(type(module), "_jmp_lab_dtypes", None)
 
 
 @contextlib.contextmanager
@@ -199,7 +206,7 @@ def bias_broadcast(module: nnx.Module, bias_shape, args, kwargs) -> tuple:
   """How ``module`` broadcasts its bias onto its output (flax's rule)."""
   if not isinstance(module, nnx.Einsum):
     return tuple(bias_shape)
-  inputs, subscripts = reduce_lib.flax_einsum_call(module, args, kwargs)
+  inputs, subscripts = flax_calls.flax_einsum_call(module, args, kwargs)
   return reduce_lib.einsum_bias_broadcast(subscripts, inputs,
                                           module.kernel.get_raw_value())
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab.policy import Policy
+from jmp_lab._src.policy import Policy
 
 F32 = np.dtype(jnp.float32)
 
@@ -59,8 +59,10 @@ class Plan:
   Example::
 
     >>> import flax.linen as nn
-    >>> from jmp_lab._src.precision.rules import plan_of
-    >>> plan = plan_of("mixed_bfloat16")
+    >>> from jmp_lab._src.policy import get_policy
+    >>> from jmp_lab._src.precision.rules import rules_from_options
+    >>> policy = get_policy("mixed_bfloat16")
+    >>> plan = Plan(policy, rules_from_options(policy))
     >>> plan.decide([("norm", nn.LayerNorm())]).compute_dtype   # fp32 norms
     dtype('float32')
     >>> plan.decide([("mlp", nn.Dense(4))]).compute_dtype

@@ -28,8 +28,7 @@ import numpy as np
 
 from jmp_lab._src.precision import scopes
 from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
-from jmp_lab._src.precision.plan import Plan
-from jmp_lab.policy import (Policy, canonicalize_dtype, get_policy,
+from jmp_lab._src.policy import (Policy, canonicalize_dtype, get_policy,
                             is_norm_class, layer_dtype)
 
 PolicySpec = Union[Policy, str]
@@ -314,10 +313,3 @@ def rules_from_options(
   if keep_layer_dtypes:
     found.append(PrecisionRule("layer_dtype", predicate=lambda m: True))
   return tuple(found)
-
-
-def plan_of(policy: Any, **options) -> Plan:
-  """The :class:`~.plan.Plan` of ``policy`` and ``with_policy``'s keyword
-  arguments (:func:`rules_from_options`)."""
-  policy = get_policy(policy)
-  return Plan(policy, rules_from_options(policy, **options))

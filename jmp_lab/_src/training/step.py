@@ -13,9 +13,9 @@ import optax
 
 from jmp_lab import _checks
 from jmp_lab._src.numerics import fp8_state
-from jmp_lab._src.optim.fused_spec import WritesParams
+from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.states import State, find_state, last_step_applied
-from jmp_lab.loss_scale import select_tree
+from jmp_lab._src.loss_scale import select_tree
 
 # The name scope of the optimizer update inside a train step: compiled
 # reports (``CompiledReport.scope``) find its kernels and bytes by it.

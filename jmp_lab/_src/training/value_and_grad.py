@@ -8,13 +8,13 @@ from typing import Any, Callable, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from jmp_lab import _tree
-from jmp_lab._src.precision import nnx_calls
+from jmp_lab.kernels import pytrees
+from jmp_lab._src.precision import interpreter
 from jmp_lab._src.precision.interpreter import apply_rules
 from jmp_lab._src.precision.rules import make_rules
 from jmp_lab._src.precision.scopes import HALF_DTYPES
-from jmp_lab.loss_scale import LossScale, check_loss_scale
-from jmp_lab.policy import Policy, get_policy
+from jmp_lab._src.loss_scale import LossScale, check_loss_scale
+from jmp_lab._src.policy import Policy, get_policy
 
 
 def scaled_value_and_grad(
@@ -70,10 +70,10 @@ def scaled_value_and_grad(
   def scaled_fun(*args, **kwargs):
     out = under_policy(*args, **kwargs)
     loss, aux = out if has_aux else (out, None)
-    if jnp.ndim(loss) != 0 or not _tree.is_floating_value(loss):
+    if jnp.ndim(loss) != 0 or not pytrees.is_floating_value(loss):
       raise TypeError(
           f"the loss must be a floating scalar, got "
-          f"{_tree.leaf_description(loss)}")
+          f"{pytrees.leaf_description(loss)}")
     # The loss is fp32 whatever the compute dtype: scaling a half-precision
     # loss would overflow long before the gradients do.
     loss = jnp.asarray(loss).astype(jnp.float32)
@@ -105,8 +105,8 @@ def under_loss_rules(fun: Callable[..., Any], policy: Union[Policy, str]
   rules = make_rules(policy.compute_dtype, island=True)
 
   def run(*args, **kwargs):
-    if nnx_calls.holds_nnx_objects((args, kwargs)):
-      return nnx_calls.call_under_rules(fun, args, kwargs, rules)
+    if interpreter.holds_nnx_objects((args, kwargs)):
+      return interpreter.call_under_rules(fun, args, kwargs, rules)
     return apply_rules(fun, rules)(*args, **kwargs)
 
   return run

@@ -1,4 +1,4 @@
-"""Private pytree helpers shared by the public modules.
+"""Pytree helpers every jmp_lab module asks the same way.
 
 They answer two questions that several modules ask: "is this leaf a floating
 value?" and "where do these two trees differ?". Keeping them here means every
@@ -69,3 +69,13 @@ def check_same_structure(
 def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
   paths, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [(jax.tree_util.keystr(p) or "<root>", x) for p, x in paths]
+
+
+__all__ = [
+    "check_same_structure",
+    "first_structure_mismatch",
+    "is_floating_array",
+    "is_floating_value",
+    "leaf_description",
+    "leaves_with_paths",
+]

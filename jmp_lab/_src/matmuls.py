@@ -1,0 +1,222 @@
+"""The matmuls of a jaxpr: every dot_general and convolution, with its
+operand dtypes, shapes, FLOPs and where it was written.
+
+The library asks this of a traced loss (:mod:`jmp_lab._src.precision_warnings`
+warns when a half policy's matmuls all run in fp32) and
+:func:`jmp_lab.diagnostics.audit_step` reports it; both read the one walk
+here, so diagnostics sit on top of the library rather than under it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+FP8_DTYPES = tuple(np.dtype(getattr(jnp, n)) for n in (
+    "float8_e4m3fn", "float8_e5m2") if hasattr(jnp, n))
+
+
+@dataclasses.dataclass
+class MatmulRecord:
+  kind: str                       # "dot_general" or "conv"
+  operand_dtypes: tuple[str, str]
+  accumulation_dtype: str
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  flops: float
+  tensor_core_dims: bool          # M, N, K multiples of 8 (16 for fp8)
+  odd_dims: tuple[str, ...]       # which of M/N/K miss that multiple
+  location: str
+  times: int = 1                  # trip count of enclosing scans
+  # Both operands dequantized from fp8 just before (quantize-dequantize,
+  # jmp_lab.fp8): XLA:GPU runs such a matmul as an fp8 GEMM.
+  fp8: bool = False
+
+  @property
+  def half(self) -> bool:
+    return all(np.dtype(d) in HALF_DTYPES + FP8_DTYPES for d in self.operand_dtypes)
+
+
+def _dot_dims(eqn):
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params[
+      "dimension_numbers"]
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  k = math.prod(lhs[d] for d in lhs_contract)
+  batch = math.prod(lhs[d] for d in lhs_batch)
+  m = math.prod(s for d, s in enumerate(lhs)
+                if d not in lhs_contract and d not in lhs_batch)
+  n = math.prod(s for d, s in enumerate(rhs)
+                if d not in rhs_contract and d not in rhs_batch)
+  return {"M": m, "N": n, "K": k}, 2.0 * batch * m * n * k
+
+
+def _conv_dims(eqn):
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  out = eqn.outvars[0].aval.shape
+  dn = eqn.params["dimension_numbers"]
+  groups = eqn.params.get("feature_group_count", 1)
+  in_features = rhs[dn.rhs_spec[1]]
+  out_features = rhs[dn.rhs_spec[0]]
+  window = math.prod(rhs[d] for d in dn.rhs_spec[2:])
+  out_pixels = math.prod(out) // out[dn.out_spec[1]]
+  dims = {"M": out_pixels, "N": out_features, "K": in_features * window}
+  flops = 2.0 * out_pixels * out_features * in_features * window
+  del lhs, groups  # grouped convs: in_features is already per group
+  return dims, flops
+
+
+def _user_location(eqn) -> str:
+  """``file:line`` of the user code that produced ``eqn`` (jax's own view)."""
+  try:
+    from jax._src import source_info_util  # no public equivalent
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    return (f"{frame.file_name.split('/')[-1]}:{frame.start_line}"
+            if frame else "?")
+  except Exception:  # pylint: disable=broad-except
+    return "?"
+
+
+# Ops a dequantized fp8 value passes through on its way to a matmul: the
+# dequantize itself (convert, multiply by the scale) and layout changes.
+_DEQUANTIZE_PATH = {"convert_element_type", "mul", "broadcast_in_dim",
+                    "reshape", "transpose", "copy", "copy_p"}
+
+
+def _inner_jaxpr(eqn):
+  """The jaxpr a call-like eqn (pjit, custom_vjp_call...) runs, if its
+  outputs are that jaxpr's outputs."""
+  for param in eqn.params.values():
+    inner = getattr(param, "jaxpr", param)
+    if hasattr(inner, "eqns") and len(inner.outvars) == len(eqn.outvars):
+      return inner
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+  """An input of a sub-jaxpr: the enclosing equation's operand ``var``,
+  produced in the enclosing scope (``producers``)."""
+  var: Any
+  producers: dict
+
+
+def _scope(inner, eqn, producers: dict) -> dict:
+  """The producers of ``inner``'s variables, its inputs included (traced on
+  to the enclosing ``eqn``'s operands when they correspond one to one: the
+  bodies of jit, checkpoint, scan). A value dequantized outside a
+  rematerialized body and used inside it is then still seen as fp8."""
+  scope = {}
+  if len(inner.invars) == len(eqn.invars):
+    scope = {inside: _Operand(outside, producers)
+             for inside, outside in zip(inner.invars, eqn.invars)
+             if type(outside).__name__ != "Literal"}
+  scope.update(_producers(inner))
+  return scope
+
+
+def _from_fp8(var, producers, depth=0) -> bool:
+  """Whether ``var`` is a value dequantized from an fp8 array."""
+  eqn = producers.get(var)
+  if eqn is None or depth > 12:
+    return False
+  if isinstance(eqn, _Operand):
+    return _from_fp8(eqn.var, eqn.producers, depth + 1)
+  name = eqn.primitive.name
+  if name == "convert_element_type" and np.dtype(
+      eqn.invars[0].aval.dtype) in FP8_DTYPES:
+    return True
+  if name in _DEQUANTIZE_PATH:
+    return any(_from_fp8(v, producers, depth + 1) for v in eqn.invars
+               if type(v).__name__ != "Literal")
+  inner = _inner_jaxpr(eqn)
+  if inner is not None:
+    out = inner.outvars[eqn.outvars.index(var)]
+    return _from_fp8(out, _scope(inner, eqn, producers), depth + 1)
+  return False
+
+
+def _producers(jaxpr) -> dict:
+  return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def walk(jaxpr, times, records, casts, producers=None):
+  """Appends ``jaxpr``'s matmuls to ``records`` (each run ``times`` times:
+  scan trip counts multiply) and counts its float casts in ``casts``,
+  entering every sub-jaxpr a GPU compile runs."""
+  producers = _producers(jaxpr) if producers is None else producers
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("dot_general", "conv_general_dilated"):
+      dims, flops = (_dot_dims if name == "dot_general" else _conv_dims)(eqn)
+      dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
+      fp8 = all(_from_fp8(v, producers) for v in eqn.invars[:2])
+      multiple = 16 if fp8 or all(d in FP8_DTYPES for d in dtypes) else 8
+      odd = tuple(k for k, v in dims.items() if v % multiple)
+      accumulation = eqn.params.get("preferred_element_type") or np.result_type(
+          *dtypes)
+      records.append(MatmulRecord(
+          kind="dot_general" if name == "dot_general" else "conv",
+          operand_dtypes=tuple(d.name for d in dtypes),
+          accumulation_dtype=np.dtype(accumulation).name,
+          lhs_shape=tuple(eqn.invars[0].aval.shape),
+          rhs_shape=tuple(eqn.invars[1].aval.shape),
+          out_shape=tuple(eqn.outvars[0].aval.shape),
+          flops=flops * times,
+          tensor_core_dims=not odd, odd_dims=odd,
+          location=_user_location(eqn),
+          times=times,
+          fp8=fp8))
+    elif name == "convert_element_type":
+      src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+      if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating):
+        casts[f"{np.dtype(src).name}->{np.dtype(dst).name}"] = casts.get(
+            f"{np.dtype(src).name}->{np.dtype(dst).name}", 0) + times
+    inner_times = times * (eqn.params.get("length", 1) if name == "scan" else 1)
+    for inner in compiled_sub_jaxprs(eqn):
+      walk(inner, inner_times, records, casts,
+            _scope(inner, eqn, producers))
+
+
+def compiled_sub_jaxprs(eqn):
+  """The sub-jaxprs of ``eqn`` that a GPU compile of it runs, as
+  :func:`sub_jaxprs`, except that of a ``lax.platform_dependent`` choice
+  only the default branch: one branch runs, so counting all would count
+  its matmuls twice, and the CPU branch of ``jmp_lab._gemm.accumulated`` is
+  a workaround for XLA:CPU, not the step. The audit counts these."""
+  platforms = eqn.params.get("branches_platforms") if (
+      eqn.primitive.name == "cond") else None
+  if platforms and None in platforms:
+    yield eqn.params["branches"][platforms.index(None)].jaxpr
+    return
+  yield from sub_jaxprs(eqn.params)
+
+
+def sub_jaxprs(params: dict):
+  """Every jaxpr among an equation's params, closed or open.
+
+  The bodies of ``jax.checkpoint`` (``nn.remat``) and ``shard_map`` are open
+  jaxprs; ``scan``, ``cond``, ``jit`` and custom derivatives hold closed
+  ones, whose ``.jaxpr`` is the body (jax 0.11 merges the two kinds). A walk
+  that follows ``.jaxpr`` alone misses the open ones.
+  """
+  for param in params.values():
+    for sub in param if isinstance(param, (list, tuple)) else (param,):
+      if hasattr(sub, "eqns"):
+        yield sub
+      elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+        yield sub.jaxpr
+
+
+def matmul_records(closed_jaxpr: Any) -> list[MatmulRecord]:
+  """Every matmul and convolution of a (closed) jaxpr, sub-jaxprs included:
+  the records :func:`audit_step` reports, without lowering."""
+  jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+  records: list[MatmulRecord] = []
+  walk(jaxpr, 1, records, {})
+  return records
