@@ -23,7 +23,8 @@ exclude_patterns = ["_build"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"members": True, "undoc-members": False}
+autodoc_default_options = {"members": True, "undoc-members": False,
+                           "no-value": True}  # data is described, not dumped
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True    # a dataclass's Attributes: fields, not objects twice

@@ -1,9 +1,9 @@
 """Attention whose fp32 softmax lives inside a fused kernel, chosen by target.
 
 Flax's attention with an fp32 softmax writes the whole ``(batch, heads, T,
-T)`` score tensor in fp32 and reads it back, forward and backward. For
-GPT-2-small's shapes compiled for an H100, one layer's attention moves 1.89 GB
-and needs 792 MiB of temporaries. A fused kernel keeps the score tile and the
+T)`` score tensor in fp32 and reads it back, forward and backward: bytes
+and temporaries that grow with ``T**2`` (the compiled-for-H100 figures are in
+``benchmarks/RESULTS.md``). A fused kernel keeps the score tile and the
 softmax statistics on chip: bf16/fp16 operands, fp32 statistics and
 accumulators, forward and backward.
 
@@ -60,9 +60,14 @@ from jmp_lab._src.numerics.attention import (
     attention_fn,
     combined_mask,
     dot_product_attention,
-    IMPLEMENTATIONS,
     kernel_dtype,
 )
+
+from jmp_lab._src.numerics import attention as _impl
+
+#: The ``implementation`` values :func:`dot_product_attention` takes:
+#: ``"auto"``, ``"cudnn"``, ``"triton"``, ``"mosaic"``, ``"xla"``.
+IMPLEMENTATIONS = _impl.IMPLEMENTATIONS
 
 __all__ = [
     "attention_fn",

@@ -85,12 +85,25 @@ from jmp_lab._src.numerics.fp8_matmul import (current_dot_general,
                                               einsum, operands_in,
                                               quantize_operands,
                                               quantize_output_gradient)
-from jmp_lab._src.numerics.fp8_state import (AMAX_HISTORY_LENGTH, COLLECTION,
-                                             E4M3, E5M2, Fp8Meta,
-                                             delayed_scale, init_meta,
+from jmp_lab._src.numerics.fp8_state import (delayed_scale, init_meta,
                                              next_meta, observed_finite,
                                              rescale, value_and_new_meta,
                                              write_amaxes)
+
+from jmp_lab._src.numerics import fp8_state as _impl
+
+#: The fp8 format of inputs and kernels (``jnp.float8_e4m3fn``).
+E4M3 = _impl.E4M3
+#: The fp8 format of output gradients (``jnp.float8_e5m2``).
+E5M2 = _impl.E5M2
+#: The default length of the amax history of delayed scaling (1024).
+AMAX_HISTORY_LENGTH = _impl.AMAX_HISTORY_LENGTH
+#: The linen collection the fp8 state lives in (Flax's
+#: ``_overwrite_with_gradient``).
+COLLECTION = _impl.COLLECTION
+#: The delayed-scaling state of one matmul: a dict of fp32 arrays
+#: ``{input,kernel,output_grad}_{scale,amax_history}`` (:func:`init_meta`).
+Fp8Meta = _impl.Fp8Meta
 
 __all__ = ["AMAX_HISTORY_LENGTH", "COLLECTION", "E4M3", "E5M2", "Fp8Meta",
            "current_dot_general", "current_einsum", "delayed_dot_general",

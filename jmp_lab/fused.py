@@ -9,9 +9,10 @@ the unfused path. Two state layouts:
   params, updated by the multi-tensor kernels of
   :mod:`jmp_lab.kernels.multi_tensor` (16 leaves a launch, no packing): a
   statistics pass (finite flag and clip norm, 2 B/param with bf16
-  gradients), then the update, in place (28 B/param). Compiled for an H100,
-  the GPT-2-small step moves 71.2 GB against 71.4 for the unfused step, with
-  30 update kernels against 428 (benchmarks/RESULTS.md). With fp32 params
+  gradients), then the update, in place: a few dozen update kernels where
+  the unfused step has hundreds, for the same bytes (the compiled-for-H100
+  figures are in ``benchmarks/RESULTS.md`` and the performance guide). With
+  fp32 params
   ``backend="auto"`` keeps XLA's per-leaf fusion, which the kernel cannot
   beat there (see :func:`jmp_lab.kernels.tree_backend`). Under ``jit``
   with the state sharded (ZeRO-1, :func:`jmp_lab.sharding.state_shardings`)
@@ -22,7 +23,7 @@ the unfused path. Two state layouts:
   packed first (a pass); a model that reads its params from the flat buffer
   (:func:`flat_params`, :func:`unflatten_params`, or
   ``TrainState.create(..., flat_params=True)``) hands in flat gradients.
-  Fewest launches (8 on GPT-2-small), more bytes (78.5 GB a step).
+  Fewest launches, more bytes (the packing passes).
 
 The memory-lean modes (``master="remainder"`` or ``"none"``, with nearest or
 stochastic rounding; bf16 ``mu_dtype``/``nu_dtype``) run in the tree layout's
@@ -50,8 +51,13 @@ Example::
   True
 """
 
-from jmp_lab._src.optim.fused_adamw import LAYOUTS, FusedUpdate, fused_adamw
+from jmp_lab._src.optim.fused_adamw import FusedUpdate, fused_adamw
 from jmp_lab._src.optim.fused_flat import flat_params, unflatten_params
+
+from jmp_lab._src.optim import fused_adamw as _impl
+
+#: The state layouts of :func:`fused_adamw`: ``"tree"`` and ``"flat"``.
+LAYOUTS = _impl.LAYOUTS
 
 __all__ = ["FusedUpdate", "LAYOUTS", "flat_params", "fused_adamw",
            "unflatten_params"]

@@ -28,7 +28,6 @@ from jmp_lab._src.jmp_compat import (
     all_finite,
     cast_to_full,
     cast_to_half,
-    dtype_to_names,
     DynamicLossScale,
     get_policy,
     half_dtype,
@@ -38,6 +37,11 @@ from jmp_lab._src.jmp_compat import (
     select_tree,
     StaticLossScale,
 )
+from jmp_lab._src import jmp_compat as _impl
+
+#: As in jmp: the names of each dtype, keyed by the jnp scalar types; the
+#: first name is what ``str(policy)`` prints.
+dtype_to_names = _impl.dtype_to_names
 
 __all__ = [
     "all_finite",

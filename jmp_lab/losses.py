@@ -33,13 +33,20 @@ Example::
 """
 
 from jmp_lab._src.numerics.losses import (
-    DEFAULT_BLOCK,
-    IMPLEMENTATIONS,
     linear_cross_entropy,
     log_softmax,
     softmax,
     softmax_cross_entropy_with_integer_labels,
 )
+
+from jmp_lab._src.numerics import losses as _impl
+
+#: The ``implementation`` values :func:`linear_cross_entropy` takes:
+#: ``"auto"``, ``"triton"``, ``"interpret"``, ``"xla"``.
+IMPLEMENTATIONS = _impl.IMPLEMENTATIONS
+#: The vocabulary block of :func:`linear_cross_entropy` on XLA's path
+#: (8192 words): its logits are the largest temporary.
+DEFAULT_BLOCK = _impl.DEFAULT_BLOCK
 
 __all__ = [
     "DEFAULT_BLOCK",

@@ -26,8 +26,14 @@ from jmp_lab._src.policy import (
     is_norm_class,
     layer_dtype,
     Policy,
-    PRESETS,
-)
+    )
+from jmp_lab._src import policy as _impl
+
+#: The policies :func:`get_policy` knows by name: ``"float32"``,
+#: ``"mixed_bfloat16"``, ``"mixed_float16"`` (fp32 params and output, half
+#: compute) and ``"mixed_fp8"`` (bf16 compute, the Dense/Linear matmuls in
+#: fp8 with delayed scaling).
+PRESETS = _impl.PRESETS
 
 __all__ = [
     "canonicalize_dtype",

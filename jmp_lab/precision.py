@@ -45,14 +45,41 @@ Example::
 
 from jmp_lab._src.precision.api import Autocast, autocast
 from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
-from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
-from jmp_lab._src.precision.rules import (ACTIONS, PrecisionRule, Rules,
+from jmp_lab._src.precision.rules import (PrecisionRule, Rules,
                                           fp32_island, layer_island,
                                           make_rules, reduce_island)
 from jmp_lab._src.precision.scopes import (current_compute_dtype, island,
                                            policy_cast_scope, scope)
 from jmp_lab._src.precision_warnings import (MatmulCount, PrecisionWarning,
                                              recording, warn_unless_half)
+
+from jmp_lab._src.precision import ops as _ops
+from jmp_lab._src.precision import rules as _rules
+
+#: The keyword actions of a :class:`PrecisionRule` (besides a policy):
+#: ``"fp32"``: an fp32 island (params in the param dtype, computation in
+#: fp32, the output handed back in the compute dtype); ``"layer_dtype"``:
+#: the layer computes in its own ``dtype`` (a rule with it matches only
+#: layers that set one); ``"as_written"``: no casts and no op rules;
+#: ``"fp8"``/``"fp8_current"``: the policy's Dense/Linear matmuls in fp8;
+#: ``"reduce"``: computes in the reduce dtype (an embedding table whose
+#: gradient is summed in it) and hands back the compute dtype.
+ACTIONS = _rules.ACTIONS
+#: Primitives that run in the compute dtype whatever dtype their operands
+#: arrive in (with fp32 accumulation): ``dot_general`` and
+#: ``conv_general_dilated``.
+MATMUL_OPS = _ops.MATMUL_OPS
+#: Primitives computed in fp32 from half inputs: exp, log, and the sum,
+#: product and cumulative reductions (softmax, logsumexp, norms written
+#: inline and losses are built from these). ``x ** 2`` and ``x ** 3``
+#: are not: ``jax.nn.gelu`` computes ``x ** 3``, and torch runs GELU in its
+#: input's dtype.
+FP32_OPS = _ops.FP32_OPS
+#: Primitives that compute in the compute dtype (elementwise arithmetic,
+#: layout changes, comparisons...). An input the rules made fp32 (an
+#: island's result, an explicit upcast) makes the op run in fp32, as
+#: torch's promotion does.
+COMPUTE_OPS = _ops.COMPUTE_OPS
 
 __all__ = [
     "ACTIONS", "Autocast", "COMPUTE_OPS", "FP32_OPS", "MATMUL_OPS",

@@ -27,8 +27,13 @@ from jmp_lab._src.training.linen_step import (
     make_train_step,
     train_step,
 )
-from jmp_lab._src.training.step import UPDATE_SCOPE
+from jmp_lab._src.training import step as _step
 from jmp_lab._src.training.value_and_grad import scaled_value_and_grad
+
+#: The name scope of the optimizer update inside a train step
+#: (``"jmp_lab_update"``): compiled reports find its kernels and bytes by it
+#: (:meth:`jmp_lab.diagnostics.CompiledReport.scope`).
+UPDATE_SCOPE = _step.UPDATE_SCOPE
 
 __all__ = [
     "make_train_step",

@@ -21,10 +21,11 @@ One module per question, each answering with a dataclass whose ``table()``
 
 from jmp_lab.diagnostics.audit import AuditReport, MatmulRecord, audit_step
 from jmp_lab.diagnostics.compiled import (CollectiveRecord, CompiledReport,
-                                          GemmRecord, GpuTarget, PallasKernel,
+                                          GemmRecord, GpuTarget, KernelRecord,
+                                          PallasKernel,
                                           ThunkRecord, compile_for_gpu, compiled_report,
                                           gpu_mesh, gpu_target)
-from jmp_lab.diagnostics.histogram import (BF16, FP16, FloatRange,
+from jmp_lab.diagnostics.histogram import (FloatRange,
                                            GradientHistogram,
                                            gradient_histogram,
                                            plot_gradient_histogram)
@@ -32,6 +33,13 @@ from jmp_lab.diagnostics.memory import (MemoryReport, MemoryRow,
                                         activation_bytes, compiled_memory,
                                         memory_report, memory_row)
 from jmp_lab.diagnostics.recorder import TrainingRecorder
+
+from jmp_lab.diagnostics import histogram as _histogram
+
+#: The range of float16 (:class:`FloatRange`).
+FP16 = _histogram.FP16
+#: The range of bfloat16 (:class:`FloatRange`).
+BF16 = _histogram.BF16
 
 __all__ = [
     "AuditReport",
@@ -43,6 +51,7 @@ __all__ = [
     "GemmRecord",
     "GpuTarget",
     "GradientHistogram",
+    "KernelRecord",
     "MatmulRecord",
     "MemoryReport",
     "MemoryRow",

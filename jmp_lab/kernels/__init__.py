@@ -21,9 +21,8 @@ one per file:
 compiled for CUDA -- on a GPU machine, or ahead of time on a CPU-only one --
 contains the Pallas kernel (Triton where it can be imported, else Mosaic GPU;
 on a local GPU older than Ampere, the reference), and a step compiled for
-anything else uses the reference. Compiled for an H100, the Triton kernel
-moves 28 B/param in place; the Mosaic kernel plus its copies moves 56
-(benchmarks/RESULTS.md).
+anything else uses the reference. The Triton kernel updates in place; the
+Mosaic kernel's copies roughly double its bytes (``benchmarks/RESULTS.md``).
 
 An explicit GPU backend is taken as asked, wherever the step is compiled, so
 it can be compiled for a GPU on a machine without one; running it on a CPU
@@ -44,7 +43,7 @@ import importlib
 from jmp_lab.kernels import multi_tensor, pallas_triton, reference, registry
 from jmp_lab.kernels.partitioned import backend_tree_step as tree_step
 from jmp_lab.kernels.reference import AdamWConfig, Outputs
-from jmp_lab.kernels.registry import (NAMES as BACKENDS, fused_update,
+from jmp_lab.kernels.registry import (fused_update,
                                       tree_backend, tree_grad_stats,
                                       tree_update)
 from jmp_lab.kernels.registry import available as available_backends
@@ -70,6 +69,11 @@ registry.register("triton", module="jax.experimental.pallas.triton",
                   min_capability=8.0, triton=True)
 registry.register("mosaic", module="jax.experimental.pallas.mosaic_gpu",
                   min_capability=9.0, flat=_mosaic_update)
+
+#: The backend names :func:`fused_update` and the optimizers take:
+#: ``"auto"``, ``"mosaic"``, ``"triton"``, ``"interpret"``,
+#: ``"reference"``.
+BACKENDS = registry.NAMES
 
 __all__ = ["AdamWConfig", "BACKENDS", "Outputs", "available_backends",
            "cuda_backend", "fused_update", "resolve_backend", "tree_backend",

@@ -1,8 +1,8 @@
 """A linear layer and its cross-entropy in three Pallas Triton kernels.
 
 :func:`jmp_lab.losses.linear_cross_entropy` computed in XLA writes each
-vocabulary block's logits to memory and reads them back: compiled for an H100
-with GPT-2's shapes, 7 passes over 0.82 GB of bf16 logits a step. These
+vocabulary block's logits to memory and reads them back, several passes a
+step (counted in ``benchmarks/RESULTS.md``). These
 kernels keep each ``(tokens, block)`` tile of logits in registers, as Apple's
 Cut Cross-Entropy does in Triton:
 

@@ -35,8 +35,8 @@ fp32 params (they are the master)              4*     16     12      32*
 (*) fp32 gradients: the statistics read 4 B. ``backend="auto"`` keeps XLA's
 own per-leaf fusion there, which reads the bf16 GEMM outputs directly
 (:func:`jmp_lab.kernels.tree_backend`). XLA's fusion of
-``mixed_precision(optax.adamw)`` with an fp32 master moves 32 B/param
-(benchmarks/RESULTS.md). Stochastic rounding costs arithmetic (an integer
+``mixed_precision(optax.adamw)`` with an fp32 master is measured against
+these in ``benchmarks/RESULTS.md``. Stochastic rounding costs arithmetic (an integer
 hash per element, :func:`jmp_lab.rounding.counter_bits`), no bytes.
 
 Backends: ``"triton"`` (Pallas' Triton lowering) and ``"interpret"`` (the

@@ -63,14 +63,11 @@ def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
   transposing the fp8 bytes. Without the barrier it fuses the cast into
   each transpose instead (two kernels reading the 16-bit tensor) and
   leaves the amax a reduction of its own that reads the tensor once more.
-  Compiled for the H100 (``benchmarks/fp8_breakdown.py``), the barrier on
-  every operand and output gradient, with the amaxes split in parts
-  (:func:`_observation`), takes GPT-2 small's fp8 step from 75.0 to
-  72.4 GB and 1,892 to 1,746 kernels (1,721 once long parts are read in
-  strided chunks), and the 1.3B-class lean step from 199.9 to 194.0 GB and
-  3,659 to 3,417. (Leaving the output gradients without it saves 2.1 GB
-  more on the 1.3B-class step, but costs GPT-2 small 3.2 GB.) The barrier
-  changes no value.
+  Compiled for the H100, the barrier on every operand and output gradient,
+  with the amaxes split in parts (:func:`_observation`), takes fewer bytes
+  and fewer kernels on both GPT-2 small's fp8 step and the 1.3B-class lean
+  step (``benchmarks/fp8_breakdown.py``; the figures are in
+  ``benchmarks/RESULTS.md``). The barrier changes no value.
   """
   return fp8_ops.dequantize(_quantize(x, q_dtype, scale), x.dtype, scale)
 

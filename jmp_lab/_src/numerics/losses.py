@@ -20,10 +20,9 @@ from jmp_lab.kernels.platform import importable
 from jmp_lab.kernels import linear_cross_entropy as fused_kernels
 
 # The widest vocabulary block by default: its logits (tokens x block, in the
-# hidden's dtype) are the largest temporary. Compiled for an H100 with
-# GPT-2's shapes (8,192 tokens, 50,304 words), blocks of 8,384 move 7.24 GB
-# with 0.20 GiB of temporaries, 16,768 move 7.04 GB with 0.66 GiB, and the
-# stored logits 13.11 GB with 2.3 GiB (benchmarks/RESULTS.md).
+# hidden's dtype) are the largest temporary. A wider block moves a little
+# fewer bytes for several times the temporaries; the figures by block size
+# are in benchmarks/RESULTS.md.
 DEFAULT_BLOCK = 8192
 
 
@@ -62,8 +61,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
     (:mod:`jmp_lab.kernels.linear_cross_entropy`) that keep each tile of
     logits in registers: nothing of size ``tokens x vocabulary`` touches
     memory. For bf16 or fp16 hidden states whose width is a multiple of 16.
-    Compiled for an H100 with GPT-2-small's shapes, the loss moves 0.67 GB
-    a step against the XLA path's 7.24 (``benchmarks/RESULTS.md``).
+    Compiled for an H100 it moves about a tenth of the XLA path's bytes
+    (``benchmarks/RESULTS.md``).
   * ``"interpret"`` -- the Triton kernels in Pallas interpret mode, on any
     device (slow; for tests).
 
@@ -280,8 +279,7 @@ def _block_statistics(logits, ids, labels):
   correct-class logit (0 if the label is in another block), in ONE pass
   over the logits: a variadic reduction with the online log-sum-exp as its
   reducer. ``max`` then ``sum(exp(x - max))`` would be two reductions, and
-  compiled for an H100 each reads the whole block (0.82 GB a step more at
-  GPT-2's shapes, benchmarks/RESULTS.md)."""
+  compiled for an H100 each reads the whole block (benchmarks/RESULTS.md)."""
   label_logits = jnp.where(ids[None, :] == labels[:, None], logits, 0.0)
   zero = jnp.zeros((), jnp.float32)
   return jax.lax.reduce(

@@ -17,8 +17,8 @@ from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.states import State, find_state, last_step_applied
 from jmp_lab._src.loss_scale import select_tree
 
-# The name scope of the optimizer update inside a train step: compiled
-# reports (``CompiledReport.scope``) find its kernels and bytes by it.
+#: The name scope of the optimizer update inside a train step: compiled
+#: reports (``CompiledReport.scope``) find its kernels and bytes by it.
 UPDATE_SCOPE = "jmp_lab_update"
 
 
