@@ -42,7 +42,7 @@ import math
 import os
 import re
 import tempfile
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 
@@ -532,7 +532,8 @@ def _thunks(dump_dir: str) -> list[ThunkRecord]:
 def compiled_report(fn: Callable[..., Any], *args, target="h100",
                     devices: int = 1, in_specs: Any = None,
                     donate_argnums: Union[int, Sequence[int]] = (),
-                    triton_gemm: bool = False, fail_on_spill: bool = True
+                    triton_gemm: bool = False, fail_on_spill: bool = True,
+                    axes: Optional[Mapping[str, int]] = None
                     ) -> CompiledReport:
   """Compiles ``fn(*args)`` for a GPU target without a GPU and reports on it.
 
@@ -548,7 +549,7 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
     compiled = compile_for_gpu(
         fn, *args, target=target, devices=devices, in_specs=in_specs,
         donate_argnums=donate_argnums, triton_gemm=triton_gemm,
-        fail_on_spill=fail_on_spill, dump_to=dump_dir)
+        fail_on_spill=fail_on_spill, dump_to=dump_dir, axes=axes)
     text = compiled.as_text()
     walker = _Walker(hlo.parse_module(text))
     walker.walk(walker.module.entry, 1)
