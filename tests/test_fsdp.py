@@ -252,6 +252,56 @@ def test_the_maxtext_style_example_trains_on_8_devices(tmp_path):
   assert out["losses"][-1] < out["losses"][0] - 0.5
 
 
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("master", ["none", "remainder"])
+def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
+    backend, master):
+  """The fused tree update with the state sharded (fsdp x tensor) equals,
+  bit for bit, the update of whole leaves on one device: stochastic
+  rounding draws each element's bits from its index in the whole leaf, so
+  no leaf is gathered."""
+  rounding = "stochastic" if master == "none" else "nearest"
+  tx = jmp_lab.fused_adamw(1e-2, policy="p=bf16,c=bf16,o=f32", master=master,
+                           rounding=rounding, mu_dtype=jnp.bfloat16,
+                           nu_dtype=jnp.bfloat16, backend=backend,
+                           loss_scale=jmp_lab.NoOpLossScale())
+  rng = np.random.default_rng(0)
+  shapes = {"w": (64, 48), "b": (48,), "w3": (8, 4, 6), "odd": (5, 3)}
+  params = {k: jnp.asarray(rng.normal(size=v), jnp.bfloat16)
+            for k, v in shapes.items()}
+  grads = {k: jnp.asarray(rng.normal(size=v) * 1e-3, jnp.bfloat16)
+           for k, v in shapes.items()}
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+  specs = {"w": P("fsdp", "tensor"), "b": P("fsdp"), "w3": P(None, "fsdp"),
+           "odd": P()}
+  state = tx.init(params)
+  expected = tx.update(grads, state, params)
+
+  def put(tree):
+    return {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in tree.items()}
+  state_layout = jax.tree_util.tree_map(
+      lambda x: NamedSharding(mesh, P()), state)
+  state_layout = state_layout._replace(
+      mu=put(state.mu) and {k: NamedSharding(mesh, specs[k]) for k in specs},
+      nu={k: NamedSharding(mesh, specs[k]) for k in specs},
+      master_remainder=(None if state.master_remainder is None else
+                        {k: NamedSharding(mesh, specs[k]) for k in specs}))
+  sharded_state = jax.device_put(state, state_layout)
+  update = jax.jit(tx.update, out_shardings=(
+      {k: NamedSharding(mesh, specs[k]) for k in specs}, state_layout))
+  got = update(put(grads), sharded_state, put(params))
+  tree_equal = lambda a, b: jax.tree_util.tree_all(jax.tree_util.tree_map(  # noqa: E731
+      lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+  assert tree_equal(got[0], expected[0])
+  assert tree_equal(got[1].mu, expected[1].mu)
+  assert got[1].mu["w"].sharding.spec == P("fsdp", "tensor")
+  for leaf in jax.tree_util.tree_leaves(got[1].mu):
+    assert leaf.sharding.spec in set(specs.values())
+
+
 # --- in the 2-device session ------------------------------------------------
 
 
