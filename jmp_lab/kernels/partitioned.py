@@ -83,7 +83,8 @@ def _step(plan: StepPlan, groups, shards, g, p, mu, nu, remainders, scale,
   finite = stats.agree(finite, every_axis)  # one non-finite shard: all skip
   hyper, flags, finite = plan.scalars_fn(sumsq, finite, scalar_args)
   index_maps = None
-  if plan.stochastic and shards is not None:
+  if plan.stochastic and shards is not None and any(
+      tuple(local.shape) != shape for (shape, _), local in zip(shards, p)):
     index_maps = [(shape, _base(shape, tuple(local.shape), spec))
                   for (shape, spec), local in zip(shards, p)]
   return plan.run_update(g, p, mu, nu, hyper, flags, remainders,
