@@ -63,6 +63,9 @@ class LlamaConfig:
   seq_len: int = 64
   scan: bool = False      # the layers under nn.scan (one compiled body)
   remat: bool = False     # recompute each layer in the backward pass
+  #: with remat, what the backward pass recomputes: "full", everything;
+  #: "selective", all but the weight GEMMs' outputs (MaxText's "minimal").
+  remat_policy: str = "full"
   mesh: Optional[Mesh] = None  # where the activations' logical axes apply
 
 
@@ -113,6 +116,12 @@ def _constrain(x, names, config: LlamaConfig):
 
 
 _normal = nn.initializers.normal(0.02)
+
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "selective": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
 def _rope(x: jax.Array) -> jax.Array:
@@ -195,9 +204,12 @@ class Llama(nn.Module):
     block = Block
     if c.remat:
       block = nn.remat(block, prevent_cse=not c.scan,
-                       policy=jax.checkpoint_policies.nothing_saveable)
+                       policy=_REMAT_POLICIES[c.remat_policy])
     if c.scan:
-      x, _ = nn.scan(block, variable_axes={"params": 0},
+      # fp8 policies keep each layer's scaling state in their own
+      # collection: stacked per layer, as the params are.
+      x, _ = nn.scan(block, variable_axes={"params": 0,
+                                           jmp_lab.fp8.COLLECTION: 0},
                      split_rngs={"params": True}, length=c.layers,
                      metadata_params={nn.PARTITION_NAME: "layers"})(
                          c, name="layers")(x, None)
@@ -221,11 +233,16 @@ class LlamaLM(nn.Module):
     return hidden, head
 
 
-def loss_fn(params, state, batch):
-  """Next-token cross-entropy, the head's logits never stored."""
-  hidden, head = state.apply_fn({"params": params}, batch[:, :-1])
+def loss_fn(params, state, batch, *, vocab_shards: int = 1):
+  """Next-token cross-entropy, the head's logits never stored.
+
+  ``vocab_shards``: the tensor axis's size, over which the head's vocabulary
+  is split; the loss then sums the hidden state's gradient across those
+  devices once a step, not once per vocabulary block."""
+  hidden, head = state.apply_fn({"params": params, **state.model_state},
+                                batch[:, :-1])
   return jmp_lab.losses.linear_cross_entropy(
-      hidden, head, batch[:, 1:]).mean()
+      hidden, head, batch[:, 1:], vocab_shards=vocab_shards).mean()
 
 
 def make_optimizer(name: str, policy: str, lr: float):
@@ -246,9 +263,12 @@ def sharded_state(model, config: LlamaConfig, tx, policy: str, mesh: Mesh,
   tokens = jnp.zeros((batch_size, config.seq_len), jnp.int32)
 
   def init(key):
-    params = model.init(key, tokens)["params"]
+    variables = dict(model.init(key, tokens))
+    params = variables.pop("params")
+    # model_state: an fp8 policy's scaling state (empty otherwise)
     return jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
-                                     tx=tx, policy=policy)
+                                     tx=tx, policy=policy,
+                                     model_state=variables)
 
   zero1 = "data" if "data" in mesh.axis_names else None
   rules = rules_for(mesh)
@@ -297,7 +317,8 @@ def train(args) -> dict:
   rules = rules_for(mesh)
   batch_axes = dict(rules)["batch"]
   step = jmp_lab.make_train_step(
-      loss_fn, state_sharding=layout,
+      functools.partial(loss_fn, vocab_shards=mesh.shape.get("tensor", 1)),
+      state_sharding=layout,
       batch_sharding=NamedSharding(mesh, P(batch_axes)))
   data = np.frombuffer(stdlib_text(), np.uint8).astype(np.int32)
   losses = []
@@ -322,9 +343,11 @@ def _compare(args, config, sharded, data) -> float:
   config = dataclasses.replace(config, mesh=None)
   model = jmp_lab.linen.with_policy(LlamaLM(config), args.policy)
   tokens = jnp.zeros((args.batch, config.seq_len), jnp.int32)
-  params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+  variables = dict(nn.unbox(model.init(jax.random.key(0), tokens)))
+  params = variables.pop("params")
   state = jmp_lab.TrainState.create(
       apply_fn=model.apply, params=params, policy=args.policy,
+      model_state=variables,
       tx=make_optimizer(args.optimizer, args.policy, args.lr))
   step = jmp_lab.make_train_step(loss_fn)
   for batch in batches(data, args.batch, args.seq_len, args.steps):

@@ -8,6 +8,7 @@ starts it), since jax fixes its device count when it starts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pathlib
@@ -332,3 +333,66 @@ def test_state_shardings_refuses_bad_arguments():
     jmp_lab.sharding.state_shardings(
         state, mesh, params_shardings=jax.tree_util.tree_map(
             lambda _: "fsdp", nn.unbox(state.params)))
+
+
+# --- compiled for 8 H100s (no GPU needed) -----------------------------------
+# The 7B-class Llama of benchmarks/llama7b.py with one layer (its layers are
+# a scan: the collectives per layer are the same), on fsdp=4 x tensor=2, one
+# sequence of 4096 per device.
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_llama(config_name: str):
+  sys.path.insert(0, str(ROOT))
+  from benchmarks import llama7b  # pylint: disable=import-outside-toplevel
+  config = next(c for c in llama7b.CONFIGS if c.name == config_name)
+  model = dataclasses.replace(llama7b.fsdp_llama.LLAMA_7B, layers=1)
+  return llama7b, llama7b.compile_step(config, {"fsdp": 4, "tensor": 2},
+                                       model=model)
+
+
+def _collectives(report, kind):
+  return [c for c in report.collectives if c.kind == kind]
+
+
+@pytest.mark.parametrize("config_name", ["bf16-params", "remainder-m16v16",
+                                         "none-sr-m16v16"])
+def test_compiled_for_8_h100s_the_update_gathers_nothing(config_name):
+  """With bf16 params the fp32 master and moments (or the bf16 moments and
+  stochastic rounding) never move: the update reads its device's shards,
+  and no all-gather carries fp32 bytes beyond a scalar's."""
+  _, step = _compiled_llama(config_name)
+  in_update = [c for c in step.report.collectives
+               if "jmp_lab_update" in c.op_name.split("/")]
+  assert all(c.kind == "all-reduce" and c.bytes <= 64 for c in in_update), (
+      in_update)
+  f32_gathered = sum(c.bytes * c.times for c in
+                     _collectives(step.report, "all-gather")
+                     if "f32" in c.dtypes)
+  assert f32_gathered < 2**20, f32_gathered
+  assert sum(c.bytes for c in _collectives(step.report, "all-gather")) > 2**27
+
+
+def test_compiled_for_8_h100s_reduce_float32_reduces_every_gradient_in_f32():
+  """``reduce=float32``: the gradients' reduce-scatters over fsdp are f32,
+  the head's (which the loss computes itself) included; without it they
+  are bf16."""
+  _, plain = _compiled_llama("bf16-params")
+  _, reduced = _compiled_llama("bf16-params+reduce-f32")
+  assert any("bf16" in c.dtypes
+             for c in _collectives(plain.report, "reduce-scatter"))
+  scatters = _collectives(reduced.report, "reduce-scatter")
+  assert scatters and all(c.dtypes == ("f32",) for c in scatters), scatters
+  head = reduced.state.params["head"]
+  head_shard_bytes = head.size // 8 * 4
+  assert any(c.bytes >= head_shard_bytes for c in scatters)
+
+
+def test_compiled_for_8_h100s_the_loss_sums_the_hidden_gradient_once():
+  """Under tensor parallelism the loss all-reduces the hidden state's fp32
+  gradient once a step, not once per vocabulary block (the vocabulary
+  shard of 16,000 is two blocks here, the whole vocabulary four)."""
+  llama7b, step = _compiled_llama("bf16-params")
+  tokens_per_group = 2 * step.model.seq_len   # 8 sequences over fsdp=4
+  once = tokens_per_group * step.model.width * 4
+  assert llama7b.loss_all_reduce_bytes(step.report) == once

@@ -200,6 +200,28 @@ def state_shardings(state: Any, mesh: Mesh, axis_name: Optional[str] = "data",
   Works on abstract states (``jax.eval_shape``), boxed or not: the result
   has the unboxed state's structure, and is a valid ``out_shardings`` for a
   jitted function returning the boxed state too.
+
+  FSDP and tensor parallelism from Flax's logical axes (the distributed
+  guide's MaxText-style example creates the state under ``jit`` with this
+  layout as ``out_shardings``)::
+
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, jmp_lab
+    >>> from jax.sharding import Mesh
+    >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
+    ...             ("fsdp", "tensor"))  # any sizes
+    >>> dense = nn.Dense(8, kernel_init=nn.with_logical_partitioning(
+    ...     nn.initializers.lecun_normal(), ("embed", "mlp")))
+    >>> state = jax.eval_shape(lambda: jmp_lab.TrainState.create(
+    ...     apply_fn=dense.apply, policy="mixed_bfloat16",
+    ...     tx=jmp_lab.fused_adamw(1e-3, policy="mixed_bfloat16"),
+    ...     params=dense.init(jax.random.key(0), jnp.ones((1, 16)))["params"]))
+    >>> layout = state_shardings(state, mesh, None,
+    ...                          shard_optimizer_state=False,
+    ...                          rules=(("embed", "fsdp"), ("mlp", "tensor")))
+    >>> layout.params["kernel"].spec, layout.opt_state.mu["kernel"].spec
+    (P('fsdp', 'tensor'), P('fsdp', 'tensor'))
+    >>> layout.params["bias"].spec   # not partitioned: replicated
+    P()
   """
   _check_mesh(mesh)
   if axis_name is not None:

@@ -107,10 +107,16 @@ class KernelRecord:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
+  """One collective: its kind (``"all-gather"``, ...), its operands' dtypes
+  and bytes, how many times a step runs it, and jax's name stack of the op
+  that asked for it (``op_name``: which scope, e.g. the loss or
+  ``jmp_lab_update``, a collective serves)."""
+
   kind: str
   dtypes: tuple[str, ...]
   bytes: int
   times: int
+  op_name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +380,7 @@ class _Walker:
                 if inst.operand_types else inst.result)
       self.collectives.append(CollectiveRecord(
           kind, tuple(sorted({a.dtype for a in arrays})),
-          sum(a.bytes for a in arrays), times))
+          sum(a.bytes for a in arrays), times, inst.op_name))
     elif op == "custom-call":
       self.custom_call(inst, times)
     elif op == "fusion":

@@ -375,6 +375,12 @@ def _block_statistics(logits, ids, labels):
       _online_logsumexp, (1,))
 
 
+#: The name scope of the loss's ops, forward and backward: a profile or a
+#: compiled report (e.g. a collective's ``op_name``) finds them by it.
+SCOPE = "linear_cross_entropy"
+
+
+@jax.named_scope(SCOPE)
 def _forward(hidden, kernel, labels, where, blocking, cap):
   row_blocks = _row_blocks(kernel, hidden.dtype, blocking.block,
                            blocking.shards)
@@ -400,6 +406,7 @@ def _forward_rule(hidden, kernel, labels, where, blocking, cap):
   return _forward(hidden, kernel, labels, where, blocking, cap)
 
 
+@jax.named_scope(SCOPE)
 def _backward_rule(blocking, cap, residuals, g):
   hidden, row_blocks, labels, where, lse = residuals
   vocab, shards = blocking.vocab, blocking.shards
@@ -480,6 +487,7 @@ def _fused_linear_cross_entropy(hidden, kernel, labels, where, layout,
                         kernel_dtype)[0]
 
 
+@jax.named_scope(SCOPE)
 def _fused_forward(hidden, kernel, labels, where, layout, interpret,
                    kernel_dtype):
   del kernel_dtype  # the backward pass's: the kernel gradient's dtype
@@ -490,6 +498,7 @@ def _fused_forward(hidden, kernel, labels, where, layout, interpret,
   return losses, (hidden, rows, labels, where, lse)
 
 
+@jax.named_scope(SCOPE)
 def _fused_backward(layout, interpret, kernel_dtype, residuals, g):
   hidden, rows, labels, where, lse = residuals
   g = jnp.where(where, g, 0.0).astype(jnp.float32)
