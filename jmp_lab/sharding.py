@@ -1,4 +1,4 @@
-"""Data-parallel layouts of a train state, with ZeRO-1 optimizer sharding.
+"""Layouts of a train state: data parallel, ZeRO-1, FSDP and tensor parallel.
 
 Data parallelism in jax is a layout: the batch split over a mesh axis, the
 params replicated, and XLA's partitioner inserting the gradient reductions.
@@ -6,6 +6,13 @@ ZeRO stage 1 also splits the optimizer state (fp32 master, remainders,
 moments, the fused optimizer's flat buffers) over that axis, so each device
 keeps 1/N of it: the partitioner then reduce-scatters the gradients into
 each device's rows, updates them, and all-gathers the new params.
+
+FSDP and tensor parallelism shard the params themselves, as MaxText does:
+Flax's partition boxes (``nn.with_partitioning``, or
+``nn.with_logical_partitioning`` with logical axis rules) or given
+shardings name each param's layout, and the optimizer state follows each
+param's, with ZeRO-1 on top where a param is replicated along the data
+axis (:func:`state_shardings`'s example; the distributed guide).
 
 :func:`state_shardings` gives the ``NamedSharding`` of every leaf of a
 :class:`~jmp_lab.TrainState` (or of any optimizer state);

@@ -349,8 +349,9 @@ def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
   grads = {k: jnp.asarray(rng.normal(size=v) * 1e-3, jnp.bfloat16)
            for k, v in shapes.items()}
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
-  specs = {"w": P("fsdp", "tensor"), "b": P("fsdp"), "w3": P(None, "fsdp"),
-           "odd": P()}
+  # ("fsdp", "tensor") on one dimension: ZeRO-1 on top of FSDP's shape
+  specs = {"w": P("fsdp", "tensor"), "b": P(("fsdp", "tensor")),
+           "w3": P(None, "fsdp"), "odd": P()}
   state = tx.init(params)
   expected = tx.update(grads, state, params)
 
@@ -360,7 +361,7 @@ def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
   state_layout = jax.tree_util.tree_map(
       lambda x: NamedSharding(mesh, P()), state)
   state_layout = state_layout._replace(
-      mu=put(state.mu) and {k: NamedSharding(mesh, specs[k]) for k in specs},
+      mu={k: NamedSharding(mesh, specs[k]) for k in specs},
       nu={k: NamedSharding(mesh, specs[k]) for k in specs},
       master_remainder=(None if state.master_remainder is None else
                         {k: NamedSharding(mesh, specs[k]) for k in specs}))
@@ -372,6 +373,9 @@ def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
       lambda x, y: bool(jnp.array_equal(x, y)), a, b))
   assert tree_equal(got[0], expected[0])
   assert tree_equal(got[1].mu, expected[1].mu)
+  assert tree_equal(got[1].nu, expected[1].nu)
+  if master == "remainder":
+    assert tree_equal(got[1].master_remainder, expected[1].master_remainder)
   assert got[1].mu["w"].sharding.spec == P("fsdp", "tensor")
   for leaf in jax.tree_util.tree_leaves(got[1].mu):
     assert leaf.sharding.spec in set(specs.values())
@@ -437,7 +441,7 @@ def test_compiled_for_8_h100s_the_update_gathers_nothing(config_name):
   and no all-gather carries fp32 bytes beyond a scalar's."""
   _, step = _compiled_llama(config_name)
   in_update = [c for c in step.report.collectives
-               if "jmp_lab_update" in c.op_name.split("/")]
+               if jmp_lab.training.UPDATE_SCOPE in c.op_name.split("/")]
   assert all(c.kind == "all-reduce" and c.bytes <= 64 for c in in_update), (
       in_update)
   f32_gathered = sum(c.bytes * c.times for c in
@@ -570,3 +574,114 @@ def test_compiled_for_8_h100s_fp8_weights_are_gathered_in_fp8():
   ratio = (sum(gathered.values())
            / sum(llama7b.gathered_outside_loss(bf16.report).values()))
   assert ratio < 0.7, ratio
+
+
+# --- the layout's rules, on abstract states ---------------------------------
+
+
+class _Mixed(nn.Module):
+  """One kernel boxed with mesh axes, one with logical axes."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, name="mesh_named", kernel_init=nn.with_partitioning(
+        _init, ("fsdp", "tensor")))(x)
+    return nn.Dense(8, name="logical", kernel_init=_boxed(
+        _init, ("embed", "mlp")))(x)
+
+
+def _abstract_state(model, tx, policy="mixed_bfloat16"):
+  def init():
+    return jmp_lab.TrainState.create(
+        apply_fn=model.apply, tx=tx, policy=policy,
+        params=model.init(jax.random.key(0), jnp.ones((1, 8)))["params"])
+  return jax.eval_shape(init)
+
+
+def _two_device_mesh(*names):
+  return Mesh(np.array(jax.devices()[:2]).reshape(2, 1), names)
+
+
+def test_mesh_named_and_logical_boxes_mix():
+  """``nn.with_partitioning`` names mesh axes and keeps them; only logical
+  names go through the rules (both were mapped through the rules, and the
+  mesh-named kernel came out replicated)."""
+  mesh = _two_device_mesh("fsdp", "tensor")
+  state = _abstract_state(_Mixed(), jmp_lab.fused_adamw(1e-3, policy="mixed_bfloat16"))
+  layout = jmp_lab.sharding.state_shardings(
+      state, mesh, None, rules=[("embed", "fsdp"), ("mlp", "tensor")])
+  for name in ("mesh_named", "logical"):
+    assert layout.params[name]["kernel"].spec == P("fsdp", "tensor"), name
+    assert layout.opt_state.mu[name]["kernel"].spec == P("fsdp", "tensor")
+
+
+def test_masked_optimizer_states_follow_their_params():
+  """A moment inside ``optax.masked`` (its tree has holes) is sharded as
+  its param, not replicated."""
+  mesh = _two_device_mesh("fsdp", "tensor")
+  tx = jmp_lab.mixed_precision(
+      optax.chain(optax.clip_by_global_norm(1.0),
+                  optax.masked(optax.adam(1e-3), {"kernel": True,
+                                                  "bias": False})),
+      policy="p=bf16,c=bf16,o=f32")
+  model = nn.Dense(8, kernel_init=_boxed(_init, ("embed", "mlp")))
+  layout = jmp_lab.sharding.state_shardings(
+      _abstract_state(model, tx, "p=bf16,c=bf16,o=f32"), mesh, None,
+      rules=[("embed", "fsdp"), ("mlp", "tensor")])
+  masked = layout.opt_state.inner_state[1]
+  assert masked.inner_state[0].mu["kernel"].spec == P("fsdp", "tensor")
+  assert jmp_lab.master_params(layout.opt_state)["kernel"].spec == P(
+      "fsdp", "tensor")
+
+
+def test_small_arrays_stay_replicated_under_zero1():
+  """ZeRO-1 splits the state's param-shaped arrays and the flat buffers,
+  not the rounding key (it was split over data, as any array whose first
+  dimension divided)."""
+  mesh = _two_device_mesh("data", "fsdp")
+  tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16,o=f32", master="none",
+                           rounding="stochastic")
+  layout = jmp_lab.sharding.state_shardings(
+      _abstract_state(nn.Dense(8), tx, "p=bf16,c=bf16,o=f32"), mesh)
+  assert layout.opt_state.rounding_key.spec == P()
+  assert layout.opt_state.mu["kernel"].spec == P("data")
+
+
+def test_no_axis_name_means_no_zero1():
+  mesh = _two_device_mesh("fsdp", "tensor")
+  layout = jmp_lab.sharding.state_shardings(
+      _abstract_state(nn.Dense(8), jmp_lab.fused_adamw(1e-3, policy="mixed_bfloat16")), mesh, None)
+  assert layout.opt_state.mu["kernel"].spec == P()
+
+
+def test_state_shardings_names_the_param_and_the_fix():
+  mesh = _two_device_mesh("fsdp", "tensor")
+  state = _abstract_state(nn.Dense(8), jmp_lab.fused_adamw(1e-3, policy="mixed_bfloat16"))
+  other = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  shardings = {"bias": P(), "kernel": NamedSharding(other, P("fsdp"))}
+  with pytest.raises(ValueError, match=r"\['kernel'\] is on another mesh"):
+    jmp_lab.sharding.state_shardings(state, mesh, None,
+                                     params_shardings=shardings)
+  with pytest.raises(ValueError, match=r"\['bias'\] \(rank 1\).*more entries"):
+    jmp_lab.sharding.state_shardings(
+        state, mesh, None,
+        params_shardings={"bias": P(None, "fsdp"), "kernel": P()})
+  with pytest.raises(TypeError, match=r"got 'fsdp' at \['kernel'\]"):
+    jmp_lab.sharding.state_shardings(
+        state, mesh, None, params_shardings={"bias": P(), "kernel": "fsdp"})
+  boxed = _abstract_state(nn.Dense(8, kernel_init=_boxed(
+      _init, ("embed", "mlp"))), jmp_lab.fused_adamw(1e-3, policy="mixed_bfloat16"))
+  with pytest.raises(ValueError, match=r"\['kernel'\] over \['data'\], which "
+                                       r"the mesh does not have"):
+    jmp_lab.sharding.state_shardings(boxed, mesh, None,
+                                     rules=[("embed", "data")])
+
+
+def test_the_flat_layout_is_refused_with_sharded_params():
+  mesh = _two_device_mesh("fsdp", "tensor")
+  state = _abstract_state(
+      nn.Dense(8, kernel_init=_boxed(_init, ("embed", "mlp"))),
+      jmp_lab.fused_adamw(1e-3, policy="mixed_bfloat16", layout="flat"))
+  with pytest.raises(ValueError, match="layout='tree'"):
+    jmp_lab.sharding.state_shardings(state, mesh, None,
+                                     rules=[("embed", "fsdp")])

@@ -530,9 +530,37 @@ def test_vocab_shards_give_the_same_loss_and_gradients(shards, cap):
 
 def test_vocab_shards_must_divide_the_vocabulary():
   hidden, kernel, labels, _ = problem()
-  for bad in (0, 7, 2.0, True):
+  for bad in (0, 7):
     with pytest.raises(ValueError, match="vocab_shards must be a positive int"):
       losses.linear_cross_entropy(hidden, kernel, labels, vocab_shards=bad)
+  for bad in (2.0, True):
+    with pytest.raises(TypeError, match="vocab_shards must be an int"):
+      losses.linear_cross_entropy(hidden, kernel, labels, vocab_shards=bad)
+  with pytest.raises(ValueError, match="use implementation='xla'"):
+    losses.linear_cross_entropy(hidden.astype(jnp.bfloat16),
+                                kernel.astype(jnp.bfloat16), labels,
+                                vocab_shards=2, implementation="interpret")
+
+
+@pytest.mark.parametrize("policy, kernels", [
+    ("p=bf16,c=bf16,o=f32", True),
+    ("p=bf16,c=bf16,o=f32,reduce=float32", False)])
+def test_auto_takes_xla_where_the_kernels_cannot_reduce_in_the_reduce_dtype(
+    policy, kernels):
+  """Compiled for an H100, ``"auto"`` runs the Pallas kernels, but not under
+  a reduce dtype (their kernel gradient comes back in the kernel's dtype,
+  so ``reduce=float32`` would not reach the head)."""
+  from jmp_lab.diagnostics import compiled  # pylint: disable=import-outside-toplevel
+  hidden = jax.ShapeDtypeStruct((1024, 768), jnp.bfloat16)
+  kernel = jax.ShapeDtypeStruct((768, 4096), jnp.bfloat16)
+  labels = jnp.zeros((1024,), jnp.int32)
+
+  def loss(k, h):
+    return losses.linear_cross_entropy(h, k, labels).mean()
+  grad = jmp_lab.scaled_value_and_grad(loss, jmp_lab.NoOpLossScale(),
+                                       policy=policy)
+  report = compiled.compiled_report(grad, kernel, hidden, target="h100")
+  assert ("_rows_gradient_kernel" in report.pallas_summary()) == kernels
 
 
 def test_under_a_reduce_dtype_the_bf16_kernels_gradient_is_summed_in_it():

@@ -14,6 +14,8 @@ import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jmp_lab.kernels import layout as layout_lib
+
 Rules = Sequence[tuple[str, Any]]
 
 
@@ -92,13 +94,44 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
   return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), tree)
 
 
-def _as_sharding(value: Any, mesh: Mesh, where: str) -> NamedSharding:
-  if isinstance(value, NamedSharding):
-    return value
+def _where(path) -> str:
+  return jax.tree_util.keystr(path) or "the params"
+
+
+def _checked_sharding(value: Any, mesh: Mesh, path, ndim: int
+                      ) -> NamedSharding:
+  """A given param's sharding: a ``NamedSharding`` on ``mesh`` or a
+  ``PartitionSpec``, no longer than the param's rank, naming only the
+  mesh's axes."""
   if isinstance(value, P):
-    return NamedSharding(mesh, value)
-  raise TypeError(f"params_shardings must hold NamedShardings or "
-                  f"PartitionSpecs, got {type(value).__name__} at {where}")
+    value = NamedSharding(mesh, value)
+  elif not isinstance(value, NamedSharding):
+    raise TypeError(f"params_shardings must hold NamedShardings or "
+                    f"PartitionSpecs, got {value!r} at {_where(path)}")
+  elif value.mesh != mesh:
+    raise ValueError(f"params_shardings at {_where(path)} is on another "
+                     f"mesh ({dict(value.mesh.shape)}) than mesh "
+                     f"({dict(mesh.shape)}): give PartitionSpecs, or "
+                     f"NamedShardings on mesh")
+  _check_spec(value.spec, mesh, path, ndim, "params_shardings")
+  return value
+
+
+def _check_spec(spec: P, mesh: Mesh, path, ndim: int, source: str) -> None:
+  if len(spec) > ndim:
+    raise ValueError(f"{source} gives {_where(path)} (rank {ndim}) the "
+                     f"spec {spec}, with more entries than dimensions")
+  missing = [a for e in spec for a in _axes_of(e) if a not in mesh.shape]
+  if missing:
+    raise ValueError(f"{source} splits {_where(path)} over {missing}, "
+                     f"which the mesh does not have (its axes: "
+                     f"{', '.join(map(repr, mesh.axis_names))}); map the "
+                     f"logical axes to the mesh's in rules, or leave them "
+                     f"unmapped (None)")
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, meta.AxisMetadata)
 
 
 def params_shardings_of(params: Any, mesh: Mesh,
@@ -108,15 +141,12 @@ def params_shardings_of(params: Any, mesh: Mesh,
   From Flax's partition boxes where ``params`` has them
   (``nn.with_partitioning`` names mesh axes; ``nn.with_logical_partitioning``
   names logical axes, which ``rules`` map to mesh axes, as
-  ``nn.logical_axis_rules`` does); else from the arrays' own
-  ``NamedSharding`` on ``mesh``; else replicated.
+  ``nn.logical_axis_rules`` does; the two may be mixed); else from the
+  arrays' own ``NamedSharding`` on ``mesh``; else replicated.
   """
   _check_mesh(mesh)
-  specs = nn.get_partition_spec(params)  # boxes -> specs, arrays -> P()
-  logical = any(isinstance(x, nn.LogicallyPartitioned)
-                for x in jax.tree_util.tree_leaves(
-                    params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)))
-  if logical:
+  leaves = jax.tree_util.tree_leaves(params, is_leaf=_is_box)
+  if any(isinstance(x, nn.LogicallyPartitioned) for x in leaves):
     if rules is None:
       rules = nn.get_logical_axis_rules()
     if not rules:
@@ -124,60 +154,75 @@ def params_shardings_of(params: Any, mesh: Mesh,
           "the params are logically partitioned (nn.with_logical_partitioning) "
           "but no rules map their logical axes to the mesh's: pass "
           "rules=[('embed', 'fsdp'), ...] or set nn.logical_axis_rules")
-    specs = nn.logical_to_mesh(specs, rules)
-  values = meta.unbox(params)
 
-  def one(spec, value):
-    if spec == P():
-      own = getattr(value, "sharding", None)
+  def one(path, leaf):
+    if isinstance(leaf, nn.LogicallyPartitioned):
+      # only logical names go through the rules: nn.Partitioned's already
+      # name mesh axes
+      spec = nn.logical_to_mesh_axes(leaf.names, rules)
+    elif isinstance(leaf, nn.Partitioned):
+      spec = P(*leaf.names)
+    else:
+      own = getattr(leaf, "sharding", None)
       if isinstance(own, NamedSharding) and own.mesh == mesh:
         return own
+      spec = P()
+    value = leaf.unbox() if _is_box(leaf) else leaf
+    _check_spec(spec, mesh, path, np.ndim(value),
+                "the params' partition boxes")
     return NamedSharding(mesh, spec)
 
-  return jax.tree_util.tree_map(one, specs, values,
-                                is_leaf=lambda x: isinstance(x, P))
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_box)
 
 
 def _follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh,
                    zero1: Optional[str]) -> Any:
-  """The sharding of each leaf of ``opt_state``: a subtree shaped like the
-  params (a master, a moment, the remainders) takes the params' shardings,
-  with ``zero1`` added on top; any other array is split over ``zero1`` on
-  its first divisible dimension (the flat layout's buffers) or replicated."""
-  treedef = jax.tree_util.tree_structure(params)
-  shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(params)]
-  flat_shardings = treedef.flatten_up_to(shardings)
+  """The sharding of each leaf of ``opt_state``.
 
-  def params_like(node) -> bool:
-    try:
-      leaves = treedef.flatten_up_to(node)
-    except (ValueError, TypeError):
-      return False
-    return (jax.tree_util.tree_structure(node) == treedef and
-            [tuple(np.shape(x)) for x in leaves] == shapes)
+  A leaf whose path ends with a param's path and has its shape (that
+  param's master, moments, remainder; also inside ``optax.masked`` or
+  ``multi_transform`` states) takes the param's sharding, with ``zero1``
+  added on top. Other arrays with two or more dimensions (the flat
+  layout's buffers) are split over ``zero1`` on their first divisible
+  dimension; the rest (counters, keys, scales) is replicated.
+  """
+  by_path = [(tuple(path), tuple(np.shape(x)), sharding.spec)
+             for (path, x), sharding in zip(
+                 jax.tree_util.tree_flatten_with_path(params)[0],
+                 jax.tree_util.tree_leaves(shardings))]
+  # the longest param path first: ['Dense_0']['kernel'] before ['kernel']
+  by_path.sort(key=lambda entry: -len(entry[0]))
 
-  def other(x):
-    if zero1 is None or not np.shape(x):
+  def param_spec(path, shape) -> Optional[P]:
+    for param_path, param_shape, spec in by_path:
+      if (shape == param_shape and len(path) >= len(param_path)
+          and tuple(path[len(path) - len(param_path):]) == param_path):
+        return spec
+    return None
+
+  def one(path, x):
+    shape = tuple(np.shape(x))
+    spec = param_spec(tuple(path), shape)
+    if spec is not None:
+      if zero1 is not None:
+        spec = _with_zero1(spec, shape, mesh, zero1)
+      return NamedSharding(mesh, spec)
+    if zero1 is None or len(shape) < 2:
       return NamedSharding(mesh, P())
-    return NamedSharding(mesh, _split_spec(tuple(np.shape(x)),
-                                           mesh.shape[zero1], zero1))
+    return NamedSharding(mesh, _split_spec(shape, mesh.shape[zero1], zero1))
 
-  def assign(node):
-    if params_like(node):
-      out = []
-      for sharding, shape in zip(flat_shardings, shapes):
-        spec = sharding.spec
-        if zero1 is not None:
-          spec = _with_zero1(spec, shape, mesh, zero1)
-        out.append(NamedSharding(mesh, spec))
-      return treedef.unflatten(out)
-    children, node_def = jax.tree_util.tree_flatten(
-        node, is_leaf=lambda x: x is not node)  # one level down
-    if node_def.num_nodes == 1 and node_def.num_leaves == 1:  # an array
-      return other(node)
-    return node_def.unflatten([assign(c) for c in children])
+  return jax.tree_util.tree_map_with_path(one, opt_state)
 
-  return assign(opt_state)
+
+def _has_flat_buffers(opt_state: Any) -> bool:
+  """Whether ``opt_state`` holds ``fused_adamw(layout="flat")``'s buffers
+  (every param's state packed in one array, which cannot follow the
+  params' shardings)."""
+  nodes = jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(getattr(x, "layout", None),
+                                              layout_lib.FlatLayout))
+  return any(isinstance(getattr(x, "layout", None), layout_lib.FlatLayout)
+             for x in nodes)
 
 
 def state_shardings(state: Any, mesh: Mesh, axis_name: Optional[str] = "data",
@@ -188,14 +233,17 @@ def state_shardings(state: Any, mesh: Mesh, axis_name: Optional[str] = "data",
 
   The params keep their own layout: ``params_shardings`` if given (a tree of
   ``NamedSharding`` or ``PartitionSpec`` like the params), else Flax's
-  partition boxes on ``state.params`` (logical ones mapped by ``rules``),
-  else the arrays' own shardings, else replicated (data parallelism). Every
-  optimizer-state array shaped like the params (the fp32 master, the
+  partition boxes on ``state.params`` (logical ones mapped by ``rules``, or
+  by the ``nn.logical_axis_rules`` in effect), else the arrays' own
+  shardings, else replicated (data parallelism). Every optimizer-state
+  array of a param's shape at that param's path (the fp32 master, the
   moments, the remainders) follows its param's sharding; with
-  ``shard_optimizer_state`` it is also split over ``axis_name`` where its
-  param is replicated along that axis (ZeRO-1). The rest (counters, the
-  loss scale, the model state) is replicated, except the flat layout's
-  buffers, split over ``axis_name``.
+  ``shard_optimizer_state`` and an ``axis_name`` it is also split over
+  ``axis_name`` where its param is replicated along that axis (ZeRO-1;
+  ``axis_name=None``: none). The rest (counters, keys, the loss scale, the
+  model state) is replicated, except the flat layout's buffers, split over
+  ``axis_name`` (the flat layout is data parallel only: with sharded params
+  it is refused).
 
   Works on abstract states (``jax.eval_shape``), boxed or not: the result
   has the unboxed state's structure, and is a valid ``out_shardings`` for a
@@ -215,8 +263,7 @@ def state_shardings(state: Any, mesh: Mesh, axis_name: Optional[str] = "data",
     ...     apply_fn=dense.apply, policy="mixed_bfloat16",
     ...     tx=jmp_lab.fused_adamw(1e-3, policy="mixed_bfloat16"),
     ...     params=dense.init(jax.random.key(0), jnp.ones((1, 16)))["params"]))
-    >>> layout = state_shardings(state, mesh, None,
-    ...                          shard_optimizer_state=False,
+    >>> layout = state_shardings(state, mesh, None,   # no data axis: no ZeRO-1
     ...                          rules=(("embed", "fsdp"), ("mlp", "tensor")))
     >>> layout.params["kernel"].spec, layout.opt_state.mu["kernel"].spec
     (P('fsdp', 'tensor'), P('fsdp', 'tensor'))
@@ -230,9 +277,6 @@ def state_shardings(state: Any, mesh: Mesh, axis_name: Optional[str] = "data",
     raise TypeError(f"state must be a jmp_lab.TrainState, got "
                     f"{type(state).__name__}; for an optimizer state alone "
                     f"use optimizer_state_shardings")
-  if shard_optimizer_state and axis_name is None:
-    raise ValueError("shard_optimizer_state=True needs the axis_name to "
-                     "split the optimizer state over (ZeRO-1)")
   params = meta.unbox(state.params)
   if params_shardings is None:
     params_shardings = params_shardings_of(state.params, mesh, rules)
@@ -243,9 +287,20 @@ def state_shardings(state: Any, mesh: Mesh, axis_name: Optional[str] = "data",
     except (ValueError, TypeError) as e:
       raise ValueError(f"params_shardings must have the params' structure: "
                        f"{e}") from None
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+        params)[0]]
     params_shardings = treedef.unflatten([
-        _as_sharding(s, mesh, f"leaf {i}") for i, s in enumerate(flat)])
+        _checked_sharding(s, mesh, path, np.ndim(x))
+        for s, path, x in zip(flat, paths, treedef.flatten_up_to(params))])
   unboxed = meta.unbox(state)
+  sharded = [s.spec for s in jax.tree_util.tree_leaves(params_shardings)
+             if s.spec != P()]
+  if sharded and _has_flat_buffers(unboxed.opt_state):
+    raise ValueError(
+        "fused_adamw(layout='flat') packs every param's state into one "
+        "buffer, which cannot follow sharded params (FSDP, tensor "
+        "parallelism); use the default layout='tree', whose state follows "
+        "each param's sharding")
   layout = replicated(unboxed, mesh).replace(params=params_shardings)
   return layout.replace(opt_state=_follow_params(
       unboxed.opt_state, params, params_shardings, mesh,

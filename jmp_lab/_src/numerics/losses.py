@@ -87,14 +87,18 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   Under a policy with a reduce dtype (a train step's loss, a module under
   ``with_policy``), the kernel's gradient is accumulated and returned in it
   before it is cast to the kernel's dtype, so its sum across devices runs in
-  the reduce dtype, as a Dense kernel's does.
+  the reduce dtype, as a Dense kernel's does (XLA's path: ``"auto"`` takes
+  it under a reduce dtype).
 
   **Tensor parallelism.** With the vocabulary split over ``N`` devices (the
   kernel's ``V`` sharded over a mesh axis of size ``N``, as MaxText's
   ``"vocab"`` rule does), pass ``vocab_shards=N``: the XLA path then walks
   each device's part of the vocabulary in blocks and keeps the hidden's
   gradient per part until the last block, so it is summed across the
-  devices once a step, not once per block.
+  devices once a step, not once per block. (The kernels do not split the
+  vocabulary: ``"auto"`` takes XLA's path.) ``N`` must be the kernel's
+  actual split: another value gives the same loss and gradients, but the
+  per-block sums come back.
 
   Args:
     hidden: ``(..., D)`` the final hidden states (bf16 under a half policy).
@@ -130,13 +134,13 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   if (policed is not None and jnp.dtype(policed).itemsize == 2
       and jnp.dtype(hidden.dtype).itemsize > 2):
     hidden = hidden.astype(policed)
-  why_not_fused = _why_not_fused(implementation, hidden)
+  reduce_dtype = current_reduce_dtype()
+  why_not_fused = _why_not_fused(implementation, hidden, vocab_shards,
+                                 reduce_dtype)
   vocab = kernel.shape[1]
   cap = None if logit_soft_cap is None else float(logit_soft_cap)
   flat = (hidden.reshape(-1, hidden.shape[-1]), kernel,
           labels.reshape(-1).astype(jnp.int32), where.reshape(-1))
-
-  reduce_dtype = current_reduce_dtype()
 
   def with_xla():
     blocking = _Blocking(
@@ -166,14 +170,22 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
 IMPLEMENTATIONS = ("auto", "triton", "interpret", "xla")
 
 
-def _why_not_fused(implementation, hidden) -> str:
+def _why_not_fused(implementation, hidden, vocab_shards: int = 1,
+                   reduce_dtype=None) -> str:
   """Why the kernels cannot take this call ("" if they can); raises for an
-  explicit kernel implementation that cannot."""
+  explicit kernel implementation that cannot. The kernels neither split
+  the vocabulary over devices nor return the kernel's gradient in a reduce
+  dtype, so ``"auto"`` takes XLA's path for either."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"linear_cross_entropy's implementation must be one of "
                      f"{', '.join(map(repr, IMPLEMENTATIONS))}, got "
                      f"{implementation!r}")
   why = fused_kernels.why_unsupported(hidden.shape[-1], hidden.dtype)
+  if not why and vocab_shards > 1:
+    why = (f"vocab_shards={vocab_shards}: the kernels do not split the "
+           f"vocabulary over devices (use implementation='xla')")
+  if not why and reduce_dtype is not None and implementation == "auto":
+    why = "a reduce dtype: the kernels return the gradient in the kernel's"
   if not why and not importable("jax.experimental.pallas.triton"):
     why = "this jax has no Pallas Triton backend"
     if implementation == "interpret":
@@ -223,8 +235,10 @@ def _checked(hidden, kernel, labels, where, block_size, logit_soft_cap):
 
 
 def _check_vocab_shards(vocab_shards: Any, vocab: int) -> None:
-  if (not isinstance(vocab_shards, int) or isinstance(vocab_shards, bool)
-      or vocab_shards < 1 or vocab % vocab_shards):
+  if not isinstance(vocab_shards, int) or isinstance(vocab_shards, bool):
+    raise TypeError(f"vocab_shards must be an int (the devices the "
+                    f"vocabulary is split over), got {vocab_shards!r}")
+  if vocab_shards < 1 or vocab % vocab_shards:
     raise ValueError(
         f"vocab_shards must be a positive int that divides the vocabulary "
         f"({vocab}), got {vocab_shards!r}")
