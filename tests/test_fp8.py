@@ -1166,3 +1166,36 @@ def test_dense_backward_on_8_h100s_quantizes_each_devices_own_tokens():
   assert "all-gather" not in report.hlo_text
   assert f"f8e5m2[{tokens // 8},{features}]" in report.hlo_text
   assert {g.math for g in report.gemms} == {"fp8"}
+
+
+def test_dense_backward_under_tensor_parallelism_quantizes_each_devices_block():
+  """Data 4 x tensor 2 on 8 H100s, the kernel's columns split over tensor:
+  each device quantizes and transposes its own block of the output
+  gradient (the kernel's rule splits rows and columns), so no device
+  gathers it in bf16 (the rule split rows only, and XLA gathered the
+  columns: 11.9 GB a step on the 7B-class model, benchmarks/RESULTS.md)."""
+  pytest.importorskip("jax_cuda12_plugin")
+  from jax.sharding import PartitionSpec as P
+  tokens, width, features = 8192, 1024, 2048
+  meta = fp8.init_meta()
+
+  def grads(x, w, m, y):
+    # the output gradient is y: split by tokens and by the kernel's columns
+    return jax.grad(lambda x, w, m: (fp8.dot_general(
+        x, w, (((1,), (0,)), ((), ())), meta=m).astype(jnp.float32)
+        * y).sum(), argnums=(0, 1, 2))(x, w, m)
+
+  report = jmp_lab.diagnostics.compiled_report(
+      grads, jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16),
+      jax.ShapeDtypeStruct((width, features), jnp.bfloat16),
+      jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), meta),
+      jax.ShapeDtypeStruct((tokens, features), jnp.bfloat16),
+      target="h100", devices=8, axes={"data": 4, "tensor": 2},
+      in_specs=(P("data"), P(None, "tensor"), jax.tree.map(lambda _: P(), meta),
+                P("data", "tensor")))
+  assert [k.name for k in report.pallas_kernels] == ["fp8_cast_transpose"]
+  gathered = {d for c in report.collectives if c.kind == "all-gather"
+              for d in c.dtypes}
+  assert "bf16" not in gathered, report.collective_summary()
+  assert f"f8e5m2[{tokens // 4},{features // 2}]" in report.hlo_text
+  assert {g.math for g in report.gemms} == {"fp8"}

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jmp_lab.kernels.mesh import leading_mesh_axes, split_over
+from jmp_lab.kernels.mesh import leading_mesh_axes, split_dims, split_over
 from jmp_lab.kernels.platform import quiet_triton_deprecation
 
 # Tile edges tried, largest first: a 64 x 128 tile is 64 values a thread at
@@ -243,42 +243,54 @@ def _local(x, scale, dtype_name: str, programs: int, quantize: Callable,
   return out
 
 
+def _block_axes(sharding) -> tuple[tuple, tuple]:
+  """The mesh axes that split ``x``'s rows and its columns (``()`` where
+  whole): each device quantizes and transposes its own block."""
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  rows = leading_mesh_axes(sharding)
+  columns = spec[1] if len(spec) > 1 else None
+  if columns is None:
+    return rows, ()
+  return rows, tuple(columns) if isinstance(columns, tuple) else (columns,)
+
+
 def _partition(dtype_name, programs, quantize, column_sums, mesh, arg_shapes,
                result_shape):
-  axes = leading_mesh_axes(arg_shapes[0].sharding)
+  rows, columns = _block_axes(arg_shapes[0].sharding)
 
   def lower(x, scale):
     out = _local(x, scale, dtype_name, programs, quantize, column_sums)
-    if not axes:
+    if not rows and not columns:
       return out
-    # Each device holds some rows: the maxima's maximum and the column
-    # sums' sum over all of them.
+    # Each device holds a block: the maxima's maximum over all of them, the
+    # column sums' sum over the devices that split the rows.
     q, q_t, maxima = out[:3]
-    combined = (q, q_t, jax.lax.pmax(maxima, axes))
-    return combined + ((jax.lax.psum(out[3], axes),) if column_sums else ())
+    combined = (q, q_t, jax.lax.pmax(maxima, rows + columns))
+    if not column_sums:
+      return combined
+    return combined + ((jax.lax.psum(out[3], rows) if rows else out[3]),)
 
   return (mesh, lower, _infer(dtype_name, programs, quantize, column_sums,
                               mesh, arg_shapes, result_shape),
-          (split_over(mesh, axes, 2), split_over(mesh, (), 1)))
+          (split_dims(mesh, rows, columns), split_over(mesh, (), 1)))
 
 
 def _infer(dtype_name, programs, quantize, column_sums, mesh, arg_shapes,
            result_shape):
-  """``q`` split by rows as ``x`` is, ``q.T`` by columns, the maxima (and
-  the column sums) whole."""
+  """``q`` split as ``x`` is (rows and columns), ``q.T`` transposed, the
+  maxima whole, the column sums split as the columns."""
   del dtype_name, programs, quantize, result_shape
-  axes = leading_mesh_axes(arg_shapes[0].sharding)
-  whole = (split_over(mesh, (), 1),)
-  return ((split_over(mesh, axes, 2), split_over(mesh, axes, 2, dim=1))
-          + whole * (2 if column_sums else 1))
+  rows, columns = _block_axes(arg_shapes[0].sharding)
+  sums = (split_over(mesh, columns, 1),) if column_sums else ()
+  return ((split_dims(mesh, rows, columns), split_dims(mesh, columns, rows),
+           split_over(mesh, (), 1)) + sums)
 
 
 def _partitioned(column_sums: bool):
   op = custom_partitioning(_local, static_argnums=(2, 3, 4, 5))
   op.def_partition(
       partition=_partition, infer_sharding_from_operands=_infer,
-      sharding_rule="m n, s -> m n, n m, p" + (", n" if column_sums else ""),
-      need_replication_factors=("n",))
+      sharding_rule="m n, s -> m n, n m, p" + (", n" if column_sums else ""))
   return op
 
 
