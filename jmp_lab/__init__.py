@@ -30,6 +30,11 @@ The public API lives here; each concept has its own module:
   ``from jmp_lab import jmp``.
 """
 
+# First, before anything could start jax's backend: on a machine without an
+# NVIDIA GPU, jax's CUDA plugin (the gpu-compile extra) would print a
+# configuration error at every start and not register for compiles for an
+# H100. Importing _src/cuda_plugin.py turns its version check off there.
+from jmp_lab._src import cuda_plugin as _cuda_plugin  # noqa: F401
 from jmp_lab import (attention, diagnostics, fp8, kernels, linen, losses, nnx,
                      precision, sharding)
 from jmp_lab.autocast import autocast
