@@ -24,7 +24,8 @@ from jmp_lab._src.policy import Policy
 
 class PrecisionWarning(UserWarning):
   """A policy asks for half precision where the computation does not run in
-  it (see :func:`warn_unless_half`)."""
+  it (see :func:`warn_unless_half`), or a loss is computed in half precision
+  (see ``warn_if_half_loss``)."""
 
 
 @dataclasses.dataclass
@@ -125,3 +126,24 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
         f"fp32: wrap the model with jmp_lab.linen.with_policy, "
         f"jmp_lab.nnx.with_policy or jmp_lab.autocast", PrecisionWarning,
         stacklevel=_user_stacklevel())
+
+
+def warn_if_half_loss(loss: Any) -> None:
+  """Warns (:class:`PrecisionWarning`) when a loss function returned a half
+  precision loss: a policy whose output dtype is half (``"c=f16"`` means
+  ``o=f16`` too) hands the loss half logits, and a loss computed from them
+  (log-softmax, the mean) loses digits in half. Said where the loss is
+  traced (once per compile under ``jit``), pointing at the user's line."""
+  dtype = np.dtype(getattr(loss, "dtype", np.float32))
+  if dtype not in HALF_DTYPES:
+    return
+  warnings.warn(
+      f"the loss is {dtype.name}: the loss function computed it in half "
+      f"precision (a policy whose output dtype is {dtype.name} hands it "
+      f"{dtype.name} logits; 'c=f16' means o=f16 too), where it keeps about "
+      f"{3 if dtype == np.float16 else 2} significant digits and its "
+      f"gradient starts in {dtype.name}. Compute the loss in float32: give "
+      f"the policy a float32 output (o=f32; 'p=f32,c=f16,o=f32' is "
+      f"'mixed_float16'), cast the logits (logits.astype(jnp.float32)), or "
+      f"use jmp_lab.losses' fp32 losses", PrecisionWarning,
+      stacklevel=_user_stacklevel())
