@@ -3,9 +3,13 @@
 * :func:`scaled_value_and_grad` -- differentiates ``loss * scale``; returns
   the unscaled loss (with aux) and the scaled gradients in the param dtype.
 * :class:`TrainState` -- ``params``, ``opt_state``, ``apply_fn`` and
-  ``policy`` (plus ``model_state`` for collections such as ``batch_stats``),
-  with ``apply_gradients``, in the spirit of ``flax.training.train_state``.
-* :func:`train_step` / :func:`make_train_step` -- the jitted, donated step.
+  ``policy`` (plus ``model_state`` for collections such as ``batch_stats``,
+  and ``rngs``, the base keys of dropout and other random streams, whose
+  per-step keys ``step_rngs()`` gives), with ``apply_gradients``, in the
+  spirit of ``flax.training.train_state``.
+* :func:`train_step` / :func:`make_train_step` -- the jitted, donated step;
+  ``grad_norm=True`` / ``grads=True`` add the unscaled gradients' norm and
+  the gradients to its metrics.
 
 The data flow of one step (see :func:`train_step`):
 
