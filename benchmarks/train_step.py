@@ -26,6 +26,8 @@ fp32-highest, TF32 and the best torch AMP bf16. A plot goes to --plot.
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/train_step.py --target h100
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/train_step.py --target h100 \
       --devices 8 --configs bf16,fp16                           # data parallel
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/train_step.py --llama7b
+      # a 7B-class Llama, fsdp=8 and fsdp=4 x tensor=2 (benchmarks/llama7b.py)
 
 ``--target`` needs no GPU: each configuration's step is compiled for that GPU
 (``jmp_lab.diagnostics.compiled_report``, shapes only) and a table gives
@@ -41,7 +43,9 @@ from __future__ import annotations
 import argparse
 import functools
 import dataclasses
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -526,7 +530,17 @@ def main(argv=None):
   parser.add_argument("--zero1", action="store_true",
                       help="with --target and --devices: the optimizer state "
                            "split over the devices (ZeRO-1)")
-  args = parser.parse_args(argv)
+  parser.add_argument("--llama7b", action="store_true",
+                      help="the 7B-class Llama, FSDP and tensor parallel, "
+                           "compiled for 8 GPUs: the other arguments go to "
+                           "benchmarks/llama7b.py (--help there)")
+  args, rest = parser.parse_known_args(argv)
+  if args.llama7b:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llama7b  # pylint: disable=import-outside-toplevel
+    return llama7b.main(rest)
+  if rest:
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
   small = args.small and not args.target  # --target means GPT-2 small
   size = SMALL if small else ModelSize()

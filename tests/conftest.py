@@ -31,7 +31,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-chex.set_n_cpu_devices(2)
+# 2 CPU devices; tests/test_fsdp.py starts a process with 8.
+chex.set_n_cpu_devices(int(os.environ.get("JMP_LAB_TEST_CPU_DEVICES", "2")))
 
 # Compilation makes the first example of a property test slow; deadlines would
 # only measure XLA. Derandomize in CI so a failure is reproducible from the log.

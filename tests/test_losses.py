@@ -510,3 +510,51 @@ def test_kernels_under_a_policy_on_a_model_that_pins_float32():
   close_to_fp32(got, want)
   with pytest.raises(ValueError, match="bf16 or fp16"):
     _PinnedFloat32LM().apply(params, tokens, targets, "interpret")
+
+
+# --- tensor parallelism and the reduce dtype (issue 39) -----------------------
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+@pytest.mark.parametrize("cap", [None, 8.0], ids=["no cap", "soft cap"])
+def test_vocab_shards_give_the_same_loss_and_gradients(shards, cap):
+  """Walking each shard's part of the vocabulary in blocks is the same sum
+  in another order."""
+  hidden, kernel, labels, where = problem()
+  def run(vocab_shards):
+    return value_and_grads(lambda h, k: losses.linear_cross_entropy(
+        h, k, labels, where=where, block_size=48, logit_soft_cap=cap,
+        implementation="xla", vocab_shards=vocab_shards), hidden, kernel)
+  chex.assert_trees_all_close(run(shards), run(1), rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_shards_must_divide_the_vocabulary():
+  hidden, kernel, labels, _ = problem()
+  for bad in (0, 7, 2.0, True):
+    with pytest.raises(ValueError, match="vocab_shards must be a positive int"):
+      losses.linear_cross_entropy(hidden, kernel, labels, vocab_shards=bad)
+
+
+def test_under_a_reduce_dtype_the_bf16_kernels_gradient_is_summed_in_it():
+  """A bf16 head used in the loss under a policy with ``reduce=float32``:
+  its gradient GEMMs write fp32 (summed across devices in fp32) and the
+  gradient is cast to bf16 after; without the reduce dtype they write bf16."""
+  hidden, kernel, labels, _ = problem(jnp.bfloat16)
+  kernel = kernel.astype(jnp.bfloat16)
+
+  def weight_gemm_dtypes(policy):
+    def loss(k, h):
+      return losses.linear_cross_entropy(h, k, labels, block_size=256,
+                                         implementation="xla").mean()
+    grad = jmp_lab.scaled_value_and_grad(loss, jmp_lab.NoOpLossScale(),
+                                         policy=policy)
+    jaxpr = jax.make_jaxpr(grad)(kernel, hidden).jaxpr
+    eqns = [e for j in [jaxpr] + [s for e in jaxpr.eqns
+                                  for s in compiled_sub_jaxprs(e)]
+            for e in j.eqns]
+    return {np.dtype(e.params["preferred_element_type"]).name for e in eqns
+            if e.primitive.name == "dot_general"
+            and e.outvars[0].aval.shape[-1] == WIDTH
+            and e.outvars[0].aval.shape[0] != TOKENS}
+  assert weight_gemm_dtypes("p=bf16,c=bf16,o=f32,reduce=float32") == {"float32"}
+  assert weight_gemm_dtypes("p=bf16,c=bf16,o=f32") == {"bfloat16"}

@@ -16,9 +16,10 @@ import re
 import shutil
 import subprocess
 import tempfile
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 # --------------------------------------------------------------------------
@@ -121,23 +122,43 @@ def check_plugin() -> None:
 
 
 def gpu_mesh(target: Union[str, GpuTarget] = "h100", devices: int = 1,
-             axis_name: str = "data") -> jax.sharding.Mesh:
+             axis_name: str = "data", *,
+             axes: Optional[Mapping[str, int]] = None) -> jax.sharding.Mesh:
   """A mesh of ``devices`` GPUs of ``target`` to compile for (no GPU needed).
 
-  The same arguments give the same mesh, so a step built on it (a
-  ``shard_map``, explicit shardings) compiles with :func:`compile_for_gpu`.
+  One axis, ``axis_name``, by default; ``axes`` (``{"fsdp": 4, "tensor":
+  2}``) gives several, their sizes multiplying to ``devices``. The same
+  arguments give the same mesh, so a step built on it (a ``shard_map``,
+  explicit shardings) compiles with :func:`compile_for_gpu`.
   """
   if not (isinstance(devices, int) and devices >= 1):
     raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+  shape = _mesh_shape(devices, axis_name, axes)
   check_plugin()
   target = gpu_target(target)
-  return _gpu_mesh(target.name, target.config, devices, axis_name)
+  return _gpu_mesh(target.name, target.config, shape)
+
+
+def _mesh_shape(devices: int, axis_name: str,
+                axes: Optional[Mapping[str, int]]) -> tuple[tuple[str, int], ...]:
+  if axes is None:
+    return ((axis_name, devices),)
+  shape = tuple(dict(axes).items())
+  if not shape or not all(isinstance(n, str) and isinstance(s, int) and s >= 1
+                          for n, s in shape):
+    raise ValueError(f"axes must map axis names to sizes >= 1, got {axes!r}")
+  if int(np.prod([s for _, s in shape])) != devices:
+    raise ValueError(f"the sizes of axes={dict(shape)!r} multiply to "
+                     f"{int(np.prod([s for _, s in shape]))}, not "
+                     f"devices={devices}")
+  return shape
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_mesh(name: str, config: str, devices: int,
-              axis_name: str) -> jax.sharding.Mesh:
+def _gpu_mesh(name: str, config: str,
+              shape: tuple[tuple[str, int], ...]) -> jax.sharding.Mesh:
   from jax.experimental import topologies
+  devices = int(np.prod([s for _, s in shape]))
   try:
     topology = topologies.get_topology_desc(
         platform="cuda", topology=f"1x1x{devices}", target_config=config)
@@ -150,7 +171,8 @@ def _gpu_mesh(name: str, config: str, devices: int,
         f"plugin did not register when jax started. On a machine without a "
         f"GPU, import jmp_lab before jax's first computation, or set "
         f"JAX_PLATFORMS=cpu before jax starts") from e
-  return topologies.make_mesh(topology, (devices,), (axis_name,))
+  return topologies.make_mesh(topology, tuple(s for _, s in shape),
+                              tuple(n for n, _ in shape))
 
 
 def abstract_args(args: Any, mesh, in_specs: Any) -> Any:
@@ -191,7 +213,8 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
                     devices: int = 1, in_specs: Any = None,
                     donate_argnums: Union[int, Sequence[int]] = (),
                     triton_gemm: bool = False, fail_on_spill: bool = True,
-                    dump_to: Optional[str] = None):
+                    dump_to: Optional[str] = None,
+                    axes: Optional[Mapping[str, int]] = None):
   """``fn`` compiled for ``devices`` GPUs of ``target``, without a GPU.
 
   Args:
@@ -200,6 +223,8 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
       (a TrainState); only shapes and dtypes are used.
     target: ``"h100"``, ``"h200"``, a target text or a :class:`GpuTarget`.
     devices: GPUs in the mesh (its one axis is ``"data"``).
+    axes: the mesh's axes and sizes instead (``{"fsdp": 4, "tensor": 2}``,
+      see :func:`gpu_mesh`).
     in_specs: a prefix tree of ``PartitionSpec`` s for ``args`` (default:
       replicated), e.g. ``(P(), P("data"))`` for a data-parallel step.
     donate_argnums: for a plain ``fn``, the arguments to donate.
@@ -209,7 +234,7 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
     fail_on_spill: make a register spill in XLA's kernels a compile error.
     dump_to: a folder for XLA's and Mosaic's dumps (PTX, ptxas logs).
   """
-  mesh = gpu_mesh(target, devices)
+  mesh = gpu_mesh(target, devices, axes=axes)
   jitted = fn if hasattr(fn, "trace") else jax.jit(
       fn, donate_argnums=donate_argnums)
   options = {"xla_gpu_enable_triton_gemm": bool(triton_gemm),

@@ -43,7 +43,7 @@ import math
 import os
 import re
 import tempfile
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 
@@ -108,10 +108,16 @@ class KernelRecord:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
+  """One collective: its kind (``"all-gather"``, ...), its operands' dtypes
+  and bytes, how many times a step runs it, and jax's name stack of the op
+  that asked for it (``op_name``: which scope, e.g. the loss or
+  ``jmp_lab_update``, a collective serves)."""
+
   kind: str
   dtypes: tuple[str, ...]
   bytes: int
   times: int
+  op_name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,7 +381,7 @@ class _Walker:
                 if inst.operand_types else inst.result)
       self.collectives.append(CollectiveRecord(
           kind, tuple(sorted({a.dtype for a in arrays})),
-          sum(a.bytes for a in arrays), times))
+          sum(a.bytes for a in arrays), times, inst.op_name))
     elif op == "custom-call":
       self.custom_call(inst, times)
     elif op == "fusion":
@@ -533,7 +539,8 @@ def _thunks(dump_dir: str) -> list[ThunkRecord]:
 def compiled_report(fn: Callable[..., Any], *args, target="h100",
                     devices: int = 1, in_specs: Any = None,
                     donate_argnums: Union[int, Sequence[int]] = (),
-                    triton_gemm: bool = False, fail_on_spill: bool = True
+                    triton_gemm: bool = False, fail_on_spill: bool = True,
+                    axes: Optional[Mapping[str, int]] = None
                     ) -> CompiledReport:
   """Compiles ``fn(*args)`` for a GPU target without a GPU and reports on it.
 
@@ -550,7 +557,7 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
     compiled = compile_for_gpu(
         fn, *args, target=target, devices=devices, in_specs=in_specs,
         donate_argnums=donate_argnums, triton_gemm=triton_gemm,
-        fail_on_spill=fail_on_spill, dump_to=dump_dir)
+        fail_on_spill=fail_on_spill, dump_to=dump_dir, axes=axes)
     text = compiled.as_text()
     walker = _Walker(hlo.parse_module(text))
     walker.walk(walker.module.entry, 1)

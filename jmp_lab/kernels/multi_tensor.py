@@ -86,6 +86,9 @@ class Segments:
     decays: whether each leaf is weight-decayed.
     first_leaf: the number of this launch's first leaf among all of them
       (the stochastic-rounding stream of leaf ``i`` is ``first_leaf + i``).
+    shard_shapes, global_shapes: for shards of leaves, their shapes and the
+      whole leaves' (stochastic rounding draws by the index in the whole
+      leaf, from a base index the scalars carry after the flags).
   """
 
   sizes: tuple[int, ...]
@@ -93,6 +96,10 @@ class Segments:
   first_leaf: int = 0
   # Elements one program handles.
   block: int = BLOCK
+  # When the leaves are shards (stochastic rounding under a sharded state):
+  # each leaf's shard shape and whole shape; its base index is a scalar slot.
+  shard_shapes: Optional[tuple[tuple[int, ...], ...]] = None
+  global_shapes: Optional[tuple[tuple[int, ...], ...]] = None
 
   @property
   def block_starts(self) -> tuple[int, ...]:
@@ -237,6 +244,15 @@ def _pack_scalars(hyper: jax.Array, flags: jax.Array) -> jax.Array:
       jnp.pad(flags.astype(jnp.int32), (0, _FLAG_SLOTS - flags.shape[0]))])
 
 
+def _leaf_index(scalars_ref, segments: Segments, i: int, index):
+  """The elements' indices in leaf ``i`` whole (``index`` if it is whole)."""
+  if segments.global_shapes is None:
+    return index
+  base = scalars_ref[_HYPER_SLOTS + _FLAG_SLOTS + i]
+  return rounding.global_index(index, segments.shard_shapes[i],
+                               segments.global_shapes[i], base)
+
+
 def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
                    scalars_ref, *refs):
   n = len(segments.sizes)
@@ -275,7 +291,9 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
     def _update():
       g_, mu_, nu_ = (load(r[i].at[where], mask=mask, other=0)
                       for r in (g, mu, nu))
-      bits = (rounding.counter_bits(seed, segments.first_leaf + i, index)
+      bits = (rounding.counter_bits(seed, segments.first_leaf + i,
+                                    _leaf_index(scalars_ref, segments, i,
+                                                index))
               if config.stochastic else None)
       out = adamw_elementwise(config, g_, p_, mu_, nu_,
                               jnp.bool_(segments.decays[i]), *hyper,
@@ -328,7 +346,7 @@ def _launch_update(config: AdamWConfig, segments: Segments, inputs, scalars,
       functools.partial(_update_kernel, config, segments, write_extra),
       out_shape=out_shape,
       grid=(segments.total_blocks,),
-      in_specs=[pl.BlockSpec((_HYPER_SLOTS + _FLAG_SLOTS,), lambda i: (0,))]
+      in_specs=[pl.BlockSpec(scalars.shape, lambda i: (0,))]
       + [pl.no_block_spec] * (len(inputs) * n),
       out_specs=[pl.no_block_spec] * len(out_shape),
       input_output_aliases=aliases,
@@ -342,7 +360,8 @@ def update(config: AdamWConfig, decays: Sequence[bool],
            g: Sequence[jax.Array], p: Sequence[jax.Array],
            mu: Sequence[jax.Array], nu: Sequence[jax.Array], hyper: jax.Array,
            flags: jax.Array, *, write_extra: bool, interpret: bool,
-           remainders: Optional[Sequence[jax.Array]] = None) -> Outputs:
+           remainders: Optional[Sequence[jax.Array]] = None,
+           index_maps=None) -> Outputs:
   """One fused AdamW step over lists of leaves (see ``reference``).
 
   ``p`` (or, with ``config.remainder``, the bf16 params and ``remainders``),
@@ -352,7 +371,9 @@ def update(config: AdamWConfig, decays: Sequence[bool],
   With ``config.direct`` (no master) ``p`` are the half params, updated in
   place, and the fourth output is None; stochastic rounding needs the seed
   in ``flags[SEED]``.
-  Moments are stored in the dtype they come in (fp32 or bf16).
+  Moments are stored in the dtype they come in (fp32 or bf16). With
+  ``index_maps`` (a ``(global shape, base)`` per leaf) the leaves are shards,
+  and stochastic rounding draws by each element's index in its whole leaf.
   """
   # (Padded to a power of two, as Triton blocks must be.)
   scalars = _pack_scalars(hyper, flags)
@@ -363,9 +384,20 @@ def update(config: AdamWConfig, decays: Sequence[bool],
   for chunk in _chunks(len(g)):
     segments = Segments(tuple(p[i].size for i in chunk),
                         tuple(bool(decays[i]) for i in chunk), chunk.start)
+    launch_scalars = scalars
+    if index_maps is not None and config.stochastic:
+      segments = dataclasses.replace(
+          segments, shard_shapes=tuple(tuple(p[i].shape) for i in chunk),
+          global_shapes=tuple(tuple(index_maps[i][0]) for i in chunk))
+      # One base slot per leaf of the launch, after the flags.
+      bases = jnp.stack([jnp.asarray(index_maps[i][1], jnp.int32)
+                         for i in chunk])
+      slots = 1 << (LEAVES_PER_LAUNCH - 1).bit_length()  # a power of two
+      launch_scalars = jnp.concatenate([scalars, jnp.pad(
+          bases, (0, slots - bases.shape[0]))])
     outs = _launch_update(config, segments,
                           [[group[i] for i in chunk] for group in groups],
-                          scalars, write_extra=write_extra,
+                          launch_scalars, write_extra=write_extra,
                           interpret=interpret)
     k = len(chunk)
     for kind in range(kinds):

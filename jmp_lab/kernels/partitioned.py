@@ -18,10 +18,12 @@ replicated leaves counted once, and the flag is the minimum over all axes,
 before the update runs. Runs on one device, or with every operand
 replicated, are the same program as without this wrapper.
 
-Stochastic rounding draws its bits from each element's index in its leaf,
-so a shard would draw differently from the whole leaf: with
-``config.stochastic`` every operand stays whole (XLA gathers them, as it
-would for a bare kernel).
+Stochastic rounding draws its bits from each element's index in its whole
+leaf: a device hands the update its shard's first index in the leaf (from
+its position on the mesh), and the kernel maps the shard's elements to
+their indices in the leaf (:func:`jmp_lab.kernels.rounding.global_index`),
+so every device rounds its shard with the bits one device rounding the
+whole leaf would draw, and no leaf is gathered.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from jax.experimental.custom_partitioning import (SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmp_lab.kernels import registry, stats
+from jmp_lab.kernels import registry, rounding, stats
 from jmp_lab.kernels.reference import Outputs
 
 
@@ -47,11 +49,13 @@ class StepPlan:
   Attributes:
     run_stats: ``(g leaves, scale) -> (sum of squares, all finite)``.
     scalars_fn: ``(sumsq, finite, scalar_args) -> (hyper, flags, finite)``.
-    run_update: ``(g, p, mu, nu, hyper, flags, remainders) -> Outputs``.
+    run_update: ``(g, p, mu, nu, hyper, flags, remainders, index_maps)
+      -> Outputs`` (``index_maps``: None, or for shards a ``(global shape,
+      base index)`` per leaf).
     leaves: how many leaves.
     remainders: whether the remainders are an operand.
     result_groups: 3 or 4 lists of leaves in the ``Outputs``.
-    stochastic: stochastic rounding (every operand stays whole).
+    stochastic: stochastic rounding (the update needs the shards' places).
   """
 
   run_stats: Callable[[Sequence[jax.Array], jax.Array], tuple]
@@ -63,10 +67,12 @@ class StepPlan:
   stochastic: bool
 
 
-def _step(plan: StepPlan, groups, g, p, mu, nu, remainders, scale,
+def _step(plan: StepPlan, groups, shards, g, p, mu, nu, remainders, scale,
           scalar_args):
   """Statistics, scalars, update; ``groups`` is ``((mesh axes, leaf
-  indices), ...)``: each group's statistics are summed over its axes."""
+  indices), ...)``: each group's statistics are summed over its axes.
+  ``shards``: None for whole leaves, else each leaf's ``(global shape,
+  spec)``, for stochastic rounding's indices."""
   sumsq, finite = jnp.float32(0), jnp.bool_(True)
   every_axis = tuple(sorted({a for axes, _ in groups for a in axes}))
   for axes, leaves in groups:
@@ -76,7 +82,25 @@ def _step(plan: StepPlan, groups, g, p, mu, nu, remainders, scale,
     sumsq, finite = sumsq + part_sumsq, finite & part_finite
   finite = stats.agree(finite, every_axis)  # one non-finite shard: all skip
   hyper, flags, finite = plan.scalars_fn(sumsq, finite, scalar_args)
-  return plan.run_update(g, p, mu, nu, hyper, flags, remainders), finite
+  index_maps = None
+  if plan.stochastic and shards is not None and any(
+      tuple(local.shape) != shape for (shape, _), local in zip(shards, p)):
+    index_maps = [(shape, _base(shape, tuple(local.shape), spec))
+                  for (shape, spec), local in zip(shards, p)]
+  return plan.run_update(g, p, mu, nu, hyper, flags, remainders,
+                         index_maps), finite
+
+
+def _base(global_shape, local_shape, spec: P) -> jax.Array:
+  """This device's shard's first index in the whole leaf (inside the
+  partitioned op, where the mesh axes are bound)."""
+  offsets = []
+  for dim, size in enumerate(local_shape):
+    entry = spec[dim] if dim < len(spec) else None
+    axes = () if entry is None else (
+        tuple(entry) if isinstance(entry, tuple) else (entry,))
+    offsets.append(jax.lax.axis_index(axes) * size if axes else 0)
+  return rounding.shard_base(tuple(offsets), tuple(global_shape))
 
 
 def _spec_axes(spec: P) -> tuple[str, ...]:
@@ -89,9 +113,9 @@ def _spec_axes(spec: P) -> tuple[str, ...]:
 
 def _partition(plan: StepPlan, mesh, arg_shapes, result_shape):
   _, _, mu, _, remainders, scale, scalar_args = arg_shapes
-  # Each leaf as its first moment is sharded (whole when stochastic).
-  specs = [P() if plan.stochastic or not isinstance(s.sharding, NamedSharding)
-           else s.sharding.spec for s in mu]
+  # Each leaf as its first moment is sharded.
+  specs = [s.sharding.spec if isinstance(s.sharding, NamedSharding) else P()
+           for s in mu]
   named = [NamedSharding(mesh, spec) for spec in specs]
   whole = lambda tree: jax.tree_util.tree_map(  # noqa: E731
       lambda _: NamedSharding(mesh, P()), tree)
@@ -106,8 +130,9 @@ def _partition(plan: StepPlan, mesh, arg_shapes, result_shape):
   result_shardings = (Outputs(*[None if kind is None else named
                                 for kind in out]),
                       NamedSharding(mesh, P()))
-  return (mesh, functools.partial(_step, plan, groups), result_shardings,
-          arg_shardings)
+  shards = tuple((tuple(s.shape), spec) for s, spec in zip(mu, specs))
+  return (mesh, functools.partial(_step, plan, groups, shards),
+          result_shardings, arg_shardings)
 
 
 def _sharding_rule(plan: StepPlan, mesh, value_types, result_types
@@ -125,8 +150,6 @@ def _sharding_rule(plan: StepPlan, mesh, value_types, result_types
   results = [leaf(k % n) for k in range(plan.result_groups * n)] + [()]
   assert len(results) == len(result_types), (len(results), len(result_types))
   replicate = {f for mapping in scalars for f in mapping}
-  if plan.stochastic:
-    replicate |= {f for mapping in operands[:n] for f in mapping}
   # Shardy wants the special factors in the order the factors first appear.
   order = [f for mapping in operands + scalars for f in mapping]
   return SdyShardingRule(
@@ -139,7 +162,7 @@ def _sharding_rule(plan: StepPlan, mesh, value_types, result_types
 def _partitionable_step(plan: StepPlan, g, p, mu, nu, remainders, scale,
                         scalar_args):
   every_leaf = (((), tuple(range(plan.leaves))),)
-  return _step(plan, every_leaf, g, p, mu, nu, remainders, scale,
+  return _step(plan, every_leaf, None, g, p, mu, nu, remainders, scale,
                scalar_args)
 
 
@@ -157,7 +180,7 @@ def tree_step(plan: StepPlan, g, p, mu, nu, remainders: Optional[list],
   """
   if not partitionable:
     every_leaf = (((), tuple(range(plan.leaves))),)
-    return _step(plan, every_leaf, g, p, mu, nu, remainders, scale,
+    return _step(plan, every_leaf, None, g, p, mu, nu, remainders, scale,
                  scalar_args)
   return _partitionable_step(plan, list(g), list(p), list(mu), list(nu),
                              None if remainders is None else list(remainders),
@@ -175,9 +198,10 @@ def backend_tree_step(name: str, config, decays, g, p, mu, nu, remainders,
   plan = StepPlan(
       run_stats=lambda grads, s: registry.tree_grad_stats(name, grads, s),
       scalars_fn=scalars_fn,
-      run_update=lambda g, p, mu, nu, hyper, flags, rem: registry.tree_update(
-          name, config, decays, g, p, mu, nu, hyper, flags,
-          write_extra=write_extra, remainders=rem),
+      run_update=lambda g, p, mu, nu, hyper, flags, rem, maps: (
+          registry.tree_update(name, config, decays, g, p, mu, nu, hyper,
+                               flags, write_extra=write_extra,
+                               remainders=rem, index_maps=maps)),
       leaves=len(g), remainders=remainders is not None,
       result_groups=4 if (not config.direct and (write_extra
                                                  or config.remainder)) else 3,

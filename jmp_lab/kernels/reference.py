@@ -24,6 +24,7 @@ Scalars travel as two small arrays, because a kernel takes arrays:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -150,16 +151,29 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
 tree_grad_stats = stats.grad_stats
 
 
+def _element_indices(shape, index_map) -> jax.Array:
+  """Each element's flat index in its leaf (the leaf may be a shard)."""
+  local = jnp.arange(math.prod(shape), dtype=jnp.int32)
+  if index_map is not None:
+    global_shape, base = index_map
+    local = rounding.global_index(local, tuple(shape), global_shape, base)
+  return local.reshape(shape)
+
+
 def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
-                write_extra: bool, remainders=None) -> Outputs:
+                write_extra: bool, remainders=None,
+                index_maps=None) -> Outputs:
   """:func:`fused_update` over lists of leaves: XLA fuses it leaf by leaf.
 
   With ``config.remainder``, ``p`` are the bf16 params and ``remainders``
   their uint16 remainders; the outputs are then ``(new remainders, mu, nu,
   new params)``. With ``config.direct``, ``p`` are the half params and the
   outputs ``(new params, mu, nu, None)``; stochastic rounding draws
-  ``counter_bits(flags[SEED], leaf number, element index)``. Moments are
-  stored in the dtype they come in (fp32 or bf16) and computed in fp32.
+  ``counter_bits(flags[SEED], leaf number, element index)``; with
+  ``index_maps`` (a ``(global shape, base)`` per leaf, when the leaves are
+  shards) the index is the element's in the whole leaf
+  (:func:`jmp_lab.kernels.rounding.global_index`). Moments are stored in the
+  dtype they come in (fp32 or bf16) and computed in fp32.
   """
   finite = flags[FINITE] == 1
   leaves = []
@@ -168,7 +182,8 @@ def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
               else p_)
     bits = (rounding.counter_bits(
         jax.lax.bitcast_convert_type(flags[SEED], jnp.uint32), i,
-        jnp.arange(p_.size, dtype=jnp.int32).reshape(p_.shape))
+        _element_indices(p_.shape, None if index_maps is None
+                         else index_maps[i]))
             if config.stochastic else None)
     out = adamw_elementwise(config, g_, master, mu_, nu_, jnp.bool_(decay),
                             hyper[LR], hyper[INV_BIAS1], hyper[INV_BIAS2],

@@ -143,16 +143,26 @@ def tree_grad_stats(name: str, grads, scale):
 
 
 def tree_update(name: str, config, decays, g, p, mu, nu, hyper, flags, *,
-                write_extra: bool, remainders=None):
-  """The multi-tensor update over lists of leaves (the tree layout)."""
+                write_extra: bool, remainders=None, index_maps=None):
+  """The multi-tensor update over lists of leaves (the tree layout).
+
+  ``index_maps``: when the leaves are shards, a ``(global shape, base)``
+  per leaf, for stochastic rounding's element indices (see
+  :func:`jmp_lab.kernels.rounding.global_index`)."""
+  global_shapes = (None if index_maps is None
+                   else [shape for shape, _ in index_maps])
+  bases = None if index_maps is None else [base for _, base in index_maps]
+
   def run(backend, *args):
     if _quieted(backend).tree_update is None:
       raise ValueError(f"the tree layout has no {backend.name!r} backend")
-    *args, remainders = args
+    *args, remainders, bases = args
+    maps = (None if bases is None else list(zip(global_shapes, bases)))
     return backend.tree_update(config, decays, *args,
-                               write_extra=write_extra, remainders=remainders)
+                               write_extra=write_extra, remainders=remainders,
+                               index_maps=maps)
   return _on_cuda_else_reference(name, "tree", run, g, p, mu, nu, hyper,
-                                 flags, remainders)
+                                 flags, remainders, bases)
 
 
 def tree_backend(name: str, *, half_params: bool) -> str:

@@ -6,6 +6,8 @@ examples), here because every kernel backend computes it on loaded values.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -50,6 +52,45 @@ def counter_bits(seed: jax.Array, stream: int, index: jax.Array) -> jax.Array:
   return hash32(index ^ stream_key)
 
 
+def global_index(local: jax.Array, local_shape: tuple[int, ...],
+                 global_shape: tuple[int, ...], base: jax.Array) -> jax.Array:
+  """The flat index in the whole leaf of each element of a shard.
+
+  ``local`` holds flat (row-major) indices into a shard of shape
+  ``local_shape`` of a leaf of shape ``global_shape``; ``base`` is the whole
+  leaf's flat index of the shard's first element (:func:`shard_base`). A
+  device that rounds its own shard with ``counter_bits`` of these indices
+  draws the very bits one device rounding the whole leaf draws: the
+  coordinates are ``base``'s plus the local ones, and the flat index is
+  linear in the coordinates. On a whole leaf (``local_shape ==
+  global_shape``, ``base == 0``) it is ``local``.
+
+  >>> import jax.numpy as jnp
+  >>> # columns 2..3 of rows 4..5 of a (6, 4) leaf: its elements 18, 19, 22, 23
+  >>> global_index(jnp.arange(4), (2, 2), (6, 4), jnp.int32(4 * 4 + 2)).tolist()
+  [18, 19, 22, 23]
+  """
+  if tuple(local_shape) == tuple(global_shape):
+    return local + base
+  index = base
+  for dim, size in enumerate(local_shape):
+    local_stride = math.prod(local_shape[dim + 1:])
+    global_stride = math.prod(global_shape[dim + 1:])
+    coordinate = (local // local_stride) % size if dim else local // local_stride
+    index = index + coordinate * global_stride
+  return index
+
+
+def shard_base(offsets: tuple[jax.Array, ...],
+               global_shape: tuple[int, ...]) -> jax.Array:
+  """The flat index in a leaf of shape ``global_shape`` of the element at
+  ``offsets`` (a shard's first element, one offset per dimension)."""
+  base = jnp.int32(0)
+  for dim, offset in enumerate(offsets):
+    base = base + offset * math.prod(global_shape[dim + 1:])
+  return base
+
+
 def stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
   """``x`` (fp32) rounded to bf16, up with probability by distance.
 
@@ -65,6 +106,8 @@ def stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
 
 
 __all__ = [
+    "global_index",
+    "shard_base",
     "counter_bits",
     "hash32",
     "step_seed",

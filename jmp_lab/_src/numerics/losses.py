@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lab._src.precision.scopes import current_compute_dtype
+from jmp_lab._src.precision.scopes import (current_compute_dtype,
+                                           current_reduce_dtype)
 from jmp_lab.kernels.platform import importable
 from jmp_lab.kernels import linear_cross_entropy as fused_kernels
 
@@ -48,7 +49,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
                          where: Optional[jax.Array] = None,
                          block_size: Optional[int] = None,
                          logit_soft_cap: Optional[float] = None,
-                         implementation: str = "auto") -> jax.Array:
+                         implementation: str = "auto",
+                         vocab_shards: int = 1) -> jax.Array:
   """Per-token fp32 cross-entropy of ``hidden @ kernel``, logits never stored.
 
   The same loss has three implementations:
@@ -82,6 +84,17 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   ``with_policy``, :func:`jmp_lab.autocast`) wider hidden states are cast to
   the compute dtype first, so the model's fp32 output takes the kernels and
   half GEMMs as a bf16 one does (:func:`jmp_lab.precision.current_compute_dtype`).
+  Under a policy with a reduce dtype (a train step's loss, a module under
+  ``with_policy``), the kernel's gradient is accumulated and returned in it
+  before it is cast to the kernel's dtype, so its sum across devices runs in
+  the reduce dtype, as a Dense kernel's does.
+
+  **Tensor parallelism.** With the vocabulary split over ``N`` devices (the
+  kernel's ``V`` sharded over a mesh axis of size ``N``, as MaxText's
+  ``"vocab"`` rule does), pass ``vocab_shards=N``: the XLA path then walks
+  each device's part of the vocabulary in blocks and keeps the hidden's
+  gradient per part until the last block, so it is summed across the
+  devices once a step, not once per block.
 
   Args:
     hidden: ``(..., D)`` the final hidden states (bf16 under a half policy).
@@ -98,6 +111,8 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
       padded and masked.
     logit_soft_cap: if set, logits become ``cap * tanh(logits / cap)``
       (Gemma 2's soft cap) before the softmax.
+    vocab_shards: how many devices the vocabulary is split over (tensor
+      parallelism; see above). ``V`` must divide evenly.
     implementation: ``"auto"``, ``"triton"``, ``"interpret"`` or ``"xla"``
       (above). ``block_size`` applies to ``"xla"`` only.
 
@@ -110,6 +125,7 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   """
   hidden, kernel, labels, where = _checked(hidden, kernel, labels, where,
                                            block_size, logit_soft_cap)
+  _check_vocab_shards(vocab_shards, kernel.shape[1])
   policed = current_compute_dtype()
   if (policed is not None and jnp.dtype(policed).itemsize == 2
       and jnp.dtype(hidden.dtype).itemsize > 2):
@@ -120,9 +136,13 @@ def linear_cross_entropy(hidden: jax.Array, kernel: jax.Array,
   flat = (hidden.reshape(-1, hidden.shape[-1]), kernel,
           labels.reshape(-1).astype(jnp.int32), where.reshape(-1))
 
+  reduce_dtype = current_reduce_dtype()
+
   def with_xla():
-    blocking = _Blocking(_block_size(vocab, block_size), vocab,
-                         jnp.dtype(kernel.dtype).name)
+    blocking = _Blocking(
+        _block_size(vocab // vocab_shards, block_size), vocab,
+        jnp.dtype(kernel.dtype).name, vocab_shards,
+        None if reduce_dtype is None else np.dtype(reduce_dtype).name)
     return _linear_cross_entropy(*flat, blocking, cap)
 
   def with_kernels(interpret):
@@ -202,6 +222,14 @@ def _checked(hidden, kernel, labels, where, block_size, logit_soft_cap):
   return hidden, kernel, labels, where
 
 
+def _check_vocab_shards(vocab_shards: Any, vocab: int) -> None:
+  if (not isinstance(vocab_shards, int) or isinstance(vocab_shards, bool)
+      or vocab_shards < 1 or vocab % vocab_shards):
+    raise ValueError(
+        f"vocab_shards must be a positive int that divides the vocabulary "
+        f"({vocab}), got {vocab_shards!r}")
+
+
 def _block_size(vocab: int, block_size: Optional[int]) -> int:
   if block_size is not None:
     return min(block_size, vocab)
@@ -218,20 +246,73 @@ def _block_size(vocab: int, block_size: Optional[int]) -> int:
   return -(-math.ceil(vocab / blocks) // 128) * 128
 
 
-def _row_blocks(kernel, hidden_dtype, block: int) -> tuple[jax.Array, ...]:
-  """The kernel as blocks of vocabulary rows, each ``(block, D)`` in the
-  hidden's dtype, the last padded with zero rows. A tied embedding's kernel
+def _row_blocks(kernel, hidden_dtype, block: int,
+                shards: int = 1) -> tuple[jax.Array, ...]:
+  """The kernel as blocks of vocabulary rows, each ``(rows, D)`` in the
+  hidden's dtype (their vocabulary ids: :func:`_block_ids`). A tied embedding's kernel
   is ``table.T``, so its rows are the table itself: the transposes cancel.
-  XLA fuses the slicing into the policy's cast of the kernel."""
+  XLA fuses the slicing into the policy's cast of the kernel.
+
+  One shard: blocks of ``block`` rows, the last padded with zero rows (ids
+  past the vocabulary). ``shards`` > 1 (the vocabulary split over that many
+  devices, tensor parallelism): block ``i`` takes rows ``i * block ...`` of
+  every shard's part, so each device slices its own rows and the blocks'
+  products stay on the device that holds them (the last block of each part
+  may be shorter; nothing is padded)."""
   rows = kernel.astype(hidden_dtype).T
   vocab = rows.shape[0]
-  blocks = math.ceil(vocab / block)
-  if blocks * block != vocab:
-    rows = jnp.pad(rows, ((0, blocks * block - vocab), (0, 0)))
-  return tuple(rows[i * block:(i + 1) * block] for i in range(blocks))
+  if shards == 1:
+    blocks = math.ceil(vocab / block)
+    if blocks * block != vocab:
+      rows = jnp.pad(rows, ((0, blocks * block - vocab), (0, 0)))
+    return tuple(rows[i * block:(i + 1) * block] for i in range(blocks))
+  by_shard = rows.reshape(shards, vocab // shards, rows.shape[1])
+  return tuple(by_shard[:, lo:hi].reshape(shards * (hi - lo), -1)
+               for lo, hi in _part_ranges(vocab // shards, block))
 
 
-def _block_logits(hidden, block_rows, start, vocab: int, cap):
+def _part_ranges(part: int, block: int) -> list[tuple[int, int]]:
+  return [(lo, min(lo + block, part)) for lo in range(0, part, block)]
+
+
+class _Ids(NamedTuple):
+  """Which vocabulary ids a block's rows hold (static): ``shards`` runs of
+  ``hi - lo`` ids, the run of shard ``s`` starting at ``s * part + lo``."""
+  lo: int
+  hi: int
+  part: int
+  shards: int
+  vocab: int
+
+  @property
+  def masked(self) -> bool:
+    """Whether ids past the vocabulary may be among them (one shard: the
+    last block is padded; every block is masked alike, as it always was)."""
+    return self.shards == 1
+
+  def ids(self) -> jax.Array:
+    # jnp ops, not numpy constants: the rules' rebuilt custom_vjp traces
+    # these rules again and takes no captured constants.
+    run = self.lo + jnp.arange(self.hi - self.lo)
+    if self.shards == 1:
+      return run
+    return (jnp.arange(self.shards)[:, None] * self.part
+            + run[None, :]).reshape(-1)
+
+
+def _block_ids(blocking) -> list[_Ids]:
+  """The vocabulary ids of each block's rows (:func:`_row_blocks`); ids
+  past the vocabulary are padding."""
+  block, vocab, shards = blocking.block, blocking.vocab, blocking.shards
+  if shards == 1:
+    return [_Ids(i * block, (i + 1) * block, vocab, 1, vocab)
+            for i in range(math.ceil(vocab / block))]
+  part = vocab // shards
+  return [_Ids(lo, hi, part, shards, vocab)
+          for lo, hi in _part_ranges(part, block)]
+
+
+def _block_logits(hidden, block_rows, block_ids: "_Ids", cap):
   """One block's logits in fp32 (soft-capped), the padding at -inf, their
   vocabulary ids, and ``tanh`` of the cap (None without one) for the
   backward pass."""
@@ -243,16 +324,22 @@ def _block_logits(hidden, block_rows, start, vocab: int, cap):
   if cap is not None:
     capped = jnp.tanh(logits / cap)
     logits = cap * capped
-  ids = start + jnp.arange(block_rows.shape[0])
-  logits = jnp.where(ids < vocab, logits, -jnp.inf)
+  ids = block_ids.ids()
+  if block_ids.masked:
+    logits = jnp.where(ids < block_ids.vocab, logits, -jnp.inf)
   return logits, ids, capped
 
 
 class _Blocking(NamedTuple):
-  """The static layout of one call: block width, vocabulary, kernel dtype."""
+  """The static layout of one call: block width, vocabulary, kernel dtype,
+  the vocabulary's shards, and the dtype the kernel's gradient is
+  accumulated and summed across devices in (the reduce dtype, else the
+  kernel's)."""
   block: int
   vocab: int
   kernel_dtype: str
+  shards: int = 1
+  grad_dtype: Optional[str] = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -288,14 +375,22 @@ def _block_statistics(logits, ids, labels):
       _online_logsumexp, (1,))
 
 
+#: The name scope of the loss's ops, forward and backward: a profile or a
+#: compiled report (e.g. a collective's ``op_name``) finds them by it.
+SCOPE = "linear_cross_entropy"
+
+
+@jax.named_scope(SCOPE)
 def _forward(hidden, kernel, labels, where, blocking, cap):
-  block, vocab, _ = blocking
-  row_blocks = _row_blocks(kernel, hidden.dtype, block)
+  row_blocks = _row_blocks(kernel, hidden.dtype, blocking.block,
+                           blocking.shards)
   tokens = hidden.shape[0]
   carry = (jnp.full((tokens,), -jnp.inf), jnp.zeros((tokens,)),
            jnp.zeros((tokens,)))
-  for i, block_rows in enumerate(row_blocks):  # unrolled: see _backward_rule
-    logits, ids, _ = _block_logits(hidden, block_rows, i * block, vocab, cap)
+  for i, (block_rows, ids) in enumerate(zip(row_blocks,
+                                            _block_ids(blocking))):
+    # (unrolled: see _backward_rule)
+    logits, ids, _ = _block_logits(hidden, block_rows, ids, cap)
     carry = _online_logsumexp(carry, _block_statistics(logits, ids, labels))
     if i + 1 < len(row_blocks):  # one block's logits alive at a time
       hidden, carry = jax.lax.optimization_barrier((hidden, carry))
@@ -311,17 +406,31 @@ def _forward_rule(hidden, kernel, labels, where, blocking, cap):
   return _forward(hidden, kernel, labels, where, blocking, cap)
 
 
+@jax.named_scope(SCOPE)
 def _backward_rule(blocking, cap, residuals, g):
   hidden, row_blocks, labels, where, lse = residuals
-  block, vocab, kernel_dtype = blocking
+  vocab, shards = blocking.vocab, blocking.shards
+  grad_dtype = blocking.grad_dtype or blocking.kernel_dtype
   # The barrier keeps XLA from merging the recomputed logits with the
   # forward pass's (which would keep every block alive until here).
   hidden, row_blocks = jax.lax.optimization_barrier((hidden, row_blocks))
   g = jnp.where(where, g, 0.0).astype(jnp.float32)
 
-  def step(d_hidden, i, block_rows):
-    logits, ids, capped = _block_logits(hidden, block_rows, i * block, vocab,
-                                        cap)
+  def hidden_part(d_logits, block_rows):
+    """The block's part of the hidden's gradient. With the vocabulary in
+    shards it is kept per shard, ``(shards, tokens, D)``: each device sums
+    its own blocks, and the shards are summed once, after the last block
+    (summed here, XLA would all-reduce every block's part)."""
+    if shards == 1:
+      return jnp.dot(d_logits, block_rows, preferred_element_type=jnp.float32)
+    tokens, width = d_logits.shape[0], block_rows.shape[1]
+    return jnp.einsum("tsn,snd->std",
+                      d_logits.reshape(tokens, shards, -1),
+                      block_rows.reshape(shards, -1, width),
+                      preferred_element_type=jnp.float32)
+
+  def step(d_hidden, ids, block_rows):
+    logits, ids, capped = _block_logits(hidden, block_rows, ids, cap)
     probs = jnp.exp(logits - lse[:, None])
     d_logits = (probs - (ids[None, :] == labels[:, None])) * g[:, None]
     if capped is not None:
@@ -329,25 +438,35 @@ def _backward_rule(blocking, cap, residuals, g):
     # Both gradient GEMMs over half operands, accumulated in fp32; the
     # hidden's gradient is summed over blocks in fp32.
     d_logits = d_logits.astype(hidden.dtype)
-    d_hidden = d_hidden + jnp.dot(d_logits, block_rows,
-                                  preferred_element_type=jnp.float32)
+    d_hidden = d_hidden + hidden_part(d_logits, block_rows)
     # The block's rows of the kernel gradient are complete after one GEMM
-    # (accumulated in fp32 inside it): written in the kernel's dtype, not
+    # (accumulated in fp32 inside it): written in the kernel's dtype (or the
+    # reduce dtype, which their sum across devices then runs in), not
     # written in fp32 and converted by another kernel.
     d_rows = jax.lax.dot_general(d_logits, hidden, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=kernel_dtype)
+                                 preferred_element_type=grad_dtype)
     return d_hidden, d_rows
 
   # Unrolled, not a loop: XLA's cost model counts a loop's body once, so a
   # loop would hide the blocks' bytes from compiled reports; and the rows of
   # the kernel gradient are simply concatenated.
-  d_hidden, d_rows = jnp.zeros(hidden.shape, jnp.float32), []
-  for i, block_rows in enumerate(row_blocks):
-    d_hidden, rows_i = step(d_hidden, i, block_rows)
+  d_hidden = jnp.zeros(hidden.shape if shards == 1 else
+                       (shards,) + hidden.shape, jnp.float32)
+  d_rows = []
+  for i, (block_rows, ids) in enumerate(zip(row_blocks,
+                                            _block_ids(blocking))):
+    d_hidden, rows_i = step(d_hidden, ids, block_rows)
     d_rows.append(rows_i)
     if i + 1 < len(row_blocks):  # the next block waits: one alive at a time
       hidden, d_hidden = jax.lax.optimization_barrier((hidden, d_hidden))
-  d_kernel = jnp.concatenate(d_rows)[:vocab].T
+  if shards == 1:
+    d_kernel = jnp.concatenate(d_rows)[:vocab].T
+  else:  # each block holds rows of every shard's part
+    width = hidden.shape[1]
+    d_kernel = jnp.concatenate([r.reshape(shards, -1, width) for r in d_rows],
+                               axis=1).reshape(vocab, width).T
+    d_hidden = d_hidden.sum(axis=0)
+  d_kernel = d_kernel.astype(blocking.kernel_dtype)
   return (d_hidden.astype(hidden.dtype), d_kernel,
           np.zeros(labels.shape, jax.dtypes.float0),
           np.zeros(where.shape, jax.dtypes.float0))
@@ -368,6 +487,7 @@ def _fused_linear_cross_entropy(hidden, kernel, labels, where, layout,
                         kernel_dtype)[0]
 
 
+@jax.named_scope(SCOPE)
 def _fused_forward(hidden, kernel, labels, where, layout, interpret,
                    kernel_dtype):
   del kernel_dtype  # the backward pass's: the kernel gradient's dtype
@@ -378,6 +498,7 @@ def _fused_forward(hidden, kernel, labels, where, layout, interpret,
   return losses, (hidden, rows, labels, where, lse)
 
 
+@jax.named_scope(SCOPE)
 def _fused_backward(layout, interpret, kernel_dtype, residuals, g):
   hidden, rows, labels, where, lse = residuals
   g = jnp.where(where, g, 0.0).astype(jnp.float32)

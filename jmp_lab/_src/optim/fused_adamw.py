@@ -13,7 +13,7 @@ import optax
 
 from jmp_lab import _checks
 from jmp_lab.kernels import pytrees
-from jmp_lab._src.optim import fused_flat, fused_tree
+from jmp_lab._src.optim import boxes, fused_flat, fused_tree
 from jmp_lab._src.optim.fused_spec import FusedSpec, ScalarOrSchedule
 from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.masters import Master
@@ -186,7 +186,7 @@ def _init(spec: FusedSpec, params: Any) -> FusedAdamWState:
                 last_step_applied=jnp.ones((), bool),
                 params_spec=ParamsSpec.of(params), policy=spec.policy)
   module = fused_tree if spec.layout == "tree" else fused_flat
-  return module.init(spec, params, common)
+  return module.init(spec, boxes.unboxed(params), common)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -205,6 +205,21 @@ class FusedUpdate(WritesParams):
                **extra_args):
     del extra_args  # AdamW takes none; accepted for optax API compatibility.
     _check_call(state, params)
+    # The kernels read the values; boxed grads get boxed updates back.
+    updates, new_state = self._updates(boxes.unboxed(grads), state,
+                                       boxes.unboxed(params), also_finite)
+    return boxes.boxed_like(grads, updates), new_state
+
+  def new_params(self, grads, state, params=None, *, also_finite=None):
+    """``(new params, new state)``: the params the kernel wrote, with no
+    ``updates`` tree and no ``optax.apply_updates`` pass (equal, bit for bit,
+    to ``apply_updates(params, update(...)[0])``)."""
+    _check_call(state, params)
+    new, new_state = self._new_params(boxes.unboxed(grads), state,
+                                      boxes.unboxed(params), also_finite)
+    return boxes.boxed_like(params, new), new_state
+
+  def _updates(self, grads, state, params, also_finite):
     if isinstance(state.layout, flat_layout.TreeLayout):
       out, new_state = fused_tree.step(self.spec, grads, state, params, True,
                                        also_finite)
@@ -217,11 +232,7 @@ class FusedUpdate(WritesParams):
         leaves_per_fusion=_LEAVES_PER_FUSION)
     return fused_flat.exact_updates(self.spec, new_values, params), new_state
 
-  def new_params(self, grads, state, params=None, *, also_finite=None):
-    """``(new params, new state)``: the params the kernel wrote, with no
-    ``updates`` tree and no ``optax.apply_updates`` pass (equal, bit for bit,
-    to ``apply_updates(params, update(...)[0])``)."""
-    _check_call(state, params)
+  def _new_params(self, grads, state, params, also_finite):
     half = self.spec.master.half_params
     if isinstance(state.layout, flat_layout.TreeLayout):
       # With fp32 params the kernel's master output *is* the new params.

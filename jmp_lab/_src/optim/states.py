@@ -27,6 +27,7 @@ import optax
 
 from jmp_lab.kernels import remainder
 from jmp_lab.kernels import pytrees
+from jmp_lab._src.optim import boxes
 from jmp_lab._src.policy import Policy
 
 
@@ -45,6 +46,9 @@ class ParamsSpec:
 
   @classmethod
   def of(cls, params: Any) -> "ParamsSpec":
+    """The spec of ``params``' values: partition boxes do not count, so a
+    state built boxed accepts the unboxed params (MaxText's flow)."""
+    params = boxes.unboxed(params)
     leaves = pytrees.leaves_with_paths(params)
     return cls(jax.tree_util.tree_structure(params),
                tuple(path for path, _ in leaves),

@@ -70,8 +70,12 @@ class PolicyModule:
     return self.apply(variables, *args, **kwargs)
 
   def _run(self, fn: Callable) -> Callable:
+    reduce_dtype = self.policy.reduce_dtype
+
     def intercepted(*args, **kwargs):
-      with nn.intercept_methods(_Interceptor(self)):
+      with nn.intercept_methods(_Interceptor(self)), (
+          scopes.reduce_scope(reduce_dtype) if reduce_dtype is not None
+          else contextlib.nullcontext()):
         return fn(*args, **kwargs)
 
     if is_tracing():

@@ -22,6 +22,7 @@ from jax._src import source_info_util as _source_info
 PREFIX = "jmp_lab:"
 _CAST = PREFIX + "cast"
 _ISLAND = PREFIX + "island:"
+_REDUCE = PREFIX + "reduce:"
 HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -116,7 +117,7 @@ def scope_names(name_stack: Any) -> tuple[str, ...]:
 
 def marker_region(name: str) -> Optional[Region]:
   """The region a scope name sets, or None for a scope that is not one."""
-  if not name.startswith(PREFIX) or name == _CAST:
+  if not name.startswith(PREFIX) or name == _CAST or name.startswith(_REDUCE):
     return None
   if name.startswith(_ISLAND):
     return Region.island(name[len(_ISLAND):])
@@ -159,3 +160,22 @@ def current_compute_dtype() -> Optional[np.dtype]:
   if region is None:
     return None
   return region.matmul if region.matmul is not None else np.dtype(jnp.float32)
+
+
+def reduce_scope(dtype: Any) -> contextlib.AbstractContextManager:
+  """Weight gradients computed inside are summed across devices in
+  ``dtype`` (a policy's reduce dtype): code that computes a weight's
+  gradient itself, :func:`jmp_lab.losses.linear_cross_entropy`'s kernel
+  gradient, asks :func:`current_reduce_dtype`. The train steps open it
+  around the loss, and the policy modules around the model, when the
+  policy has a reduce dtype."""
+  return jax.named_scope(_REDUCE + _checked_dtype(dtype, "reduce dtype").name)
+
+
+def current_reduce_dtype() -> Optional[np.dtype]:
+  """The innermost :func:`reduce_scope`'s dtype at the code being traced,
+  or None outside one."""
+  for name in reversed(current_path()):
+    if name.startswith(_REDUCE):
+      return np.dtype(name[len(_REDUCE):])
+  return None

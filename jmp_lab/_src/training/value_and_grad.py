@@ -3,6 +3,7 @@ rules a train step runs its loss under."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Sequence, Union
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lab.kernels import pytrees
-from jmp_lab._src.precision import interpreter
+from jmp_lab._src.precision import interpreter, scopes
 from jmp_lab._src.precision.interpreter import apply_rules
 from jmp_lab._src.precision.rules import make_rules
 from jmp_lab._src.precision.scopes import HALF_DTYPES
@@ -138,6 +139,8 @@ def under_loss_rules(fun: Callable[..., Any], policy: Union[Policy, str]
   merged around the trace, as NNX's own transforms do.
   """
   policy = get_policy(policy)
+  if policy.reduce_dtype is not None:
+    fun = _under_reduce_scope(fun, policy.reduce_dtype)
   if policy.compute_dtype not in HALF_DTYPES:
     return fun
   rules = make_rules(policy.compute_dtype, island=True)
@@ -148,3 +151,14 @@ def under_loss_rules(fun: Callable[..., Any], policy: Union[Policy, str]
     return apply_rules(fun, rules)(*args, **kwargs)
 
   return run
+
+
+def _under_reduce_scope(fun: Callable[..., Any], dtype) -> Callable[..., Any]:
+  """``fun`` traced inside :func:`~jmp_lab._src.precision.scopes.reduce_scope`:
+  a weight gradient the loss computes itself (``linear_cross_entropy``'s
+  kernel) is summed across devices in the reduce dtype."""
+  @functools.wraps(fun)
+  def scoped(*args, **kwargs):
+    with scopes.reduce_scope(dtype):
+      return fun(*args, **kwargs)
+  return scoped

@@ -1,0 +1,398 @@
+"""Models sharded as large-model trainers shard them: Flax's partition boxes,
+FSDP and tensor parallelism, on 8 CPU devices and compiled for 8 H100s.
+
+The test session runs on 2 CPU devices; the tests marked ``eight_devices``
+run in their own pytest process with 8 (``test_the_8_device_tests_pass``
+starts it), since jax fixes its device count when it starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jmp_lab
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EIGHT = jax.device_count() >= 8
+eight_devices = pytest.mark.skipif(
+    not EIGHT, reason="runs in the 8-device process of "
+                      "test_the_8_device_tests_pass")
+
+_init = nn.initializers.normal(0.02)
+_boxed = nn.with_logical_partitioning
+
+
+class Attention(nn.Module):
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    width = x.shape[-1]
+    dense = functools.partial(
+        nn.DenseGeneral, features=(self.heads, width // self.heads),
+        kernel_init=_boxed(_init, ("embed", "heads", "kv")),
+        bias_init=_boxed(nn.initializers.zeros, ("heads", "kv")))
+    q, k, v = dense(name="q")(x), dense(name="k")(x), dense(name="v")(x)
+    out = jmp_lab.attention.dot_product_attention(q, k, v, causal=True)
+    return nn.DenseGeneral(
+        width, axis=(-2, -1), name="o",
+        kernel_init=_boxed(_init, ("heads", "kv", "embed")),
+        bias_init=_boxed(nn.initializers.zeros, ("embed",)))(out)
+
+
+def _norm():
+  return nn.LayerNorm(scale_init=_boxed(nn.initializers.ones, ("embed",)),
+                      bias_init=_boxed(nn.initializers.zeros, ("embed",)))
+
+
+class Block(nn.Module):
+  """Partitioned kernels and biases, norms, and an ``nn.Einsum``."""
+
+  @nn.compact
+  def __call__(self, x):
+    width = x.shape[-1]
+    x = x + Attention()(_norm()(x))
+    h = nn.gelu(nn.Dense(4 * width,
+                         kernel_init=_boxed(_init, ("embed", "mlp")),
+                         bias_init=_boxed(nn.initializers.zeros, ("mlp",)))(
+                             _norm()(x)))
+    return x + nn.Einsum((4 * width, width), "btm,md->btd",
+                         kernel_init=_boxed(_init, ("mlp", "embed")),
+                         bias_init=_boxed(nn.initializers.zeros,
+                                          ("embed",)))(h)
+
+
+class GPT(nn.Module):
+  vocab: int = 64
+  width: int = 32
+  layers: int = 2
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.width,
+                 embedding_init=_boxed(_init, ("vocab", "embed")))(tokens)
+    for _ in range(self.layers):
+      x = Block()(x)
+    return nn.Dense(self.vocab, use_bias=False,
+                    kernel_init=_boxed(_init, ("embed", "vocab")))(_norm()(x))
+
+
+MESHES = {"data2-fsdp2-tensor2": {"data": 2, "fsdp": 2, "tensor": 2},
+          "fsdp4-tensor2": {"fsdp": 4, "tensor": 2}}
+
+
+def rules_for(axes) -> list:
+  tensor = "tensor" if "tensor" in axes else None
+  return [("batch", tuple(a for a in ("data", "fsdp") if a in axes)),
+          ("embed", "fsdp"), ("mlp", tensor), ("heads", tensor),
+          ("vocab", tensor), ("kv", None)]
+
+
+def loss_fn(params, state, batch):
+  logits = state.apply_fn({"params": params}, batch[:, :-1])
+  return jmp_lab.losses.softmax_cross_entropy_with_integer_labels(
+      logits, batch[:, 1:]).mean()
+
+
+def make_tx(optimizer: str, policy: str):
+  # SGD and a large AdamW eps: updates linear in the gradients, so two
+  # reduction orders differ by rounding (Adam's g / sqrt(v) would turn a
+  # gradient that is rounding noise into a whole step).
+  scale = jmp_lab.DynamicLossScale(2.0**10)
+  if optimizer == "mixed_precision":
+    return jmp_lab.mixed_precision(optax.sgd(0.5), policy=policy,
+                                   loss_scale=scale)
+  return jmp_lab.fused_adamw(1e-3, eps=1e-2, policy=policy, loss_scale=scale,
+                             backend="reference")
+
+
+def init_fn(model, tx, policy):
+  tokens = jnp.zeros((8, 16), jnp.int32)
+
+  def init(key):
+    return jmp_lab.TrainState.create(
+        apply_fn=model.apply, params=model.init(key, tokens)["params"], tx=tx,
+        policy=policy)
+  return init
+
+
+def batches(count: int, poison_step: int):
+  rng = np.random.default_rng(0)
+  for i in range(count):
+    yield rng.integers(0, 64, (8, 17)).astype(np.int32), i == poison_step
+
+
+def poisoned_loss_fn(params, state, batch):
+  """The loss with an inf in the last sequence's share (one device's shard
+  of the batch) when the batch's first token is -1."""
+  tokens = jnp.abs(batch)
+  logits = state.apply_fn({"params": params}, tokens[:, :-1])
+  losses = jmp_lab.losses.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]).mean(axis=-1)
+  # An inf factor, so that the gradients (not only the loss) are inf.
+  poison = (batch[0, 0] < 0) & (jnp.arange(8) == 7)
+  return (losses * jnp.where(poison, jnp.inf, 1.0)).mean()
+
+
+def run_sharded(mesh_name, optimizer, policy, *, keep_boxes=False, steps=4,
+                poison_step=2):
+  """``steps`` on the mesh (MaxText's flow: created boxed under jit with the
+  rules' layout, unboxed unless ``keep_boxes``) and on one device."""
+  axes = MESHES[mesh_name]
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(tuple(axes.values())),
+              tuple(axes))
+  model = jmp_lab.linen.with_policy(GPT(), policy)
+  init = init_fn(model, make_tx(optimizer, policy), policy)
+  abstract = jax.eval_shape(init, jax.random.key(0))
+  zero1 = "data" if "data" in axes else "fsdp"
+  layout = jmp_lab.sharding.state_shardings(abstract, mesh, zero1,
+                                            rules=rules_for(axes))
+  state = jax.jit(init, out_shardings=layout)(jax.random.key(0))
+  single = nn.unbox(init(jax.random.key(0)))
+  if not keep_boxes:
+    state = nn.unbox(state)
+  batch_axes = rules_for(axes)[0][1]
+  step = jmp_lab.make_train_step(
+      poisoned_loss_fn, state_sharding=layout,
+      batch_sharding=NamedSharding(mesh, P(batch_axes)))
+  single_step = jmp_lab.make_train_step(poisoned_loss_fn, donate=False)
+  for batch, poison in batches(steps, poison_step):
+    if poison:
+      batch = batch.copy()
+      batch[0, 0] = -1 - batch[0, 0]
+    state, _ = step(state, batch)
+    single, _ = single_step(single, batch)
+  return nn.unbox(state), single, layout
+
+
+def _as_f32(tree):
+  return jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), tree)
+
+
+def _shards(array) -> int:
+  return len({tuple((s.start, s.stop) for s in index)
+              for index in array.sharding.devices_indices_map(
+                  array.shape).values()})
+
+
+CASES = ([(m, o, p, False) for m in ["fsdp4-tensor2"]
+          for o in ["mixed_precision", "fused_adamw"]
+          for p in ["mixed_bfloat16", "p=bf16,c=bf16,o=f32",
+                    "p=bf16,c=bf16,o=f32,reduce=float32", "mixed_float16"]]
+         + [("data2-fsdp2-tensor2", o, p, False)
+            for o in ["mixed_precision", "fused_adamw"]
+            for p in ["p=bf16,c=bf16,o=f32,reduce=float32", "mixed_float16"]]
+         + [("data2-fsdp2-tensor2", o, "p=bf16,c=bf16,o=f32", True)
+            for o in ["mixed_precision", "fused_adamw"]])
+
+
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("mesh_name,optimizer,policy,keep_boxes", CASES)
+def test_a_sharded_run_matches_one_device_and_skips_globally(
+    mesh_name, optimizer, policy, keep_boxes):
+  """Four steps under Flax's logical partitioning, one with an inf in one
+  device's shard of the batch: both runs skip that step, the params match
+  one device's to the rounding of the reduction order, and every array of
+  the optimizer state shaped like a param is split at least as finely."""
+  state, single, _ = run_sharded(mesh_name, optimizer, policy,
+                                 keep_boxes=keep_boxes)
+  assert int(state.skipped_steps) == 1 == int(single.skipped_steps)
+  # Half compute: the gradients' partial sums round differently in each
+  # order; bf16 params then land a few bf16 ulps apart (2**-8 relative).
+  half_params = jmp_lab.get_policy(policy).param_dtype != jnp.float32
+  tolerance = (dict(rtol=2e-2, atol=2e-3) if half_params else
+               dict(rtol=0, atol=2e-3))
+  chex.assert_trees_all_close(_as_f32(state.params), _as_f32(single.params),
+                              **tolerance)
+  params = jax.tree_util.tree_leaves(state.params)
+  assert max(_shards(p) for p in params) >= 4  # FSDP: params are split
+  trees = [jmp_lab.master_params(state.opt_state)]
+  if optimizer == "fused_adamw":
+    trees += [state.opt_state.mu, state.opt_state.nu]
+  for tree in trees:
+    for leaf, param in zip(jax.tree_util.tree_leaves(tree), params):
+      assert leaf.shape == param.shape
+      assert _shards(leaf) >= _shards(param), (leaf.sharding, param.sharding)
+
+
+@pytest.mark.eight_devices
+@eight_devices
+def test_the_state_layout_follows_the_params_and_adds_zero1_over_data():
+  _, _, layout = run_sharded("data2-fsdp2-tensor2", "fused_adamw",
+                             "p=bf16,c=bf16,o=f32", steps=1, poison_step=-1)
+  kernel = layout.params["Block_0"]["Dense_0"]["kernel"].spec
+  assert kernel == P("fsdp", "tensor")
+  mu = layout.opt_state.mu["Block_0"]["Dense_0"]["kernel"].spec
+  assert mu == P(("fsdp", "data"), "tensor")  # ZeRO-1 on top of FSDP
+  assert layout.opt_state.count.spec == P()
+
+
+@pytest.mark.eight_devices
+@eight_devices
+def test_the_maxtext_style_example_trains_on_8_devices(tmp_path):
+  sys.path.insert(0, str(ROOT / "examples"))
+  import fsdp_llama  # pylint: disable=import-outside-toplevel
+  out = fsdp_llama.main(["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "8",
+                         "--optimizer", "fused_adamw"])
+  assert out["losses"][-1] < out["losses"][0] - 0.5
+
+
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("master", ["none", "remainder"])
+def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
+    backend, master):
+  """The fused tree update with the state sharded (fsdp x tensor) equals,
+  bit for bit, the update of whole leaves on one device: stochastic
+  rounding draws each element's bits from its index in the whole leaf, so
+  no leaf is gathered."""
+  rounding = "stochastic" if master == "none" else "nearest"
+  tx = jmp_lab.fused_adamw(1e-2, policy="p=bf16,c=bf16,o=f32", master=master,
+                           rounding=rounding, mu_dtype=jnp.bfloat16,
+                           nu_dtype=jnp.bfloat16, backend=backend,
+                           loss_scale=jmp_lab.NoOpLossScale())
+  rng = np.random.default_rng(0)
+  shapes = {"w": (64, 48), "b": (48,), "w3": (8, 4, 6), "odd": (5, 3)}
+  params = {k: jnp.asarray(rng.normal(size=v), jnp.bfloat16)
+            for k, v in shapes.items()}
+  grads = {k: jnp.asarray(rng.normal(size=v) * 1e-3, jnp.bfloat16)
+           for k, v in shapes.items()}
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+  specs = {"w": P("fsdp", "tensor"), "b": P("fsdp"), "w3": P(None, "fsdp"),
+           "odd": P()}
+  state = tx.init(params)
+  expected = tx.update(grads, state, params)
+
+  def put(tree):
+    return {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in tree.items()}
+  state_layout = jax.tree_util.tree_map(
+      lambda x: NamedSharding(mesh, P()), state)
+  state_layout = state_layout._replace(
+      mu=put(state.mu) and {k: NamedSharding(mesh, specs[k]) for k in specs},
+      nu={k: NamedSharding(mesh, specs[k]) for k in specs},
+      master_remainder=(None if state.master_remainder is None else
+                        {k: NamedSharding(mesh, specs[k]) for k in specs}))
+  sharded_state = jax.device_put(state, state_layout)
+  update = jax.jit(tx.update, out_shardings=(
+      {k: NamedSharding(mesh, specs[k]) for k in specs}, state_layout))
+  got = update(put(grads), sharded_state, put(params))
+  tree_equal = lambda a, b: jax.tree_util.tree_all(jax.tree_util.tree_map(  # noqa: E731
+      lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+  assert tree_equal(got[0], expected[0])
+  assert tree_equal(got[1].mu, expected[1].mu)
+  assert got[1].mu["w"].sharding.spec == P("fsdp", "tensor")
+  for leaf in jax.tree_util.tree_leaves(got[1].mu):
+    assert leaf.sharding.spec in set(specs.values())
+
+
+# --- in the 2-device session ------------------------------------------------
+
+
+@pytest.mark.skipif(EIGHT, reason="this is the 8-device process")
+def test_the_8_device_tests_pass():
+  """Runs this file's ``eight_devices`` tests on 8 CPU devices."""
+  env = dict(os.environ, JMP_LAB_TEST_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       "-m", "eight_devices", str(pathlib.Path(__file__))],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+  tail = (result.stdout + result.stderr)[-6000:]
+  assert result.returncode == 0, tail
+  assert re.search(r"\d+ passed", result.stdout), tail
+  assert "skipped" not in result.stdout.splitlines()[-1], tail
+
+
+def test_state_shardings_refuses_bad_arguments():
+  state = jax.eval_shape(init_fn(jmp_lab.linen.with_policy(
+      GPT(), "mixed_bfloat16"), make_tx("mixed_precision", "mixed_bfloat16"),
+      "mixed_bfloat16"), jax.random.key(0))
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  with pytest.raises(ValueError, match="no rules map their logical axes"):
+    jmp_lab.sharding.state_shardings(state, mesh)
+  with pytest.raises(ValueError, match="params_shardings must have"):
+    jmp_lab.sharding.state_shardings(state, mesh, params_shardings={})
+  with pytest.raises(TypeError, match="NamedShardings or PartitionSpecs"):
+    jmp_lab.sharding.state_shardings(
+        state, mesh, params_shardings=jax.tree_util.tree_map(
+            lambda _: "fsdp", nn.unbox(state.params)))
+
+
+# --- compiled for 8 H100s (no GPU needed) -----------------------------------
+# The 7B-class Llama of benchmarks/llama7b.py with one layer (its layers are
+# a scan: the collectives per layer are the same), on fsdp=4 x tensor=2, one
+# sequence of 4096 per device.
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_llama(config_name: str):
+  sys.path.insert(0, str(ROOT))
+  from benchmarks import llama7b  # pylint: disable=import-outside-toplevel
+  config = next(c for c in llama7b.CONFIGS if c.name == config_name)
+  model = dataclasses.replace(llama7b.fsdp_llama.LLAMA_7B, layers=1)
+  return llama7b, llama7b.compile_step(config, {"fsdp": 4, "tensor": 2},
+                                       model=model)
+
+
+def _collectives(report, kind):
+  return [c for c in report.collectives if c.kind == kind]
+
+
+@pytest.mark.parametrize("config_name", ["bf16-params", "remainder-m16v16",
+                                         "none-sr-m16v16"])
+def test_compiled_for_8_h100s_the_update_gathers_nothing(config_name):
+  """With bf16 params the fp32 master and moments (or the bf16 moments and
+  stochastic rounding) never move: the update reads its device's shards,
+  and no all-gather carries fp32 bytes beyond a scalar's."""
+  _, step = _compiled_llama(config_name)
+  in_update = [c for c in step.report.collectives
+               if "jmp_lab_update" in c.op_name.split("/")]
+  assert all(c.kind == "all-reduce" and c.bytes <= 64 for c in in_update), (
+      in_update)
+  f32_gathered = sum(c.bytes * c.times for c in
+                     _collectives(step.report, "all-gather")
+                     if "f32" in c.dtypes)
+  assert f32_gathered < 2**20, f32_gathered
+  assert sum(c.bytes for c in _collectives(step.report, "all-gather")) > 2**27
+
+
+def test_compiled_for_8_h100s_reduce_float32_reduces_every_gradient_in_f32():
+  """``reduce=float32``: the gradients' reduce-scatters over fsdp are f32,
+  the head's (which the loss computes itself) included; without it they
+  are bf16."""
+  _, plain = _compiled_llama("bf16-params")
+  _, reduced = _compiled_llama("bf16-params+reduce-f32")
+  assert any("bf16" in c.dtypes
+             for c in _collectives(plain.report, "reduce-scatter"))
+  scatters = _collectives(reduced.report, "reduce-scatter")
+  assert scatters and all(c.dtypes == ("f32",) for c in scatters), scatters
+  head = reduced.state.params["head"]
+  head_shard_bytes = head.size // 8 * 4
+  assert any(c.bytes >= head_shard_bytes for c in scatters)
+
+
+def test_compiled_for_8_h100s_the_loss_sums_the_hidden_gradient_once():
+  """Under tensor parallelism the loss all-reduces the hidden state's fp32
+  gradient once a step, not once per vocabulary block (the vocabulary
+  shard of 16,000 is two blocks here, the whole vocabulary four)."""
+  llama7b, step = _compiled_llama("bf16-params")
+  tokens_per_group = 2 * step.model.seq_len   # 8 sequences over fsdp=4
+  once = tokens_per_group * step.model.width * 4
+  assert llama7b.loss_all_reduce_bytes(step.report) == once
