@@ -23,7 +23,8 @@ The public API lives here; each concept has its own module:
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
 * :mod:`jmp_lab.nnx` -- policies applied to Flax NNX module graphs, and the
   NNX optimizer and train step;
-* :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step;
+* :mod:`jmp_lab.training` -- scaled value-and-grad (its gradients marked
+  ``ScaledGradients`` for the optimizers), TrainState, the step;
 * :mod:`jmp_lab.diagnostics` -- gradient histograms, step audits, memory
   reports and a host-side training recorder;
 * :mod:`jmp_lab.jmp` -- jmp's API on jmp_lab's classes, for migrating:
@@ -64,6 +65,7 @@ from jmp_lab.state import (
     skipped_steps,
 )
 from jmp_lab.training import (
+    ScaledGradients,
     TrainState,
     make_train_step,
     scaled_value_and_grad,
@@ -80,6 +82,7 @@ __all__ = [
     "NoOpLossScale",
     "PRESETS",
     "Policy",
+    "ScaledGradients",
     "StaticLossScale",
     "TrainState",
     "all_finite",

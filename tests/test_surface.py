@@ -181,6 +181,7 @@ LAYERS = [
               r"jmp_lab\._src\.policy", r"jmp_lab\._src\.matmuls",
               r"jmp_lab\._src\.sharding", r"jmp_lab\._checks",
               r"jmp_lab\._gemm", r"jmp_lab\._src\.cuda_plugin",
+              r"jmp_lab\._src\.user_warnings",
               r"jmp_lab\._src"]),
     ("numerics", [r"jmp_lab\._src\.numerics(\..*)?"]),
     ("optimizers", [r"jmp_lab\._src\.optim(\..*)?", r"jmp_lab\._src\.loss_scale",

@@ -18,7 +18,7 @@ import optax
 from jmp_lab import _checks
 from jmp_lab._src.numerics import fp8_state as fp8
 from jmp_lab._src.optim import fused_flat as fused
-from jmp_lab._src.optim import updates
+from jmp_lab._src.optim import scaled, updates
 from jmp_lab._src.precision_warnings import recording, warn_unless_half
 from jmp_lab._src.training import step as step_core
 from jmp_lab._src.training.value_and_grad import scaled_value_and_grad
@@ -182,7 +182,10 @@ class TrainState(flax.struct.PyTreeNode):
 
   def apply_gradients(self, *, grads: Any, model_state: Optional[Any] = None,
                       also_finite: Any = None, **extra_args) -> "TrainState":
-    """Applies the gradients of the *scaled* loss.
+    """Applies ``grads``, as Flax's ``TrainState.apply_gradients`` does:
+    those of the *scaled* loss marked as :class:`~jmp_lab.ScaledGradients`
+    (from :func:`~jmp_lab.scaled_value_and_grad`), or plain gradients of
+    the unscaled loss (see :mod:`jmp_lab.training`).
 
     On a non-finite step (or one where a flag of ``also_finite`` is False)
     only the loss scale and the skip counter change: ``params``, ``step`` and
@@ -336,7 +339,7 @@ def _gradient_metrics(state: TrainState, loss_scale: LossScale,
   gets, so inf or nan on a step it skips."""
   if not (grad_norm or grads):
     return {}
-  unscaled = loss_scale.unscale(scaled_grads)
+  unscaled = loss_scale.unscale(scaled.unmarked(scaled_grads))
   found = {}
   if grad_norm:
     found["grad_norm"] = optax.tree.norm(unscaled)
@@ -404,6 +407,8 @@ def train_step(state: TrainState, batch: Any, *, loss_fn: LossFn,
         scaled_value_and_grad(normalized, loss_scale, has_aux=True,
                               argnums=(0, 1), policy=state.policy)(
                                   state.params, fp8_meta, state, batch))
+  # The fp8 amaxes are observations, not gradients for the optimizer.
+  fp8_observed = scaled.unmarked(fp8_observed)
   # A policy that computes in half while every matmul runs in fp32 is a
   # silent mistake (a model not wrapped, a layer dtype kept): say so once,
   # at trace time.

@@ -18,7 +18,7 @@ from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.states import (FusedAdamWState, State, find_state,
                                       last_step_applied)
 from jmp_lab._src.loss_scale import select_tree
-from jmp_lab._src.precision_warnings import _user_stacklevel
+from jmp_lab._src.user_warnings import user_stacklevel
 
 #: The name scope of the optimizer update inside a train step: compiled
 #: reports (``CompiledReport.scope``) find its kernels and bytes by it.
@@ -79,7 +79,7 @@ def warn_if_accumulated_outside(opt_state: Any, where: str) -> None:
       f"loss scale backs off k times more slowly and one overflowing "
       f"micro-batch drops the whole window. Put the accumulation inside: "
       f"{fix}; each micro-batch is then unscaled with its own scale and "
-      f"summed in fp32", UserWarning, stacklevel=_user_stacklevel())
+      f"summed in fp32", UserWarning, stacklevel=user_stacklevel())
 
 
 def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,

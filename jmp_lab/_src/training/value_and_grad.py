@@ -17,6 +17,7 @@ from jmp_lab._src.precision.rules import make_rules
 from jmp_lab._src.precision.scopes import HALF_DTYPES
 from jmp_lab._src.precision_warnings import warn_if_half_loss
 from jmp_lab._src.loss_scale import LossScale, check_loss_scale
+from jmp_lab._src.optim import scaled
 from jmp_lab._src.policy import Policy, get_policy
 
 
@@ -53,8 +54,12 @@ def scaled_value_and_grad(
     A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
     ``has_aux``): ``loss`` is the *unscaled* fp32 loss and ``grads`` are the
     gradients of the scaled loss, in the dtypes of the differentiated
-    arguments. Hand them to a :func:`~jmp_lab.mixed_precision` optimizer,
-    which unscales them.
+    arguments, marked as :class:`~jmp_lab.ScaledGradients` (a tuple of
+    them where ``argnums`` is a sequence). Hand them as they are to a
+    :func:`~jmp_lab.mixed_precision` or :func:`~jmp_lab.fused_adamw`
+    optimizer (``tx.update``, Flax's ``apply_gradients``,
+    ``nnx.Optimizer.update``), which divides them by the loss scale;
+    ``grads.grads`` is the plain (scaled) tree.
 
   Example::
 
@@ -63,7 +68,7 @@ def scaled_value_and_grad(
     >>> scale = jmp_lab.StaticLossScale(1024.0)
     >>> loss, grads = jmp_lab.scaled_value_and_grad(loss_fn, scale)(
     ...     jnp.ones(2, jnp.float16), jnp.full(2, 3.0, jnp.float16))
-    >>> float(loss), grads.dtype, float(grads[0])
+    >>> float(loss), grads.grads.dtype, float(grads.grads[0])
     (6.0, dtype('float16'), 3072.0)
   """
   check_loss_scale(loss_scale)
@@ -91,7 +96,10 @@ def scaled_value_and_grad(
 
   def value_and_scaled_grad(*args, **kwargs):
     (_, (loss, aux)), grads = differentiate(scaled_fun)(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
+    # Marked, so that a jmp_lab optimizer divides them by the loss scale
+    # (it takes plain gradients as the unscaled loss's).
+    return ((loss, aux) if has_aux else loss), scaled.mark(
+        grads, per_argument=isinstance(argnums, (tuple, list)))
 
   return value_and_scaled_grad
 
