@@ -35,15 +35,17 @@ class ScaledValueAndGradTest(chex.TestCase):
     chex.assert_trees_all_close(loss, 10.0)
     chex.assert_type(loss, jnp.float32)
     assert int(aux["n"]) == 2
-    chex.assert_trees_all_close(grads, 2.0**10 * jax.grad(
+    assert isinstance(grads, jmp_lab.ScaledGradients)  # marked for tx.update
+    chex.assert_trees_all_close(grads.grads, 2.0**10 * jax.grad(
         lambda w: loss_fn(w, x)[0])(w))
 
   def test_grads_come_back_in_param_dtype(self):
     w = jnp.ones(3, jnp.bfloat16)
     loss, grads = jmp_lab.scaled_value_and_grad(
         lambda w: jnp.sum(w.astype(jnp.float32)), jmp_lab.StaticLossScale(4.0))(w)
-    chex.assert_type(grads, jnp.bfloat16)
-    chex.assert_trees_all_close(grads.astype(jnp.float32), jnp.full(3, 4.0))
+    chex.assert_type(grads.grads, jnp.bfloat16)
+    chex.assert_trees_all_close(grads.grads.astype(jnp.float32),
+                                jnp.full(3, 4.0))
 
   def test_non_scalar_loss_raises(self):
     with pytest.raises(TypeError, match="floating scalar"):
@@ -414,9 +416,9 @@ class OtherTransformationsTest(chex.TestCase):
     want_loss, want = eqx.filter_value_and_grad(loss_fn)(model, x[:128], y[:128])
     assert float(loss) == float(want_loss) and aux["n"] == 128
     # The gradients of the scaled loss: a power of two, so exact in fp32.
-    chex.assert_trees_all_equal(grads, jax.tree_util.tree_map(
+    chex.assert_trees_all_equal(grads.grads, jax.tree_util.tree_map(
         lambda g: g * 2.0**10, want))
-    unscaled = jax.tree_util.tree_map(lambda g: g / 2.0**10, grads)
+    unscaled = jax.tree_util.tree_map(lambda g: g / 2.0**10, grads.grads)
     chex.assert_trees_all_equal(unscaled, want)
 
   def test_nnx_value_and_grad_in_a_users_loop(self):
@@ -434,7 +436,7 @@ class OtherTransformationsTest(chex.TestCase):
     want_loss, want = nnx.value_and_grad(loss_fn)(model)
     assert float(loss) == float(want_loss)
     chex.assert_trees_all_equal(
-        nnx.to_pure_dict(grads),
+        nnx.to_pure_dict(grads.grads),
         jax.tree_util.tree_map(lambda g: g * 2.0**12, nnx.to_pure_dict(want)))
 
 

@@ -181,6 +181,9 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
 
 
 def _init(spec: FusedSpec, params: Any) -> FusedAdamWState:
+  # Flax's nnx.Optimizer inits with the model's Variables, updates with
+  # their values.
+  params = boxes.variable_values(params)
   _checks.check_params(params, spec.policy)
   common = dict(count=jnp.zeros((), jnp.int32),
                 loss_scale=fresh_copy(spec.loss_scale),
@@ -207,7 +210,7 @@ class FusedUpdate(WritesParams):
                **extra_args):
     del extra_args  # AdamW takes none; accepted for optax API compatibility.
     _check_call(state, params)
-    grads, carried_scale = self._received(grads, state)
+    grads, carried_scale = self._received(grads, state, params)
     # The kernels read the values; boxed grads get boxed updates back.
     updates, new_state = self._updates(boxes.unboxed(grads), state,
                                        boxes.unboxed(params), also_finite,
@@ -219,16 +222,16 @@ class FusedUpdate(WritesParams):
     ``updates`` tree and no ``optax.apply_updates`` pass (equal, bit for bit,
     to ``apply_updates(params, update(...)[0])``)."""
     _check_call(state, params)
-    grads, carried_scale = self._received(grads, state)
+    grads, carried_scale = self._received(grads, state, params)
     new, new_state = self._new_params(boxes.unboxed(grads), state,
                                       boxes.unboxed(params), also_finite,
                                       carried_scale)
     return boxes.boxed_like(params, new), new_state
 
-  def _received(self, grads, state):
+  def _received(self, grads, state, params):
     """Marked gradients (of the scaled loss) are divided by the loss
     scale; plain ones are the unscaled loss's (see ``scaled.received``)."""
-    return scaled.received(self, grads, state.loss_scale,
+    return scaled.received(self, grads, params, state.loss_scale,
                            self.spec.loss_scale,
                            "jmp_lab.fused_adamw's update")
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lab import _checks
-from jmp_lab._src.optim import gate, masters, scaled
+from jmp_lab._src.optim import boxes, gate, masters, scaled
 from jmp_lab._src.optim.states import MixedPrecisionState, ParamsSpec
 from jmp_lab._src.optim.updates import Update
 from jmp_lab._src.loss_scale import (LossScale, check_loss_scale,
@@ -107,6 +107,9 @@ class MixedPrecisionUpdate(Update):
   axis_name: Optional[Union[str, Sequence[str]]]
 
   def init(self, params) -> MixedPrecisionState:
+    # Flax's nnx.Optimizer inits with the model's Variables, updates with
+    # their values.
+    params = boxes.variable_values(params)
     _checks.check_params(params, self.policy)
     # The inner transformation sees the fp32 master's trainable leaves.
     master = masters.as_f32(params) if self.master.half_params else params
@@ -124,7 +127,7 @@ class MixedPrecisionUpdate(Update):
     # Marked gradients (of the scaled loss) are divided by the loss scale;
     # plain ones are the unscaled loss's (see scaled.received).
     grads, carried_scale = scaled.received(
-        self, grads, state.loss_scale, self.loss_scale,
+        self, grads, params, state.loss_scale, self.loss_scale,
         "jmp_lab.mixed_precision's update")
     state.params_spec.check(params)
     _checks.check_params(params, self.policy)

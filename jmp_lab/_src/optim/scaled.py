@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -104,7 +105,7 @@ def mark(grads: Any, per_argument: bool = False) -> Any:
   return ScaledGradients(grads)
 
 
-def received(update: Any, grads: Any, loss_scale: LossScale,
+def received(update: Any, grads: Any, params: Any, loss_scale: LossScale,
              configured: LossScale, where: str) -> tuple[Any, LossScale]:
   """``(gradient tree, the loss scale to divide it by)``: the state's
   ``loss_scale`` for marked gradients; for plain ones ``NoOpLossScale()``
@@ -113,11 +114,29 @@ def received(update: Any, grads: Any, loss_scale: LossScale,
   state's is traced under ``jit``) asks for scaling."""
   if isinstance(grads, ScaledGradients):
     return grads.grads, loss_scale
+  if _marked_through_nnx_state(grads, params):
+    return grads["grads"], loss_scale
   if _asks_for_scaling(configured) and update not in _WARNED:
     _WARNED.add(update)
     warnings.warn(_unmarked_message(where, configured), PrecisionWarning,
                   stacklevel=user_stacklevel())
   return grads, NoOpLossScale()
+
+
+def _marked_through_nnx_state(grads: Any, params: Any) -> bool:
+  """Whether ``grads`` are marked gradients read through ``nnx.state``.
+
+  Flax's ``nnx.Optimizer.update`` hands its transformation
+  ``nnx.state(grads, wrt)``, which turns the :class:`ScaledGradients` node
+  into a ``"grads"`` key: a mapping with that one key, holding a tree like
+  ``params`` (whose own top level is not that key), is the mark.
+  """
+  if not (isinstance(grads, Mapping) and list(grads.keys()) == ["grads"]):
+    return False
+  if isinstance(params, Mapping) and list(params.keys()) == ["grads"]:
+    return False
+  return (jax.tree_util.tree_structure(grads["grads"])
+          == jax.tree_util.tree_structure(params))
 
 
 # The updates that have warned (by identity; an update is an optimizer).
