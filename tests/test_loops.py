@@ -481,3 +481,36 @@ def test_jmp_lab_train_state_runs_code_written_for_flax():
         full_batch()[1]))
   assert losses[jmp_lab.TrainState] == pytest.approx(
       losses[train_state.TrainState], rel=1e-5)
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda: jmp_lab.fused_adamw(1e-2, policy=POLICY, backend="reference"),
+    lambda: jmp_lab.mixed_precision(optax.adam(1e-2), policy=POLICY),
+], ids=["fused_adamw", "mixed_precision"])
+def test_flax_nnx_optimizer_takes_the_state_its_own_init_built(make_tx):
+  """Flax's nnx.Optimizer inits the transformation with the model's
+  Variables and updates it with their values; it used to be refused ("the
+  optimizer state does not match the params")."""
+  model = nnx_model()
+  optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+  x, y = full_batch()
+  before = float(nnx_loss_fn(model, x, y))
+  for _ in range(3):
+    loss_scale = jmp_lab.current_loss_scale(nnx.as_pure(optimizer.opt_state))
+    _, grads = jmp_lab.scaled_value_and_grad(
+        nnx_loss_fn, loss_scale, value_and_grad=nnx.value_and_grad)(model, x, y)
+    optimizer.update(model, grads)
+  assert float(nnx_loss_fn(model, x, y)) < before
+
+
+def test_multisteps_around_the_optimizer_refuses_marked_gradients_in_a_step():
+  """The marked gradients cannot pass MultiSteps' accumulator: the train
+  steps say so and name the fix (plain gradients still go through)."""
+  model = nnx_model()
+  with pytest.warns(UserWarning, match="optax.MultiSteps wraps"):
+    optimizer = jmp_lab.nnx.Optimizer(model, optax.MultiSteps(
+        sgd(), every_k_schedule=2), wrt=nnx.Param)
+  step = jmp_lab.nnx.make_train_step(lambda m, b: nnx_loss_fn(m, *b))
+  with pytest.raises(TypeError, match=r"Put the accumulation inside: "
+                     r"jmp_lab.mixed_precision\(optax.MultiSteps"):
+    step(model, optimizer, full_batch())

@@ -375,6 +375,16 @@ class MistakesWarnTest(chex.TestCase):
       _digits_state(spec, tx=outside)
     assert fix in str(record[0].message)
     assert record[0].filename == __file__
+    # The step refuses it, naming the fix (jax would name a pytree mismatch:
+    # the marked gradients do not fit MultiSteps' accumulator).
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      state = _digits_state(spec, tx=outside)
+    x, y = digits()
+    with pytest.raises(TypeError, match=r"optax.MultiSteps wraps the jmp_lab "
+                       r"optimizer.*Put the accumulation inside") as refused:
+      jmp_lab.make_train_step(digits_loss)(state, {"x": x[:8], "y": y[:8]})
+    assert fix in str(refused.value)
     inside = jmp_lab.mixed_precision(
         optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4), policy=spec)
     with warnings.catch_warnings():
