@@ -31,8 +31,10 @@ def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
       master_params=tree_of(master.copy_of) if master.fp32_copy else None,
       master_remainder=(tree_of(master.remainder_of)
                         if master.mode == "remainder" else None),
-      mu=tree_of(lambda x: jnp.zeros(x.shape, spec.mu_dtype)),
-      nu=tree_of(lambda x: jnp.zeros(x.shape, spec.nu_dtype)),
+      # zeros_like: a sharded param (NNX's eager sharding) gives moments
+      # sharded as it is, not replicated.
+      mu=tree_of(lambda x: jnp.zeros_like(x, spec.mu_dtype)),
+      nu=tree_of(lambda x: jnp.zeros_like(x, spec.nu_dtype)),
       layout=tree_layout, rounding_key=master.rounding_key(), **common)
 
 

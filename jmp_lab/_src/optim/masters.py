@@ -117,7 +117,7 @@ class Master:
     exactly (None outside mode ``"remainder"``)."""
     if self.mode != "remainder":
       return None
-    return jnp.zeros(jnp.shape(x), jnp.uint16)
+    return jnp.zeros_like(x, jnp.uint16)  # sharded as the param is
 
   def rounding_key(self) -> Optional[jax.Array]:
     """The stochastic-rounding key's raw data (uint32, which every
