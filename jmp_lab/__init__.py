@@ -23,13 +23,19 @@ The public API lives here; each concept has its own module:
 * :mod:`jmp_lab.linen` -- policies applied to Flax linen modules;
 * :mod:`jmp_lab.nnx` -- policies applied to Flax NNX module graphs, and the
   NNX optimizer and train step;
-* :mod:`jmp_lab.training` -- scaled value-and-grad, TrainState, the step;
+* :mod:`jmp_lab.training` -- scaled value-and-grad (its gradients marked
+  ``ScaledGradients`` for the optimizers), TrainState, the step;
 * :mod:`jmp_lab.diagnostics` -- gradient histograms, step audits, memory
   reports and a host-side training recorder;
 * :mod:`jmp_lab.jmp` -- jmp's API on jmp_lab's classes, for migrating:
   ``from jmp_lab import jmp``.
 """
 
+# First, before anything could start jax's backend: on a machine without an
+# NVIDIA GPU, jax's CUDA plugin (the gpu-compile extra) would print a
+# configuration error at every start and not register for compiles for an
+# H100. Importing _src/cuda_plugin.py turns its version check off there.
+from jmp_lab._src import cuda_plugin as _cuda_plugin  # noqa: F401
 from jmp_lab import (attention, diagnostics, fp8, kernels, linen, losses, nnx,
                      precision, sharding)
 from jmp_lab.autocast import autocast
@@ -59,6 +65,7 @@ from jmp_lab.state import (
     skipped_steps,
 )
 from jmp_lab.training import (
+    ScaledGradients,
     TrainState,
     make_train_step,
     scaled_value_and_grad,
@@ -75,6 +82,7 @@ __all__ = [
     "NoOpLossScale",
     "PRESETS",
     "Policy",
+    "ScaledGradients",
     "StaticLossScale",
     "TrainState",
     "all_finite",

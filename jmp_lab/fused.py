@@ -43,7 +43,8 @@ Example::
   ...                          loss_scale=jmp_lab.DynamicLossScale())
   >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
   >>> state = tx.init(params)
-  >>> scaled_grads = {"w": jnp.full((4, 4), 2.0**15, jnp.bfloat16)}
+  >>> scaled_grads = jmp_lab.ScaledGradients(
+  ...     {"w": jnp.full((4, 4), 2.0**15, jnp.bfloat16)})
   >>> updates, state = tx.update(scaled_grads, state, params)
   >>> params = optax.apply_updates(params, updates)
   >>> master = jmp_lab.master_params(state)["w"]

@@ -12,8 +12,14 @@ transformation into a mixed-precision one. The wrapper's state holds:
 
 One ``update`` does, on device and without a host sync:
 
-1. unscale the (scaled, param-dtype) gradients to fp32 and check, once and
-   globally, that they are finite;
+1. unscale the param-dtype gradients to fp32 and check, once and globally,
+   that they are finite: gradients of the scaled loss, marked as
+   :class:`~jmp_lab.ScaledGradients` (from
+   :func:`~jmp_lab.scaled_value_and_grad`), are divided by the loss scale;
+   plain gradients are the unscaled loss's and divided by 1 (with a
+   :class:`~jmp_lab.precision.PrecisionWarning` once where the loss scale is
+   not ``NoOpLossScale``: the loss was not scaled, so fp16 gradients may
+   underflow);
 2. run ``inner.update`` on the fp32 master;
 3. if anything was non-finite, keep the master and the inner state exactly as
    they were (so ``count`` and LR schedules do not advance), count the skip
@@ -40,12 +46,14 @@ Example::
   ...     policy="p=bf16,c=bf16,o=f32", loss_scale=jmp_lab.DynamicLossScale())
   >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
   >>> state = tx.init(params)
-  >>> grads = {"w": jnp.full(3, 2.0**15, jnp.bfloat16)}  # scaled gradients
+  >>> grads = jmp_lab.ScaledGradients(  # gradients of the scaled loss
+  ...     {"w": jnp.full(3, 2.0**15, jnp.bfloat16)})
   >>> updates, state = tx.update(grads, state, params)
   >>> params = optax.apply_updates(params, updates)
   >>> bool(jnp.all(params["w"] == jmp_lab.master_params(state)["w"].astype(jnp.bfloat16)))
   True
-  >>> grads = {"w": jnp.full(3, jnp.inf, jnp.bfloat16)}  # an overflow: skipped
+  >>> grads = jmp_lab.ScaledGradients(  # an overflow: skipped
+  ...     {"w": jnp.full(3, jnp.inf, jnp.bfloat16)})
   >>> updates, state = tx.update(grads, state, params)
   >>> bool(state.last_step_applied), int(state.skipped_steps)
   (False, 1)

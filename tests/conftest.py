@@ -6,9 +6,9 @@ is exercised without a GPU. This must run before JAX initialises a backend.
 
 import os
 
-# With the CUDA plugin installed (the gpu-compile extra), jax would try to
-# start CUDA; on these machines there is none, and compiling for an H100
-# without one needs the CPU platform. Set JAX_PLATFORMS=cuda to test on a GPU.
+# The CPU platform, whatever is installed (jmp_lab keeps the gpu-compile
+# extra's CUDA plugin quiet without a GPU, but the tests choose the platform
+# themselves). Set JAX_PLATFORMS=cuda to test on a GPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # CI time: most of the suite's time is XLA compiling small CPU programs, and

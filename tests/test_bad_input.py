@@ -2,9 +2,11 @@
 ValueError or TypeError that names the argument, the bad value and what is
 accepted -- never a jax-internal error or a silent wrong answer."""
 
+import functools
 import re
 
 import flax.linen as nn
+from flax.training import train_state as flax_ts
 import jax
 import jax.numpy as jnp
 import optax
@@ -42,14 +44,31 @@ def update_with_state_of(tx, built_for, used_with):
   return tx.update(grads, state, used_with)
 
 
-def train_state(tx=None, spec="float32"):
+def train_state(tx=None, spec="float32", **kwargs):
   model = jl.with_policy(nn.Dense(3), spec)
   variables = model.init(jax.random.key(0), jnp.ones((1, 2)))
   tx = tx or jmp_lab.mixed_precision(optax.sgd(0.1), policy=spec,
                                      loss_scale=NO_SCALE)
   return jmp_lab.TrainState.create(apply_fn=model.apply,
                                    params=variables["params"], tx=tx,
-                                   policy=spec)
+                                   policy=spec, **kwargs)
+
+
+def flax_train_state():
+  """Flax's own TrainState, with jmp_lab's optimizer: what a Flax user
+  writes first."""
+  model = jl.with_policy(nn.Dense(3), "float32")
+  variables = model.init(jax.random.key(0), jnp.ones((1, 2)))
+  return flax_ts.TrainState.create(apply_fn=model.apply,
+                                   params=variables["params"], tx=mixed("float32"))
+
+
+def mean_square_loss(params, state, batch):
+  return jnp.mean(state.apply_fn({"params": params}, batch) ** 2)
+
+
+def two_argument_loss(params, batch):
+  return jnp.mean(params["kernel"] ** 2) + jnp.mean(batch)
 
 
 def step_with(loss_output):
@@ -276,6 +295,56 @@ CASES = [
     ("train-step-logits-as-aux",
      lambda: step_with(lambda loss: (loss, jnp.ones((32, 10)))),
      TypeError, ["got aux float32[32, 10] (an array)"]),
+    # issue 40's mistakes: before, AttributeErrors from inside the step and a
+    # TypeError raised inside training.py
+    ("train-step-flaxs-own-train-state",
+     lambda: jmp_lab.make_train_step(mean_square_loss, donate=False)(
+         flax_train_state(), jnp.ones((2, 2))),
+     TypeError, ["jmp_lab.TrainState", "flax.training.train_state.TrainState",
+                 "Flax's own", "jmp_lab.TrainState.create("]),
+    ("train-step-flaxs-own-train-state-donated",
+     lambda: jmp_lab.make_train_step(mean_square_loss)(
+         flax_train_state(), jnp.ones((2, 2))),
+     TypeError, ["Flax's own", "jmp_lab.TrainState.create("]),
+    ("train-step-flaxs-own-train-state-in-train-step",
+     lambda: jax.jit(functools.partial(jmp_lab.train_step,
+                                       loss_fn=mean_square_loss))(
+         flax_train_state(), jnp.ones((2, 2))),
+     TypeError, ["Flax's own", "jmp_lab.TrainState.create("]),
+    ("train-step-arguments-swapped",
+     lambda: jmp_lab.make_train_step(mean_square_loss, donate=False)(
+         {"x": jnp.ones((2, 2))}, train_state()),
+     TypeError, ["takes (state, batch)", "got a dict and then a "
+                 "jmp_lab.TrainState", "swapped", "step(state, batch)"]),
+    ("train-step-not-a-state",
+     lambda: jmp_lab.make_train_step(mean_square_loss)(
+         {"params": {}}, jnp.ones((2, 2))),
+     TypeError, ["state must be a jmp_lab.TrainState", "dict"]),
+    ("train-step-two-argument-loss-fn",
+     lambda: jmp_lab.make_train_step(two_argument_loss),
+     TypeError, ["loss_fn(params, state, batch)",
+                 "two_argument_loss(params, batch)", "Add the state",
+                 "jmp_lab.nnx.make_train_step"]),
+    ("train-step-two-argument-loss-fn-in-train-step",
+     lambda: jmp_lab.train_step(train_state(), jnp.ones((2, 2)),
+                                loss_fn=two_argument_loss),
+     TypeError, ["loss_fn(params, state, batch)", "Add the state"]),
+    ("train-step-two-argument-partial",
+     lambda: jmp_lab.make_train_step(functools.partial(
+         lambda scale, params, batch: scale * jnp.sum(params), 2.0)),
+     TypeError, ["(params, batch)", "loss_fn(params, state, batch)"]),
+    ("train-state-rngs-a-bare-key",
+     lambda: train_state(rngs=jax.random.key(1)),
+     TypeError, ["rngs", "dict", "'dropout'", "key<fry>[]"]),
+    ("train-state-rngs-not-a-key",
+     lambda: train_state(rngs={"dropout": 1}),
+     TypeError, ["rngs", "'dropout'", "int"]),
+    ("scaled-grad-equinox-with-argnums",
+     lambda: jmp_lab.scaled_value_and_grad(
+         lambda a, b: jnp.sum(a * b), NO_SCALE, argnums=1,
+         value_and_grad=pytest.importorskip("equinox").filter_value_and_grad),
+     TypeError, ["filter_value_and_grad", "takes no argnums", "argnums=1",
+                 "first argument"]),
     # --- linen ---------------------------------------------------------------
     ("linen-not-a-module",
      lambda: jl.with_policy(lambda x: x, "mixed_bfloat16"),

@@ -6,7 +6,9 @@ compiled modules: spills, registers, GEMM dtypes, collectives, bytes.
 """
 
 import importlib.metadata
+import os
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 import jmp_lab
+from jmp_lab._src import cuda_plugin
 from jmp_lab.diagnostics import compiled, hlo
 from jmp_lab.kernels import multi_tensor
 from jmp_lab.kernels.reference import AdamWConfig
@@ -120,6 +123,52 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
   monkeypatch.setattr(importlib.metadata, "version", version)
   with pytest.raises(RuntimeError, match=r"jmp_lab\[gpu-compile\].*cuda12-local"):
     compiled.gpu_mesh("h100")
+
+
+# --- the gpu-compile extra stays quiet without a GPU ---------------------------
+
+QUIET_RUN = """
+import jax, jax.numpy as jnp, jmp_lab
+assert float(jnp.ones(3).sum()) == 3.0   # jax has started its backend
+h = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+text = jmp_lab.diagnostics.compile_for_gpu(lambda a, b: a @ b, h, h).as_text()
+print(jax.default_backend(), "__cublas$lt$matmul" in text)
+"""
+
+
+def test_without_a_gpu_jax_starts_quietly_and_still_compiles_for_an_h100():
+  """Before the fix: jax's start printed "Jax plugin configuration error ...
+  Unable to load CUDA", and the compile failed without JAX_PLATFORMS=cpu."""
+  pytest.importorskip("jax_cuda12_plugin")
+  if cuda_plugin.gpu_may_be_present():
+    pytest.skip("an NVIDIA GPU may be present: jax's own check stays on")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", cuda_plugin.SKIP_CHECK)}
+  run = subprocess.run([sys.executable, "-c", QUIET_RUN], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "plugin configuration error" not in run.stderr.lower(), run.stderr
+  assert "Unable to load CUDA" not in run.stderr, run.stderr
+  assert "Traceback" not in run.stderr, run.stderr
+  assert run.stdout.split() == ["cpu", "True"]
+
+
+@pytest.mark.parametrize("environ, installed, gpu, platforms, acts", [
+    ({}, True, False, None, True),
+    ({"JAX_PLATFORMS": "cpu"}, True, False, None, False),   # chosen by env
+    ({}, True, False, "cuda", False),          # chosen by jax.config.update
+    ({}, True, True, None, False),             # a GPU may be here: jax's check
+    ({}, False, False, None, False),           # no CUDA plugin: nothing to do
+    ({cuda_plugin.SKIP_CHECK: ""}, True, False, None, False),  # the user's own
+])
+def test_the_cuda_check_is_turned_off_only_where_it_can_only_fail(
+    environ, installed, gpu, platforms, acts):
+  before = dict(environ)
+  assert cuda_plugin.quiet_without_gpu(
+      environ, installed=lambda: installed, gpu=lambda: gpu,
+      platforms=lambda: platforms) is acts
+  assert environ == ({**before, cuda_plugin.SKIP_CHECK: "1"} if acts
+                     else before)
 
 
 # --- small functions: GEMM math and the byte model ----------------------------

@@ -27,7 +27,7 @@ def run(tx, params, steps=12, poison_at=(4,), transform=jax.jit):
   for step in range(steps):
     scale = float(jmp_lab.current_loss_scale(state).loss_scale)
     grads = scaled_grads(params, scale, step, poison=step in poison_at)
-    updates, state = update(grads, state, params)
+    updates, state = update(jmp_lab.ScaledGradients(grads), state, params)
     params = optax.apply_updates(params, updates)
     master = jmp_lab.master_params(state)
     if master is not None:  # params == cast(master), bit for bit, every step
@@ -98,7 +98,8 @@ class FusedStateTest(chex.TestCase):
                              backend="interpret", layout=layout)
     state = tx.init(params)
     updates, new_state = self.variant(tx.update)(
-        scaled_grads(params, 64.0, 0, poison=True), state, params)
+        jmp_lab.ScaledGradients(scaled_grads(params, 64.0, 0, poison=True)),
+        state, params)
     chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
     for field in ("count", "master_params", "mu", "nu"):
       chex.assert_trees_all_equal(getattr(new_state, field), getattr(state, field))
@@ -114,7 +115,8 @@ class FusedStateTest(chex.TestCase):
     state = tx.init(params)
     old_mu = jax.tree_util.tree_leaves(state.mu)
     update = jax.jit(tx.update, donate_argnums=1)
-    _, state = update(scaled_grads(params, 8.0, 0), state, params)
+    _, state = update(jmp_lab.ScaledGradients(scaled_grads(params, 8.0, 0)),
+                      state, params)
     assert all(x.is_deleted() for x in old_mu)
     assert max(float(jnp.max(jnp.abs(x)))
                for x in jax.tree_util.tree_leaves(state.mu)) > 0
@@ -249,11 +251,13 @@ class FusedAdamWTest(chex.TestCase):
     flat = jmp_lab.flat_params(flat_state, params)
     tree = params
     for _ in range(3):
-      updates, tree_state = tx.update(jax.grad(loss)(tree), tree_state, tree)
+      updates, tree_state = tx.update(
+          jmp_lab.ScaledGradients(jax.grad(loss)(tree)), tree_state, tree)
       tree = optax.apply_updates(tree, updates)
       flat_grads = jax.grad(lambda f: loss(jmp_lab.unflatten_params(flat_state, f)))(flat)
       assert flat_grads.shape == flat.shape
-      updates, flat_state = tx.update(flat_grads, flat_state, flat)
+      updates, flat_state = tx.update(jmp_lab.ScaledGradients(flat_grads),
+                                      flat_state, flat)
       flat = optax.apply_updates(flat, updates)
     chex.assert_trees_all_equal(jmp_lab.unflatten_params(flat_state, flat), tree)
     chex.assert_trees_all_equal(flat_state.mu, tree_state.mu)
@@ -333,11 +337,13 @@ class FusedAdamWTest(chex.TestCase):
       grads = jax.tree_util.tree_map(
           lambda g: g[0] if g.dtype == FLOAT0 else jax.lax.pmean(
               g[0].astype(jnp.float32), "data").astype(g.dtype), grads)
-      updates, _ = tx.update(grads, tx.init(params), params)
+      updates, _ = tx.update(jmp_lab.ScaledGradients(grads), tx.init(params),
+                             params)
       return updates
 
     sharded = jax.jit(jax.shard_map(
         per_device, mesh=mesh, in_specs=(P("data"), P()), out_specs=P(),
         check_vma=False))(stacked, params)
-    expected, _ = single.update(mean_grads, single.init(params), params)
+    expected, _ = single.update(jmp_lab.ScaledGradients(mean_grads),
+                                single.init(params), params)
     chex.assert_trees_all_close(sharded["dense"], expected["dense"], rtol=1e-6)

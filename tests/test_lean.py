@@ -67,7 +67,7 @@ def train(tx, params, steps, poison_at=(), compiler_options=None):
     scale = jmp_lab.current_loss_scale(state).loss_scale
     grads = jax.lax.cond(poison, lambda: grads_at(params, i, scale, True),
                          lambda: grads_at(params, i, scale))
-    updates, state = tx.update(grads, state, params)
+    updates, state = tx.update(jmp_lab.ScaledGradients(grads), state, params)
     return optax.apply_updates(params, updates), state
 
   for i in range(steps):
@@ -205,7 +205,8 @@ def test_stochastic_runs_repeat_and_a_skipped_step_draws_nothing():
   again, _ = train(tx, params, 20, poison_at=(4,))
   assert tree_bits_equal(first, again)
   state0 = tx.init(params)
-  _, skipped = tx.update(grads_at(params, 0, 4096.0, poison=True), state0, params)
+  _, skipped = tx.update(jmp_lab.ScaledGradients(
+      grads_at(params, 0, 4096.0, poison=True)), state0, params)
   assert tree_bits_equal(skipped.rounding_key, state0.rounding_key)
   assert int(skipped.skipped_steps) == 1
 
@@ -339,12 +340,14 @@ def test_fused_stochastic_backends_agree_runs_repeat_and_skips_draw_nothing():
   # skipped one would have (its gradients scaled by the backed-off scale).
   opt = tx("reference")
   state0 = opt.init(params)
-  _, skipped = opt.update(grads_at(params, 0, 4096.0, poison=True), state0, params)
+  _, skipped = opt.update(jmp_lab.ScaledGradients(
+      grads_at(params, 0, 4096.0, poison=True)), state0, params)
   assert tree_bits_equal((skipped.rounding_key, skipped.count),
                          (state0.rounding_key, state0.count))
-  after_skip, _ = opt.update.new_params(grads_at(params, 0, 2048.0), skipped,
-                                        params)
-  direct, _ = opt.update.new_params(grads_at(params, 0, 4096.0), state0, params)
+  after_skip, _ = opt.update.new_params(jmp_lab.ScaledGradients(
+      grads_at(params, 0, 2048.0)), skipped, params)
+  direct, _ = opt.update.new_params(jmp_lab.ScaledGradients(
+      grads_at(params, 0, 4096.0)), state0, params)
   assert tree_bits_equal(after_skip, direct)
   other_seed, _ = train(fused("reference", master="none", rounding="stochastic",
                               rounding_seed=12), params, 20)
@@ -406,8 +409,9 @@ def test_lean_states_survive_an_orbax_round_trip(optimizer, master, rounding,
 
   def go_on(params, state):
     for i in range(5, 10):
-      updates, state = tx.update(grads_at(params, i, jmp_lab.current_loss_scale(
-          state).loss_scale), state, params)
+      updates, state = tx.update(jmp_lab.ScaledGradients(grads_at(
+          params, i, jmp_lab.current_loss_scale(state).loss_scale)), state,
+          params)
       params = optax.apply_updates(params, updates)
     return params, state
 

@@ -20,6 +20,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jmp_lab
+from jmp_lab import jmp as jmp_compat
 
 DYNAMIC_FIELDS = ("loss_scale", "counter", "growth_interval", "growth_factor",
                   "backoff_factor", "min_loss_scale", "max_loss_scale")
@@ -400,3 +401,38 @@ class LossScaleTest(chex.TestCase):
   def test_adjust_rejects_non_bool_flags(self, bad):
     with pytest.raises(TypeError, match="scalar bool"):
       jmp_lab.DynamicLossScale().adjust(bad)
+
+
+# --- float(loss_scale): the current scale ---------------------------------------
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: jmp_lab.NoOpLossScale(), 1.0),
+    (lambda: jmp_lab.StaticLossScale(1024.0), 1024.0),
+    (lambda: jmp_lab.DynamicLossScale(2.0**15), 2.0**15),
+    # after an overflow: the scale it backed off to
+    (lambda: jmp_lab.DynamicLossScale(2.0**15).adjust(jnp.array(False)), 2.0**14),
+    (lambda: jmp_compat.NoOpLossScale(), 1.0),
+    (lambda: jmp_compat.StaticLossScale(8.0), 8.0),
+    (lambda: jmp_compat.DynamicLossScale(jnp.float32(2.0**10)), 2.0**10),
+])
+def test_float_of_a_loss_scale_is_its_current_scale(make, expected):
+  """Before: TypeError (float() argument must be ... not 'DynamicLossScale')."""
+  value = float(make())
+  assert type(value) is float and value == expected
+
+
+def test_float_of_a_train_states_loss_scale():
+  import flax.linen as nn
+  import optax
+  model = jmp_lab.linen.with_policy(nn.Dense(3), "mixed_float16")
+  params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=params,
+      tx=jmp_lab.mixed_precision(optax.sgd(0.1), policy="mixed_float16"))
+  assert float(state.loss_scale) == 2.0**15   # the dynamic default
+
+
+def test_float_of_a_traced_loss_scale_says_to_use_the_array():
+  with pytest.raises(TypeError, match=r"traced DynamicLossScale.*\.loss_scale"):
+    jax.jit(float)(jmp_lab.DynamicLossScale())

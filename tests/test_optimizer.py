@@ -67,7 +67,7 @@ class SkipTest(chex.TestCase):
         loss_scale=jmp_lab.DynamicLossScale(2.0**10, growth_interval=1))
     update = self.variant(tx.update)
     state = tx.init(params)
-    grads = scaled_grads_like(params, 2.0**10, key=1)
+    grads = jmp_lab.ScaledGradients(scaled_grads_like(params, 2.0**10, key=1))
     updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
     scale_before = float(state.loss_scale.loss_scale)
@@ -92,7 +92,8 @@ class SkipTest(chex.TestCase):
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
     for g in ([jnp.inf, 0.0], [jnp.nan, 1.0], [4.0, 8.0]):  # two skips, one step
-      updates, state = tx.update({"w": jnp.array(g)}, state, params)
+      updates, state = tx.update(jmp_lab.ScaledGradients({"w": jnp.array(g)}),
+                                 state, params)
       lrs.append(updates["w"])
     # The first applied step used count == 0, i.e. lr 1.0; scale is 4/2/2 = 1.
     chex.assert_trees_all_close(lrs[-1], jnp.array([-4.0, -8.0]))
@@ -120,7 +121,7 @@ class ExactnessTest(chex.TestCase):
           lambda p: (jnp.sign(p.astype(jnp.float32) + 1e-4) * 2.0**8
                      * (1 + 0.1 * jnp.sin(step + jnp.arange(p.size)))
                      ).astype(dtype), params)
-      updates, state = update(grads, state, params)
+      updates, state = update(jmp_lab.ScaledGradients(grads), state, params)
       new_params = optax.apply_updates(params, updates)
       master = jmp_lab.master_params(state)
       tree_bits_equal(new_params,
@@ -176,8 +177,8 @@ class CompositionTest(chex.TestCase):
     ref_params = params
     for step in range(20):
       grads = scaled_grads_like(params, 1.0, key=step)
-      updates, state = tx.update(
-          jax.tree_util.tree_map(lambda g: g * 2.0**12, grads), state, params)
+      updates, state = tx.update(jmp_lab.ScaledGradients(
+          jax.tree_util.tree_map(lambda g: g * 2.0**12, grads)), state, params)
       params = optax.apply_updates(params, updates)
       ref_updates, ref_state = inner.update(grads, ref_state, ref_params)
       ref_params = optax.apply_updates(ref_params, ref_updates)
@@ -190,7 +191,7 @@ class CompositionTest(chex.TestCase):
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
     grads = {"w": jnp.array([0.3, 0.4]) * 2.0**15}  # unscaled norm 0.5
-    updates, _ = tx.update(grads, state, params)
+    updates, _ = tx.update(jmp_lab.ScaledGradients(grads), state, params)
     chex.assert_trees_all_close(updates["w"], -jnp.array([0.3, 0.4]))
 
   def test_inject_hyperparams_changes_lr_without_recompiling(self):
@@ -232,7 +233,7 @@ class CompositionTest(chex.TestCase):
       scale = state.loss_scale.loss_scale
       grads = ({"w": jnp.array([jnp.inf, 0.0], jnp.float16)} if g is None
                else {"w": (g * scale).astype(jnp.float16)})
-      updates, state = tx.update(grads, state, params)
+      updates, state = tx.update(jmp_lab.ScaledGradients(grads), state, params)
       params = optax.apply_updates(params, updates)
       applied.append(params["w"])
     # Scales went 16 -> 32 (grow) -> 16 (overflow) -> 32 -> 64 across the window.
@@ -253,8 +254,8 @@ class IntegerLeavesTest(chex.TestCase):
     tx = jmp_lab.mixed_precision(optax.adam(1e-2), policy=policy,
                                  loss_scale=jmp_lab.StaticLossScale(2.0))
     state = tx.init(params)
-    grads = {"w": jnp.ones(3, policy.param_dtype),
-             "n": np.zeros((), FLOAT0)}
+    grads = jmp_lab.ScaledGradients({"w": jnp.ones(3, policy.param_dtype),
+                                     "n": np.zeros((), FLOAT0)})
     updates, state = self.variant(tx.update)(grads, state, params)
     new = optax.apply_updates(params, updates)
     chex.assert_trees_all_equal(new["n"], jnp.int32(7))
@@ -268,7 +269,7 @@ class NoSyncAndShardingTest(chex.TestCase):
                                  loss_scale=jmp_lab.DynamicLossScale())
     params = params_of(jnp.bfloat16)
     state = tx.init(params)
-    grads = scaled_grads_like(params, 2.0**15, key=3)
+    grads = jmp_lab.ScaledGradients(scaled_grads_like(params, 2.0**15, key=3))
     with jax.transfer_guard_device_to_host("disallow"):
       updates, state = tx.update(grads, state, params)
       optax.apply_updates(params, updates)
@@ -364,7 +365,7 @@ class DonationTest(chex.TestCase):
     loss_scale = jmp_lab.DynamicLossScale(2.0**8)
     tx = make_tx(loss_scale)
     params = {"w": jnp.ones(3, jnp.bfloat16)}
-    grads = {"w": jnp.ones(3, jnp.bfloat16)}
+    grads = jmp_lab.ScaledGradients({"w": jnp.ones(3, jnp.bfloat16)})
     step = jax.jit(tx.update, donate_argnums=1)
     step(grads, tx.init(params), params)
     state = tx.init(params)  # must not see deleted buffers

@@ -297,8 +297,9 @@ def test_sharded_fused_update_equals_the_single_device_update(spec, backend):
           jax.eval_shape(sharded.init, params), mesh))
 
   def local_step(params, state, batch):
-    return sharded.update.new_params(scaled_grads(params, state, batch), state,
-                                     params)
+    return sharded.update.new_params(
+        jmp_lab.ScaledGradients(scaled_grads(params, state, batch)), state,
+        params)
 
   sharded_step = jax.jit(jax.shard_map(
       local_step, mesh=mesh, in_specs=(P(), state_specs, P("data")),
@@ -306,7 +307,8 @@ def test_sharded_fused_update_equals_the_single_device_update(spec, backend):
       # jax 0.10 cannot mark the all-gathered params replicated.
       check_vma=hasattr(jax.lax, "all_gather_invariant")))
   single_step = jax.jit(lambda params, state, batch: single.update.new_params(
-      scaled_grads(params, state, batch), state, params))
+      jmp_lab.ScaledGradients(scaled_grads(params, state, batch)), state,
+      params))
   a, a_state = params, single.init(params)
   b, b_state = params, sharded.init(params)
   assert b_state.mu.shape[0] % 2 == 0

@@ -1,6 +1,7 @@
 """Tests for jmp_lab.training and end-to-end fp16 training on real data."""
 
 import functools
+import warnings
 
 import chex
 import flax.linen as nn
@@ -11,6 +12,8 @@ import optax
 import pytest
 from absl.testing import parameterized
 from sklearn.datasets import load_digits
+
+from conftest import tree_bits_equal
 
 import jmp_lab
 from jmp_lab import linen as jl
@@ -32,15 +35,17 @@ class ScaledValueAndGradTest(chex.TestCase):
     chex.assert_trees_all_close(loss, 10.0)
     chex.assert_type(loss, jnp.float32)
     assert int(aux["n"]) == 2
-    chex.assert_trees_all_close(grads, 2.0**10 * jax.grad(
+    assert isinstance(grads, jmp_lab.ScaledGradients)  # marked for tx.update
+    chex.assert_trees_all_close(grads.grads, 2.0**10 * jax.grad(
         lambda w: loss_fn(w, x)[0])(w))
 
   def test_grads_come_back_in_param_dtype(self):
     w = jnp.ones(3, jnp.bfloat16)
     loss, grads = jmp_lab.scaled_value_and_grad(
         lambda w: jnp.sum(w.astype(jnp.float32)), jmp_lab.StaticLossScale(4.0))(w)
-    chex.assert_type(grads, jnp.bfloat16)
-    chex.assert_trees_all_close(grads.astype(jnp.float32), jnp.full(3, 4.0))
+    chex.assert_type(grads.grads, jnp.bfloat16)
+    chex.assert_trees_all_close(grads.grads.astype(jnp.float32),
+                                jnp.full(3, 4.0))
 
   def test_non_scalar_loss_raises(self):
     with pytest.raises(TypeError, match="floating scalar"):
@@ -303,3 +308,311 @@ class OnePolicyTest(chex.TestCase):
     state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
                                       tx=tx)
     assert state.policy == jmp_lab.get_policy("mixed_bfloat16")
+
+
+# --- issue 40: legal, almost certainly wrong: warned, pointing at the line ----
+
+
+def _digits_state(spec, tx=None):
+  x, _ = digits()
+  model = jl.with_policy(DeepMLP(), spec)
+  params = model.init(jax.random.key(0), x[:1])["params"]
+  return jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=params, policy=spec,
+      tx=tx or jmp_lab.mixed_precision(optax.sgd(0.1), policy=spec))
+
+
+def plain_loss(params, state, batch):
+  """The loss as optax's examples write it: on the logits as they come."""
+  logits = state.apply_fn({"params": params}, batch["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]).mean()
+
+
+class MistakesWarnTest(chex.TestCase):
+
+  def test_a_policy_with_a_half_output_warns_that_the_loss_is_half(self):
+    """"c=f16" means o=f16: the logits and the loss came out in fp16, with
+    no warning before."""
+    x, y = digits()
+    batch = {"x": x[:64], "y": y[:64]}
+    step = jmp_lab.make_train_step(plain_loss)
+    with pytest.warns(jmp_lab.precision.PrecisionWarning,
+                      match=r"the loss is float16.*Compute the loss in "
+                      r"float32.*o=f32.*'mixed_float16'") as record:
+      state, metrics = step(_digits_state("c=f16"), batch)
+    assert record[0].filename == __file__  # the user's line, not jax's
+    chex.assert_type(metrics["loss"], jnp.float32)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      step(state, batch)  # said once: the step is compiled already
+      # An fp32 output, or an fp32 loss on half logits: nothing to say.
+      jmp_lab.make_train_step(plain_loss)(_digits_state("mixed_float16"),
+                                          batch)
+      jmp_lab.make_train_step(digits_loss)(_digits_state("c=bf16"), batch)
+
+  def test_a_half_loss_warns_in_scaled_value_and_grad_too(self):
+    with pytest.warns(jmp_lab.precision.PrecisionWarning,
+                      match="the loss is bfloat16"):
+      jmp_lab.scaled_value_and_grad(
+          lambda w: jnp.sum(w.astype(jnp.bfloat16)),
+          jmp_lab.NoOpLossScale())(jnp.ones(3))
+
+  @parameterized.named_parameters(
+      ("mixed_precision", lambda spec: jmp_lab.mixed_precision(
+          optax.sgd(0.1), policy=spec), "mixed_precision(optax.MultiSteps"),
+      ("fused_adamw", lambda spec: jmp_lab.fused_adamw(1e-3, policy=spec),
+       "fused_adamw takes no inner transformation"))
+  def test_multisteps_around_the_optimizer_warns_with_the_fix(
+      self, make, fix):
+    """Silent before: MultiSteps outside sums scaled fp16 gradients across
+    scale changes, and the scale backs off k times more slowly."""
+    spec = "mixed_float16"
+    outside = optax.MultiSteps(make(spec), every_k_schedule=4)
+    with pytest.warns(UserWarning, match=r"TrainState.create: optax.MultiSteps "
+                      r"wraps the jmp_lab optimizer.*Put the accumulation "
+                      r"inside") as record:
+      _digits_state(spec, tx=outside)
+    assert fix in str(record[0].message)
+    assert record[0].filename == __file__
+    # The step refuses it, naming the fix (jax would name a pytree mismatch:
+    # the marked gradients do not fit MultiSteps' accumulator).
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      state = _digits_state(spec, tx=outside)
+    x, y = digits()
+    with pytest.raises(TypeError, match=r"optax.MultiSteps wraps the jmp_lab "
+                       r"optimizer.*Put the accumulation inside") as refused:
+      jmp_lab.make_train_step(digits_loss)(state, {"x": x[:8], "y": y[:8]})
+    assert fix in str(refused.value)
+    inside = jmp_lab.mixed_precision(
+        optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4), policy=spec)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      _digits_state(spec, tx=inside)  # the documented way: no warning
+
+  def test_multisteps_around_the_nnx_optimizer_warns_too(self):
+    from flax import nnx
+    model = jmp_lab.nnx.with_policy(nnx.Linear(64, 10, rngs=nnx.Rngs(0)),
+                                    "mixed_float16")
+    with pytest.warns(UserWarning, match=r"jmp_lab.nnx.Optimizer: "
+                      r"optax.MultiSteps wraps"):
+      jmp_lab.nnx.Optimizer(model, optax.MultiSteps(jmp_lab.mixed_precision(
+          optax.sgd(0.1), policy="mixed_float16"), every_k_schedule=2),
+                            wrt=nnx.Param)
+
+
+# --- issue 40: scaled gradients in Equinox's and NNX's idioms ------------------
+
+
+class OtherTransformationsTest(chex.TestCase):
+
+  def test_equinox_filter_value_and_grad(self):
+    """Before: ValueError: `argnums` should not be passed (from inside
+    Equinox)."""
+    eqx = pytest.importorskip("equinox")
+    x, y = digits()
+    model = eqx.nn.MLP(64, 10, 32, 2, key=jax.random.key(0))
+
+    def loss_fn(model, x, y):
+      logits = jax.vmap(model)(x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    scale = jmp_lab.StaticLossScale(2.0**10)
+    (loss, aux), grads = jmp_lab.scaled_value_and_grad(
+        lambda m, x, y: (loss_fn(m, x, y), {"n": x.shape[0]}), scale,
+        has_aux=True, value_and_grad=eqx.filter_value_and_grad)(
+            model, x[:128], y[:128])
+    want_loss, want = eqx.filter_value_and_grad(loss_fn)(model, x[:128], y[:128])
+    assert float(loss) == float(want_loss) and aux["n"] == 128
+    # The gradients of the scaled loss: a power of two, so exact in fp32.
+    chex.assert_trees_all_equal(grads.grads, jax.tree_util.tree_map(
+        lambda g: g * 2.0**10, want))
+    unscaled = jax.tree_util.tree_map(lambda g: g / 2.0**10, grads.grads)
+    chex.assert_trees_all_equal(unscaled, want)
+
+  def test_nnx_value_and_grad_in_a_users_loop(self):
+    from flax import nnx
+    x, y = digits()
+    model = nnx.Linear(64, 10, rngs=nnx.Rngs(0))
+
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(
+          model(x[:128]), y[:128]).mean()
+
+    loss, grads = jmp_lab.scaled_value_and_grad(
+        loss_fn, jmp_lab.StaticLossScale(2.0**12),
+        value_and_grad=nnx.value_and_grad)(model)
+    want_loss, want = nnx.value_and_grad(loss_fn)(model)
+    assert float(loss) == float(want_loss)
+    chex.assert_trees_all_equal(
+        nnx.to_pure_dict(grads.grads),
+        jax.tree_util.tree_map(lambda g: g * 2.0**12, nnx.to_pure_dict(want)))
+
+
+# --- issue 40: dropout keys, gradient metrics, a linen checkpoint recipe ------
+
+
+class DropoutMLP(nn.Module):
+  """The digits MLP with dropout; it also hands back the dropped hidden
+  layer, so a test can see the mask."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    # tanh: no unit is zero before dropout, so the zeros are its mask
+    h = nn.Dropout(0.5, deterministic=not train)(jnp.tanh(nn.Dense(64)(x)))
+    return nn.Dense(10)(h), h
+
+
+def dropout_loss(params, state, batch):
+  logits, hidden = state.apply_fn({"params": params}, batch["x"],
+                                  rngs=state.step_rngs())
+  loss = jl.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss, {"metrics": {"kept": jnp.mean(hidden != 0),
+                            "mask": hidden[0] != 0}}
+
+
+def dropout_state(spec="mixed_float16", init_seed=0, dropout_seed=1,
+                  loss_scale=None):
+  x, _ = digits()
+  model = jl.with_policy(DropoutMLP(), spec)
+  params = model.init(jax.random.key(init_seed), x[:1], train=False)["params"]
+  return jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=params, policy=spec,
+      rngs={"dropout": jax.random.key(dropout_seed)},
+      tx=jmp_lab.mixed_precision(
+          optax.adam(3e-3), policy=spec,
+          loss_scale=loss_scale or jmp_lab.DynamicLossScale(growth_interval=4)))
+
+
+def digit_batches(n, size=128, seed=0):
+  x, y = digits()
+  rng = np.random.default_rng(seed)
+  return [{"x": x[idx], "y": y[idx]}
+          for idx in (rng.integers(0, 1400, size) for _ in range(n))]
+
+
+class RecipesTest(chex.TestCase):
+
+  def test_dropout_draws_a_new_mask_each_step_and_the_same_one_again(self):
+    batch = digit_batches(1)[0]
+    step = jmp_lab.make_train_step(dropout_loss, donate=False)
+    state = dropout_state()
+    first, m0 = step(state, batch)
+    again, m0_again = step(state, batch)    # the same state: the same keys
+    chex.assert_trees_all_equal((first, m0), (again, m0_again))
+    assert 0.4 < float(m0["kept"]) < 0.6      # dropout(0.5) is on
+    second, m1 = step(first, batch)
+    assert not np.array_equal(m0["mask"], m1["mask"])  # a new mask
+    # The keys are the base key folded with the steps taken so far.
+    chex.assert_trees_all_equal(
+        jax.random.key_data(first.step_rngs()["dropout"]),
+        jax.random.key_data(jax.random.fold_in(jax.random.key(1), 1)))
+    # Another seed, other masks; no rngs at all, no keys.
+    _, other = step(dropout_state(dropout_seed=2), batch)
+    assert not np.array_equal(m0["mask"], other["mask"])
+    assert jmp_lab.TrainState.create(
+        apply_fn=state.apply_fn, params=state.params,
+        tx=state.tx).step_rngs() == {}
+
+  def test_a_skipped_step_draws_new_keys_too(self):
+    batch = digit_batches(1)[0]
+    poisoned = {"x": batch["x"].copy(), "y": batch["y"]}
+    poisoned["x"][0, 0] = np.inf
+    step = jmp_lab.make_train_step(dropout_loss, donate=False)
+    skipped, m0 = step(dropout_state(), poisoned)
+    assert not bool(m0["grads_finite"]) and int(skipped.step) == 0
+    _, m1 = step(skipped, batch)
+    assert not np.array_equal(m0["mask"], m1["mask"])
+
+  @parameterized.parameters("mixed_float16", "float32")
+  def test_grad_norm_and_grads_in_the_metrics(self, spec):
+    batch = digit_batches(1)[0]
+    state = _digits_state(spec)
+    plain = jmp_lab.make_train_step(digits_loss, donate=False)
+    with_grads = jmp_lab.make_train_step(digits_loss, donate=False,
+                                         grad_norm=True, grads=True)
+    _, metrics = plain(state, batch)
+    assert "grad_norm" not in metrics and "grads" not in metrics  # opt-in
+    # Past the first (overflowing) fp16 step: the scale has backed off.
+    state, _ = plain(state, batch)
+    _, metrics = with_grads(state, batch)
+    reference = jax.grad(lambda p: digits_loss(
+        p, state.replace(apply_fn=jl.with_policy(DeepMLP(), "float32").apply),
+        batch))(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32),
+                                       state.params))
+    chex.assert_trees_all_equal_structs(metrics["grads"], state.params)
+    chex.assert_type(jax.tree_util.tree_leaves(metrics["grads"]), jnp.float32)
+    chex.assert_type(metrics["grad_norm"], jnp.float32)
+    tol = 0 if spec == "float32" else 0.02   # fp16 compute: ~1% of the norm
+    np.testing.assert_allclose(float(metrics["grad_norm"]),
+                               float(optax.tree.norm(reference)),
+                               rtol=tol or 1e-6)
+    np.testing.assert_allclose(float(metrics["grad_norm"]),
+                               float(optax.tree.norm(metrics["grads"])),
+                               rtol=1e-6)
+    poisoned = {"x": jnp.asarray(batch["x"]).at[0, 0].set(jnp.inf),
+                "y": batch["y"]}
+    _, skipped = with_grads(state, poisoned)
+    assert not bool(skipped["grads_finite"])
+    assert not np.isfinite(float(skipped["grad_norm"]))
+
+  def test_grads_of_a_flat_state_come_as_the_tree(self):
+    model = jl.with_policy(DeepMLP(), "mixed_float16")
+    x, _ = digits()
+    params = model.init(jax.random.key(0), x[:1])["params"]
+    make = lambda flat: jmp_lab.TrainState.create(  # noqa: E731
+        apply_fn=model.apply, params=params, flat_params=flat,
+        tx=jmp_lab.fused_adamw(3e-3, policy="mixed_float16",
+                               loss_scale=jmp_lab.StaticLossScale(2.0**10),
+                               layout="flat" if flat else "tree"))
+    step = jmp_lab.make_train_step(digits_loss, grad_norm=True, grads=True)
+    batch = digit_batches(1)[0]
+    _, tree_metrics = step(make(False), batch)
+    _, flat_metrics = step(make(True), batch)
+    chex.assert_trees_all_equal(flat_metrics["grads"], tree_metrics["grads"])
+    assert float(flat_metrics["grad_norm"]) == float(tree_metrics["grad_norm"])
+
+
+def test_linen_orbax_checkpoint_resumes_bit_for_bit(tmp_path):
+  """The linen recipe (docs/guides/linen.md): k steps, save with orbax,
+  restore into a state built afresh, go on; the same as never stopping, bit
+  for bit: params, the fp32 master, Adam's moments, the loss scale and its
+  counter, the skip counter, the step and the dropout keys."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  batches = digit_batches(10)
+  batches[2] = {"x": batches[2]["x"].copy(), "y": batches[2]["y"]}
+  batches[2]["x"][0, 0] = np.inf             # one skipped step before the save
+  step = jmp_lab.make_train_step(dropout_loss)
+
+  state = dropout_state()
+  for batch in batches[:5]:
+    state, _ = step(state, batch)
+  assert int(state.skipped_steps) >= 1 and int(state.step) >= 3
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "step_5", state)
+    checkpointer.wait_until_finished()
+  uninterrupted, metrics = [], []
+  for batch in batches[5:]:
+    state, m = step(state, batch)
+    metrics.append(m)
+  uninterrupted = state
+
+  # A new run: the model and state built as at the start (other seeds, to
+  # show every value comes from the checkpoint), then restored.
+  fresh = dropout_state(init_seed=7, dropout_seed=8,
+                        loss_scale=jmp_lab.DynamicLossScale(growth_interval=4))
+  with ocp.StandardCheckpointer() as checkpointer:
+    resumed = checkpointer.restore(tmp_path / "step_5", fresh)
+  assert isinstance(resumed, jmp_lab.TrainState) and resumed.tx is fresh.tx
+  for batch, want in zip(batches[5:], metrics):
+    resumed, got = step(resumed, batch)
+    tree_bits_equal(got, want)
+  tree_bits_equal(resumed.params, uninterrupted.params)
+  tree_bits_equal(resumed.opt_state, uninterrupted.opt_state)  # master, moments, scale
+  tree_bits_equal(jax.random.key_data(resumed.rngs["dropout"]),
+                  jax.random.key_data(uninterrupted.rngs["dropout"]))
+  assert float(resumed.loss_scale) == float(uninterrupted.loss_scale)
+  assert int(resumed.loss_scale.counter) == int(uninterrupted.loss_scale.counter)
+  assert int(resumed.skipped_steps) == int(uninterrupted.skipped_steps) >= 1
+  assert int(resumed.step) == int(uninterrupted.step)

@@ -178,6 +178,25 @@ class LossScale(abc.ABC):
 
   __hash__ = None  # equal by value, and arrays are not hashable
 
+  def __float__(self) -> float:
+    """The current scale as a Python float: ``float(state.loss_scale)``.
+
+    It reads the scale back to the host, so it works on a concrete loss
+    scale only; inside ``jit`` use ``.loss_scale`` (an f32 array).
+
+    >>> import jmp_lab
+    >>> float(jmp_lab.DynamicLossScale(2.0**15)), float(jmp_lab.NoOpLossScale())
+    (32768.0, 1.0)
+    """
+    try:
+      return float(self.loss_scale)
+    except (jax.errors.ConcretizationTypeError,
+            jax.errors.TracerArrayConversionError):
+      raise TypeError(
+          f"float() of a traced {type(self).__name__} would read it back to "
+          f"the host inside a jitted function; use its .loss_scale (an f32 "
+          f"array) there") from None
+
   def scale(self, tree: T) -> T:
     """Multiplies floating leaves by the scale, keeping their dtypes."""
     return _scale_tree(tree, self.loss_scale)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import sys
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -20,11 +18,9 @@ from jmp_lab._src.precision import observers
 from jmp_lab._src.precision.scopes import HALF_DTYPES
 from jmp_lab._src.matmuls import matmul_records
 from jmp_lab._src.policy import Policy
-
-
-class PrecisionWarning(UserWarning):
-  """A policy asks for half precision where the computation does not run in
-  it (see :func:`warn_unless_half`)."""
+# The class and the call site are shared with the optimizers' warning.
+from jmp_lab._src.user_warnings import (PrecisionWarning,  # noqa: F401
+                                        user_stacklevel)
 
 
 @dataclasses.dataclass
@@ -71,21 +67,6 @@ def recording():
     yield count
 
 
-def _user_stacklevel() -> int:
-  """The stack level of the first frame outside jmp_lab and jax: the
-  user's line that traced the step."""
-  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  frame, level = sys._getframe(1), 1
-  while frame is not None:
-    name = frame.f_code.co_filename
-    if not (name.startswith(package) or f"{os.sep}jax{os.sep}" in name
-            or f"{os.sep}flax{os.sep}" in name
-            or f"{os.sep}contextlib" in name):
-      return level
-    frame, level = frame.f_back, level + 1
-  return 2
-
-
 def warn_unless_half(policy: Policy, count: MatmulCount,
                      trace: Callable[[], Any], where: str) -> None:
   """Warns (:class:`PrecisionWarning`) when ``policy`` computes in half
@@ -106,7 +87,7 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
         f"fp32 and run outside any model policy: only the loss's rules put "
         f"them in half, and every other op stays fp32: wrap the model with "
         f"jmp_lab.linen.with_policy, jmp_lab.nnx.with_policy or "
-        f"jmp_lab.autocast", PrecisionWarning, stacklevel=_user_stacklevel())
+        f"jmp_lab.autocast", PrecisionWarning, stacklevel=user_stacklevel())
     return
   if count.half or count.full:
     if not count.half:
@@ -115,7 +96,7 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
           f"{policy.compute_dtype.name}, but every matmul of the model runs "
           f"in fp32: the policy's overrides (keep_layer_dtypes=True, or "
           f"class/path overrides) keep them there", PrecisionWarning,
-          stacklevel=_user_stacklevel())
+          stacklevel=user_stacklevel())
     return
   records = matmul_records(trace())
   if records and not any(r.half for r in records):
@@ -124,4 +105,25 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
         f"{policy.compute_dtype.name}, but every matmul of the loss runs in "
         f"fp32: wrap the model with jmp_lab.linen.with_policy, "
         f"jmp_lab.nnx.with_policy or jmp_lab.autocast", PrecisionWarning,
-        stacklevel=_user_stacklevel())
+        stacklevel=user_stacklevel())
+
+
+def warn_if_half_loss(loss: Any) -> None:
+  """Warns (:class:`PrecisionWarning`) when a loss function returned a half
+  precision loss: a policy whose output dtype is half (``"c=f16"`` means
+  ``o=f16`` too) hands the loss half logits, and a loss computed from them
+  (log-softmax, the mean) loses digits in half. Said where the loss is
+  traced (once per compile under ``jit``), pointing at the user's line."""
+  dtype = np.dtype(getattr(loss, "dtype", np.float32))
+  if dtype not in HALF_DTYPES:
+    return
+  warnings.warn(
+      f"the loss is {dtype.name}: the loss function computed it in half "
+      f"precision (a policy whose output dtype is {dtype.name} hands it "
+      f"{dtype.name} logits; 'c=f16' means o=f16 too), where it keeps about "
+      f"{3 if dtype == np.float16 else 2} significant digits and its "
+      f"gradient starts in {dtype.name}. Compute the loss in float32: give "
+      f"the policy a float32 output (o=f32; 'p=f32,c=f16,o=f32' is "
+      f"'mixed_float16'), cast the logits (logits.astype(jnp.float32)), or "
+      f"use jmp_lab.losses' fp32 losses", PrecisionWarning,
+      stacklevel=user_stacklevel())

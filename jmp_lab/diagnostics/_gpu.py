@@ -85,7 +85,8 @@ def gpu_target(target: Union[str, GpuTarget]) -> GpuTarget:
 
 _INSTALL_HINT = (
     "compiling for a GPU without one needs the CUDA plugin of the installed "
-    "jax version and ptxas: pip install \"jmp_lab[gpu-compile]\" (that is "
+    "jax version and ptxas: from jmp_lab's clone, pip install -e "
+    "\".[gpu-compile]\" (the jmp_lab[gpu-compile] extra: "
     f"jax[cuda12-local]=={jax.__version__} and nvidia-cuda-nvcc-cu12), or "
     "the CUDA 13 plugin a GPU machine's jax brings")
 # The CUDA plugins jax ships: CUDA 12 (what the gpu-compile extra installs)
@@ -162,9 +163,14 @@ def _gpu_mesh(name: str, config: str,
     topology = topologies.get_topology_desc(
         platform="cuda", topology=f"1x1x{devices}", target_config=config)
   except (NotImplementedError, RuntimeError) as e:
+    # Without a GPU the plugin registers only if its version check was off
+    # when jax started: jmp_lab turns it off on import (_src/cuda_plugin.py),
+    # too late if jax had already run something.
     raise RuntimeError(
-        f"could not describe {devices} x {name} to XLA ({e}); on a "
-        f"machine without a GPU set JAX_PLATFORMS=cpu before jax starts") from e
+        f"could not describe {devices} x {name} to XLA ({e}): the CUDA "
+        f"plugin did not register when jax started. On a machine without a "
+        f"GPU, import jmp_lab before jax's first computation, or set "
+        f"JAX_PLATFORMS=cpu before jax starts") from e
   return topologies.make_mesh(topology, tuple(s for _, s in shape),
                               tuple(n for n, _ in shape))
 

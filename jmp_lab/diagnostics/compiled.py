@@ -20,10 +20,11 @@ laptop it tells whether a step runs its matmuls on tensor cores in half
 precision on an H100, how much memory it needs and what it reduces in fp32.
 
 Requirements: the CUDA plugin of the installed jax version and ptxas
-(``pip install "jmp_lab[gpu-compile]"``), and ``JAX_PLATFORMS=cpu`` set before
-jax starts on a machine without a GPU.
+(``pip install -e ".[gpu-compile]"`` from jmp_lab's clone). On a machine
+without a GPU, import jmp_lab before jax's first computation (it keeps the
+plugin quiet and registered there), or set ``JAX_PLATFORMS=cpu``.
 
-Example (skipped by doctest: it needs the plugin and JAX_PLATFORMS=cpu)::
+Example (skipped by doctest: it needs the plugin)::
 
   >>> report = compiled_report(train_step, state, batch)  # doctest: +SKIP
   >>> print(report)                                       # doctest: +SKIP
@@ -548,7 +549,8 @@ def compiled_report(fn: Callable[..., Any], *args, target="h100",
 
   Raises:
     RuntimeError: without the CUDA plugin of this jax version, or when jax
-      started without ``JAX_PLATFORMS=cpu`` on a machine without a GPU.
+      started before jmp_lab was imported, without ``JAX_PLATFORMS=cpu``, on
+      a machine without a GPU.
   """
   target = gpu_target(target)
   with tempfile.TemporaryDirectory(prefix="jmp_lab_compiled_") as dump_dir:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from flax import nnx
 from flax.core import meta
 
 
@@ -35,6 +36,19 @@ def is_box(x: Any) -> bool:
 def unboxed(tree: Any) -> Any:
   """``tree`` with every partition box replaced by its value."""
   return meta.unbox(tree)
+
+
+def variable_values(tree: Any) -> Any:
+  """``tree`` with every NNX ``Variable`` replaced by its value.
+
+  Flax's ``nnx.Optimizer`` initialises its transformation with the model's
+  Variables (``nnx.state(model, wrt)``) and updates it with their values
+  (``nnx.as_pure``): an optimizer builds its state from the values, so the
+  two agree."""
+  if not any(isinstance(x, nnx.Variable) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, nnx.Variable))):
+    return tree
+  return nnx.as_pure(tree)
 
 
 def has_boxes(tree: Any) -> bool:

@@ -13,7 +13,7 @@ import optax
 
 from jmp_lab import _checks
 from jmp_lab.kernels import pytrees
-from jmp_lab._src.optim import boxes, fused_flat, fused_tree
+from jmp_lab._src.optim import boxes, fused_flat, fused_tree, scaled
 from jmp_lab._src.optim.fused_spec import FusedSpec, ScalarOrSchedule
 from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.masters import Master
@@ -118,7 +118,9 @@ def fused_adamw(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose update is a
     :class:`FusedUpdate`: ``update(grads, state, params)`` takes gradients
-    of the scaled loss in the param dtype (``also_finite=``: scalar bools
+    in the param dtype, those of the scaled loss marked
+    (:class:`~jmp_lab.ScaledGradients`), as
+    :func:`~jmp_lab.mixed_precision`'s does (``also_finite=``: scalar bools
     that must be True too for the step to apply).
   """
   spec = _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale,
@@ -179,6 +181,9 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
 
 
 def _init(spec: FusedSpec, params: Any) -> FusedAdamWState:
+  # Flax's nnx.Optimizer inits with the model's Variables, updates with
+  # their values.
+  params = boxes.variable_values(params)
   _checks.check_params(params, spec.policy)
   common = dict(count=jnp.zeros((), jnp.int32),
                 loss_scale=fresh_copy(spec.loss_scale),
@@ -205,9 +210,11 @@ class FusedUpdate(WritesParams):
                **extra_args):
     del extra_args  # AdamW takes none; accepted for optax API compatibility.
     _check_call(state, params)
+    grads, carried_scale = self._received(grads, state, params)
     # The kernels read the values; boxed grads get boxed updates back.
     updates, new_state = self._updates(boxes.unboxed(grads), state,
-                                       boxes.unboxed(params), also_finite)
+                                       boxes.unboxed(params), also_finite,
+                                       carried_scale)
     return boxes.boxed_like(grads, updates), new_state
 
   def new_params(self, grads, state, params=None, *, also_finite=None):
@@ -215,42 +222,53 @@ class FusedUpdate(WritesParams):
     ``updates`` tree and no ``optax.apply_updates`` pass (equal, bit for bit,
     to ``apply_updates(params, update(...)[0])``)."""
     _check_call(state, params)
+    grads, carried_scale = self._received(grads, state, params)
     new, new_state = self._new_params(boxes.unboxed(grads), state,
-                                      boxes.unboxed(params), also_finite)
+                                      boxes.unboxed(params), also_finite,
+                                      carried_scale)
     return boxes.boxed_like(params, new), new_state
 
-  def _updates(self, grads, state, params, also_finite):
+  def _received(self, grads, state, params):
+    """Marked gradients (of the scaled loss) are divided by the loss
+    scale; plain ones are the unscaled loss's (see ``scaled.received``)."""
+    return scaled.received(self, grads, params, state.loss_scale,
+                           self.spec.loss_scale,
+                           "jmp_lab.fused_adamw's update")
+
+  def _updates(self, grads, state, params, also_finite, carried_scale):
     if isinstance(state.layout, flat_layout.TreeLayout):
       out, new_state = fused_tree.step(self.spec, grads, state, params, True,
-                                       also_finite)
+                                       also_finite, carried_scale)
       return fused_flat.exact_updates(
           self.spec, state.layout.tree(out.extra, rest=params),
           params), new_state
-    out, new_state, flat = self._flat_step(grads, state, params, also_finite)
+    out, new_state, flat = self._flat_step(grads, state, params, also_finite,
+                                           carried_scale)
     new_values = out.extra if flat else flat_layout.unpack(
         new_state.layout, out.extra, rest=params,
         leaves_per_fusion=_LEAVES_PER_FUSION)
     return fused_flat.exact_updates(self.spec, new_values, params), new_state
 
-  def _new_params(self, grads, state, params, also_finite):
+  def _new_params(self, grads, state, params, also_finite, carried_scale):
     half = self.spec.master.half_params
     if isinstance(state.layout, flat_layout.TreeLayout):
       # With fp32 params the kernel's master output *is* the new params.
       out, new_state = fused_tree.step(self.spec, grads, state, params, half,
-                                       also_finite)
+                                       also_finite, carried_scale)
       new = out.extra if half else out.master
       return state.layout.tree(new, rest=params), new_state
-    out, new_state, flat = self._flat_step(grads, state, params, also_finite)
+    out, new_state, flat = self._flat_step(grads, state, params, also_finite,
+                                           carried_scale)
     new_flat = out.extra if half else out.master
     if flat:
       return new_flat, new_state
     return flat_layout.unpack(new_state.layout, new_flat, rest=params,
                               leaves_per_fusion=_LEAVES_PER_FUSION), new_state
 
-  def _flat_step(self, grads, state, params, also_finite):
+  def _flat_step(self, grads, state, params, also_finite, carried_scale):
     step = (fused_flat.sharded_step if state.layout.shards > 1
             else fused_flat.step)
-    return step(self.spec, grads, state, params, also_finite)
+    return step(self.spec, grads, state, params, also_finite, carried_scale)
 
   @property
   def policy(self) -> Policy:

@@ -47,7 +47,7 @@ def _checked(spec: FusedSpec, grads, state, params) -> bool:
 
 
 def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
-         also_finite: Any) -> tuple:
+         also_finite: Any, carried_scale: Any) -> tuple:
   """The flat-buffer pass: ``(outputs, new state, whether params are flat)``.
 
   Tree gradients are packed into one buffer first (a pass); flat ones, from
@@ -56,16 +56,18 @@ def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
   a check per leaf is a kernel per leaf; padding is zero). The gradients
   are already reduced over ``axis_name`` (every device holds all of them),
   so the norm is local: summing it over the axis would count it N times.
+  The gradients are divided by ``carried_scale``, the loss scale they carry
+  (the state's, or ``NoOpLossScale`` for plain gradients).
   """
   buffers = state.layout
   flat = _checked(spec, grads, state, params)
   flat_grads = grads if flat else flat_layout.pack(buffers, grads,
                                                    spec.policy.param_dtype)
   grads32, finite = gate.unscale_and_check(
-      flat_grads, flat_grads, state.loss_scale, spec.axis_name, also_finite)
+      flat_grads, flat_grads, carried_scale, spec.axis_name, also_finite)
   hyper = spec.hyper(state.count,
                      spec.clip_factor(jnp.sum(jnp.square(grads32))),
-                     state.loss_scale.loss_scale)
+                     carried_scale.loss_scale)
   if spec.master.fp32_copy:
     flat_master = state.master_params
   else:
@@ -80,7 +82,7 @@ def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
 
 
 def sharded_step(spec: FusedSpec, grads: Any, state: FusedAdamWState,
-                 params: Any, also_finite: Any) -> tuple:
+                 params: Any, also_finite: Any, carried_scale: Any) -> tuple:
   """ZeRO-1 inside ``shard_map``: ``(outputs with the new values gathered,
   new local state, whether params are flat)``; see ``fused_adamw``'s
   ``shards``."""
@@ -101,7 +103,7 @@ def sharded_step(spec: FusedSpec, grads: Any, state: FusedAdamWState,
   # unscaling with loss scale x devices (inside the kernel's fp32 math).
   local = jax.lax.psum_scatter(flat_grads.astype(reduce_dtype), axis_name,
                                scatter_dimension=0, tiled=True)
-  scale = jnp.asarray(state.loss_scale.loss_scale, jnp.float32) * \
+  scale = jnp.asarray(carried_scale.loss_scale, jnp.float32) * \
       jax.lax.psum(1, axis_name)
   grads32 = local.astype(jnp.float32) / scale
   finite = stats.agree(stats.all_finite([grads32], gate.flags(also_finite)),

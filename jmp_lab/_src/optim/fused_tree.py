@@ -39,11 +39,13 @@ def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
 
 
 def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
-         write_extra: bool, also_finite: Any) -> tuple:
+         write_extra: bool, also_finite: Any, carried_scale: Any) -> tuple:
   """The multi-tensor pass: ``(kernel outputs, new state)``.
 
   Two kernels over the leaves as they are: the gradient statistics (finite
-  flag and clip norm), then the update, in place.
+  flag and clip norm), then the update, in place. The gradients are
+  divided by ``carried_scale`` (the loss scale they carry: the state's for
+  the scaled loss's, ``NoOpLossScale`` for plain ones).
   """
   state.params_spec.check(params)
   _checks.check_params(params, spec.policy)
@@ -56,7 +58,7 @@ def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
   # no master, the params.
   p = tree_layout.leaves(state.master_params if spec.master.fp32_copy
                          else params)
-  scale = jnp.asarray(state.loss_scale.loss_scale, jnp.float32)
+  scale = jnp.asarray(carried_scale.loss_scale, jnp.float32)
   extra_flags = tuple(gate.flags(also_finite))
 
   def scalars(sumsq, finite, scalar_args):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lab import _checks
-from jmp_lab._src.optim import gate, masters
+from jmp_lab._src.optim import boxes, gate, masters, scaled
 from jmp_lab._src.optim.states import MixedPrecisionState, ParamsSpec
 from jmp_lab._src.optim.updates import Update
 from jmp_lab._src.loss_scale import (LossScale, check_loss_scale,
@@ -64,7 +64,12 @@ def mixed_precision(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
-    params)`` takes the gradients of the *scaled* loss, in the param dtype.
+    params)`` takes the gradients in the param dtype: those of the *scaled*
+    loss marked as :class:`~jmp_lab.ScaledGradients` (as
+    :func:`~jmp_lab.scaled_value_and_grad` returns them) are divided by the
+    loss scale; plain ones are taken as the unscaled loss's (divided by 1,
+    with a :class:`~jmp_lab.precision.PrecisionWarning` once where the loss
+    scale is not ``NoOpLossScale``: see :mod:`jmp_lab.training`).
     ``params`` is required. ``also_finite=`` takes scalar bools that must be
     True too for the step to apply (a train step's other evidence of an
     overflow, such as fp8's amaxes); other keyword arguments go to
@@ -102,6 +107,9 @@ class MixedPrecisionUpdate(Update):
   axis_name: Optional[Union[str, Sequence[str]]]
 
   def init(self, params) -> MixedPrecisionState:
+    # Flax's nnx.Optimizer inits with the model's Variables, updates with
+    # their values.
+    params = boxes.variable_values(params)
     _checks.check_params(params, self.policy)
     # The inner transformation sees the fp32 master's trainable leaves.
     master = masters.as_f32(params) if self.master.half_params else params
@@ -116,11 +124,16 @@ class MixedPrecisionUpdate(Update):
   def __call__(self, grads, state, params=None, *, also_finite=None,
                **extra_args):
     _check_call(state, params)
+    # Marked gradients (of the scaled loss) are divided by the loss scale;
+    # plain ones are the unscaled loss's (see scaled.received).
+    grads, carried_scale = scaled.received(
+        self, grads, params, state.loss_scale, self.loss_scale,
+        "jmp_lab.mixed_precision's update")
     state.params_spec.check(params)
     _checks.check_params(params, self.policy)
     _checks.check_grads(grads, params)
     # 1. Unscale to fp32 and check, once, that everything is finite.
-    grads32, finite = gate.unscale_and_check(grads, params, state.loss_scale,
+    grads32, finite = gate.unscale_and_check(grads, params, carried_scale,
                                              self.axis_name, also_finite)
     # 2. The inner transformation, on the fp32 master.
     trainable = gate.floating_only(self.master.read(state, params), params)

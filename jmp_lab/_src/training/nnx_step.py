@@ -23,6 +23,7 @@ from jmp_lab._src.training import step as step_core
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab._src.loss_scale import LossScale, select_tree
 from jmp_lab._src.policy import Policy
+from jmp_lab._src.optim import scaled
 from jmp_lab._src.optim.states import (FusedAdamWState, current_loss_scale,
                            last_step_applied, master_params,
                            optimizer_policy, skipped_steps)
@@ -40,7 +41,8 @@ class Optimizer(nnx.Optimizer):
   ``tx`` is :func:`jmp_lab.mixed_precision` (any optax transformation
   inside, every ``master`` mode) or :func:`jmp_lab.fused_adamw` (tree
   layout). ``update(model, grads)`` takes the gradients of the *scaled*
-  loss (:attr:`loss_scale`; :func:`train_step` does the scaling) and writes
+  loss (:attr:`loss_scale`), marked as :func:`~jmp_lab.scaled_value_and_grad`
+  returns them (:func:`train_step` does the scaling), and writes
   params equal to ``cast(master)``. A non-finite step changes nothing but
   the loss scale and :attr:`skipped_steps`: params, moments and ``step``
   (applied steps) keep their values.
@@ -54,7 +56,9 @@ class Optimizer(nnx.Optimizer):
     >>> optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.fused_adamw(
     ...     1e-3, policy="p=bf16,c=bf16,o=f32",
     ...     loss_scale=jmp_lab.StaticLossScale(2.0**10)), wrt=nnx.Param)
-    >>> grads = nnx.grad(lambda m: optimizer.loss_scale.scale(m(jnp.ones((1, 2))).sum()))(model)
+    >>> _, grads = jmp_lab.scaled_value_and_grad(
+    ...     lambda m: m(jnp.ones((1, 2))).sum(), optimizer.loss_scale,
+    ...     value_and_grad=nnx.value_and_grad)(model)
     >>> optimizer.update(model, grads)
     >>> master = optimizer.master_params(model)
     >>> bool(jnp.all(model.kernel.get_raw_value() == master["kernel"].astype(jnp.bfloat16)))
@@ -115,13 +119,20 @@ class Optimizer(nnx.Optimizer):
 
   def update(self, model: nnx.Module, grads: Any, /, *, also_finite=None,
              **kwargs) -> None:
-    """Applies the gradients of the *scaled* loss to ``model``'s params;
+    """Applies ``grads`` to ``model``'s params: those of the *scaled*
+    loss marked (:class:`~jmp_lab.ScaledGradients`, as
+    :func:`~jmp_lab.scaled_value_and_grad` returns them), or plain
+    gradients of the unscaled loss (see :mod:`jmp_lab.training`);
     ``also_finite``: scalar bools that must be True too for the step to
     apply."""
     params = _pure_params(model, self.wrt)
+    # The mark (gradients of the scaled loss) survives the filtering.
+    marked = isinstance(grads, scaled.ScaledGradients)
+    grads = scaled.unmarked(grads)
     grads = nnx.as_pure(nnx.state(grads, self.wrt)) if isinstance(
         grads, nnx.State) else grads
     _checks.check_grads(grads, params)
+    grads = scaled.ScaledGradients(grads) if marked else grads
     new_params, new_opt_state = step_core.update(
         self.tx, grads, self._pure_opt_state(), params, also_finite, **kwargs)
     nnx.update(model, new_params)
@@ -208,7 +219,9 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
     warn_unless_half(policy, matmuls, lambda: _loss_jaxpr(loss_fn, model,
                                                           batch),
                      "jmp_lab.nnx.train_step")
-  scaled_grads, fp8_observed = nnx.split_state(grads, optimizer.wrt, ...)
+  scaled_grads, fp8_observed = nnx.split_state(scaled.unmarked(grads),
+                                               optimizer.wrt, ...)
+  scaled_grads = scaled.ScaledGradients(scaled_grads)
   steps_before = optimizer.step[...]  # where next_meta writes the amaxes
   # A non-finite observed amax skips the step too.
   optimizer.update(model, scaled_grads, also_finite=(

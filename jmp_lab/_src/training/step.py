@@ -6,6 +6,7 @@ add their framework's way of differentiating and holding state.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -13,9 +14,12 @@ import optax
 
 from jmp_lab import _checks
 from jmp_lab._src.numerics import fp8_state
+from jmp_lab._src.optim.scaled import ScaledGradients
 from jmp_lab._src.optim.updates import WritesParams
-from jmp_lab._src.optim.states import State, find_state, last_step_applied
+from jmp_lab._src.optim.states import (FusedAdamWState, State, find_state,
+                                      last_step_applied)
 from jmp_lab._src.loss_scale import select_tree
+from jmp_lab._src.user_warnings import user_stacklevel
 
 #: The name scope of the optimizer update inside a train step: compiled
 #: reports (``CompiledReport.scope``) find its kernels and bytes by it.
@@ -24,15 +28,68 @@ UPDATE_SCOPE = "jmp_lab_update"
 
 def jmp_lab_state(opt_state: Any, where: str) -> State:
   """The jmp_lab state in ``opt_state``; a TypeError naming the fix when the
-  optimizer is not a jmp_lab one."""
+  optimizer is not a jmp_lab one, and a warning when it is accumulated
+  from outside (:func:`warn_if_accumulated_outside`)."""
   try:
-    return find_state(opt_state)
+    state = find_state(opt_state)
   except ValueError:
     raise TypeError(
         f"{where}'s tx must be a jmp_lab optimizer (jmp_lab.mixed_precision"
         f"(...) or jmp_lab.fused_adamw(...)), which keeps the loss scale and "
         f"skips non-finite steps; got one whose state is a "
         f"{type(opt_state).__name__}") from None
+  warn_if_accumulated_outside(opt_state, where)
+  return state
+
+
+def _holds_jmp_lab_state(tree: Any) -> bool:
+  try:
+    find_state(tree)
+  except ValueError:
+    return False
+  return True
+
+
+def warn_if_accumulated_outside(opt_state: Any, where: str) -> None:
+  """Warns when ``optax.MultiSteps`` wraps the jmp_lab optimizer.
+
+  Legal, and almost certainly wrong: MultiSteps sums the *scaled*
+  gradients, in the params' dtype, across loss-scale changes, and calls the
+  optimizer once a window, so the dynamic scale adjusts k times more slowly
+  and one overflowing micro-batch throws the window away. Inside
+  (``mixed_precision(optax.MultiSteps(inner, k))``) each micro-batch is
+  unscaled with its own scale and accumulated in fp32.
+  """
+  if not _accumulated_outside(opt_state):
+    return
+  warnings.warn(
+      f"{where}: optax.MultiSteps wraps the jmp_lab optimizer, so it sums "
+      f"the gradients of the scaled loss in the params' dtype across "
+      f"loss-scale changes, and the optimizer sees one step per window: the "
+      f"loss scale backs off k times more slowly and one overflowing "
+      f"micro-batch drops the whole window (and the train step refuses it: "
+      f"the marked gradients of the scaled loss do not fit MultiSteps' "
+      f"accumulator). Put the accumulation inside: "
+      f"{_accumulation_fix(opt_state)}; each micro-batch is then unscaled "
+      f"with its own scale and summed in fp32", UserWarning,
+      stacklevel=user_stacklevel())
+
+
+def _accumulated_outside(opt_state: Any) -> bool:
+  """Whether an ``optax.MultiSteps`` wraps the jmp_lab optimizer."""
+  is_multisteps = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+  return any(is_multisteps(node) and _holds_jmp_lab_state(node.inner_opt_state)
+             for node in jax.tree_util.tree_leaves(opt_state,
+                                                   is_leaf=is_multisteps))
+
+
+def _accumulation_fix(opt_state: Any) -> str:
+  if isinstance(find_state(opt_state), FusedAdamWState):
+    return ("jmp_lab.mixed_precision(optax.MultiSteps(optax.adamw(...), "
+            "every_k_schedule=k), policy=...) (fused_adamw takes no inner "
+            "transformation)")
+  return ("jmp_lab.mixed_precision(optax.MultiSteps(inner, every_k_schedule=k)"
+          ", policy=...)")
 
 
 def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
@@ -44,6 +101,15 @@ def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
   and no ``apply_updates`` pass; the same values, bit for bit); any other
   optimizer goes through optax's ``update`` and ``apply_updates``.
   """
+  if isinstance(grads, ScaledGradients) and _accumulated_outside(opt_state):
+    # MultiSteps pairs the gradients with its accumulator (a tree like the
+    # params): jax's own error would name a pytree mismatch.
+    raise TypeError(
+        f"optax.MultiSteps wraps the jmp_lab optimizer, and the gradients of "
+        f"the scaled loss (jmp_lab.ScaledGradients) cannot go through its "
+        f"accumulator, which would sum them in the params' dtype across "
+        f"loss-scale changes. Put the accumulation inside: "
+        f"{_accumulation_fix(opt_state)}")
   kwargs = dict(extra_args)
   if also_finite is not None:
     kwargs["also_finite"] = also_finite
