@@ -47,8 +47,9 @@ def scaled_value_and_grad(
       rules (:func:`jmp_lab.precision.island`): its matmuls (a head applied
       outside the model, :func:`jmp_lab.losses.linear_cross_entropy`) in the
       compute dtype, its own arithmetic as written (fp32), and a model
-      under ``with_policy`` inside by its own rules. None: ``fun`` as
-      written.
+      under ``with_policy`` inside by its own rules. With a reduce dtype,
+      a weight gradient ``fun`` computes itself (``linear_cross_entropy``'s
+      table) is returned in it. None: ``fun`` as written.
 
   Returns:
     A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
@@ -137,7 +138,10 @@ def _transformation(value_and_grad: Callable[..., Callable],
 def under_loss_rules(fun: Callable[..., Any], policy: Union[Policy, str]
                      ) -> Callable[..., Any]:
   """``fun`` (a train step's loss) under ``policy``'s loss rules, where the
-  policy computes in half; else ``fun``.
+  policy computes in half, and in its reduce dtype's scope, where it has
+  one (a weight gradient the loss computes itself, as
+  ``linear_cross_entropy``'s table gradient, then takes that dtype); else
+  ``fun``.
 
   The loss is an fp32 island whose matmuls run in the compute dtype
   (:func:`jmp_lab.precision.island`): a head or ``linear_cross_entropy``
