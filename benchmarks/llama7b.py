@@ -28,7 +28,7 @@ import functools
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -43,6 +43,8 @@ from jmp_lab.diagnostics import compiled
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "examples"))
 import fsdp_llama  # noqa: E402
+
+from benchmarks.train_step import largest_fitting  # noqa: E402
 
 #: The dense 16-bit peak of an H100 SXM: the data sheet's (MaxText's MFU is
 #: against it) and the one measured on the machines this project is lent
@@ -275,20 +277,6 @@ def table(rows: list[Row]) -> str:
         f"| {r.mfu(DATASHEET_PEAK, 3.35232e12):.0%} / "
         f"{r.mfu(MEASURED_PEAK, MEASURED_BANDWIDTH):.0%} |")
   return "\n".join(lines)
-
-
-def largest_fitting(fits: Callable[[int], bool], upper: int = 64) -> int:
-  """The largest n in 1..upper with ``fits(n)`` (fits is monotone), or 0."""
-  if not fits(1):
-    return 0
-  low, high = 1, 2
-  while high <= upper and fits(high):
-    low, high = high, high * 2
-  high = min(high, upper + 1)
-  while high - low > 1:
-    middle = (low + high) // 2
-    low, high = (middle, high) if fits(middle) else (low, middle)
-  return low
 
 
 def main(argv: Optional[list[str]] = None) -> list[Row]:

@@ -534,13 +534,12 @@ def main(argv=None):
                       help="the 7B-class Llama, FSDP and tensor parallel, "
                            "compiled for 8 GPUs: the other arguments go to "
                            "benchmarks/llama7b.py (--help there)")
-  args, rest = parser.parse_known_args(argv)
-  if args.llama7b:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--llama7b" in argv:  # every other argument is llama7b.py's
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import llama7b  # pylint: disable=import-outside-toplevel
-    return llama7b.main(rest)
-  if rest:
-    parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return llama7b.main([a for a in argv if a != "--llama7b"])
+  args = parser.parse_args(argv)
 
   small = args.small and not args.target  # --target means GPT-2 small
   size = SMALL if small else ModelSize()
