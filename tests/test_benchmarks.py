@@ -79,3 +79,13 @@ def test_torch_only_mode_runs_without_jax_rows(capsys):
   train_step.main(["--small", "--torch-only", "--configs", "bf16"])
   out = capsys.readouterr().out
   assert "| config | median step ms" in out  # torch has no GPU here: no rows
+
+
+def test_train_step_hands_llama7b_its_own_arguments(capsys):
+  """``train_step.py --llama7b`` passes every other argument to llama7b.py
+  (train_step's own ``--layers`` and ``--configs`` had swallowed them, and
+  the whole 32-layer model with every config was compiled)."""
+  rows = train_step.main(["--llama7b", "--layers", "1", "--configs",
+                          "bf16-params", "--meshes", "fsdp=8"])
+  assert [(r.config, r.mesh) for r in rows] == [("bf16-params", "fsdp=8")]
+  assert "1-layer Llama" in capsys.readouterr().out
