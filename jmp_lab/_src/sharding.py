@@ -186,17 +186,17 @@ def _follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh,
   layout's buffers) are split over ``zero1`` on their first divisible
   dimension; the rest (counters, keys, scales) is replicated.
   """
-  by_path = [(tuple(path), tuple(np.shape(x)), sharding.spec)
+  by_path = {tuple(path): (tuple(np.shape(x)), sharding.spec)
              for (path, x), sharding in zip(
                  jax.tree_util.tree_flatten_with_path(params)[0],
-                 jax.tree_util.tree_leaves(shardings))]
-  # the longest param path first: ['Dense_0']['kernel'] before ['kernel']
-  by_path.sort(key=lambda entry: -len(entry[0]))
+                 jax.tree_util.tree_leaves(shardings))}
 
   def param_spec(path, shape) -> Optional[P]:
-    for param_path, param_shape, spec in by_path:
-      if (shape == param_shape and len(path) >= len(param_path)
-          and tuple(path[len(path) - len(param_path):]) == param_path):
+    # the longest param path the leaf's path ends with: ['Dense_0']['kernel']
+    # before ['kernel']
+    for start in range(len(path) + 1):
+      param_shape, spec = by_path.get(path[start:], (None, None))
+      if param_shape == shape:
         return spec
     return None
 
