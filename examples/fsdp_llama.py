@@ -153,6 +153,7 @@ class Attention(nn.Module):
     v = project(c.kv_heads, "value", ("embed", "kv_heads", "kv"))
     q = _constrain(_rope(q), ("batch", "length", "heads", "kv"), c)
     k = _constrain(_rope(k), ("batch", "length", "kv_heads", "kv"), c)
+    v = _constrain(v, ("batch", "length", "kv_heads", "kv"), c)
     out = jmp_lab.attention.dot_product_attention(q, k, v, causal=True)
     out = _constrain(out, ("batch", "length", "heads", "kv"), c)
     return nn.DenseGeneral(c.width, axis=(-2, -1), use_bias=False,

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
-from jmp_lab._src.numerics.fp8_state import (E4M3, E5M2, Fp8Meta,
-                                             check_meta)
+from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
+from jmp_lab._src.numerics.fp8_state import (AMAX_HISTORY_LENGTH, E4M3, E5M2,
+                                             Fp8Meta, check_meta)
 from jmp_lab.kernels import cast_transpose
 
 
@@ -31,25 +32,52 @@ def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
   :func:`next_meta` finishes the reduction for all tensors at once: XLA
   compiles a reduction of a large tensor to one number into two kernels,
   and the second, a one-block kernel per tensor, was most of what fp8's
-  amaxes cost in kernels. Each part is at most 16,384 elements long, or
-  taken from up to 8 strided chunks when it is longer (a reduction over
-  ``(chunks, parts, part)``'s first and last axes): XLA splits a row
-  reduction longer than that into two kernels, and one whose reduced major
-  axis is at most 8 it keeps in one (its race-free bounds), so the
-  quantizing kernel computes the parts (GPT-2 small's fp8 step loses the
-  24 second-stage kernels of its 3,072-wide MLP tensors). Otherwise (a
-  tensor smaller than the history) the scale slot holds the amax, and the
-  history slot zeros.
+  amaxes cost in kernels. Otherwise (a tensor smaller than the history)
+  the scale slot holds the amax, and the history slot zeros.
   """
-  length = amax_history.shape[-1]
-  if amax_history.ndim == 1 and x.size >= length and x.size % length == 0:
-    per_part = x.size // length
-    chunks = next((c for c in range(1, 9) if per_part % c == 0
-                   and per_part // c <= _ONE_KERNEL_ROW), 1)
-    parts = jnp.max(jnp.abs(x).reshape(chunks, length, -1), axis=(0, 2))
-    return jnp.zeros_like(scale), parts.astype(jnp.float32)
+  parts = _part_maxima(x, amax_history.shape[-1])
+  if amax_history.ndim == 1 and parts is not None:
+    return jnp.zeros_like(scale), parts
   return (jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(jnp.shape(scale)),
           jnp.zeros_like(amax_history))
+
+
+def _part_maxima(x: jax.Array, parts: int) -> Optional[jax.Array]:
+  """``|x|``'s maxima over ``parts`` equal parts (fp32), or None where
+  ``x`` does not split so.
+
+  The parts split one axis of ``x`` (its first where that divides, else
+  its last, else the flattened tensor) and keep every other axis whole: an axis that is sharded
+  across devices (a weight's FSDP axis, an activation's tensor-parallel
+  features) is never merged with another, which would make XLA gather
+  the tensor in 16 bits before reducing it. Each part is at most 16,384
+  elements long, or read as up to 8 strided chunks when it is longer (a
+  reduction over ``(chunks, parts, ...)``'s first and trailing axes): XLA
+  splits a row reduction longer than that into two kernels, and one whose
+  reduced major axis is at most 8 it keeps in one (its race-free bounds),
+  so the quantizing kernel computes the parts (GPT-2 small's fp8 step
+  loses the 24 second-stage kernels of its 3,072-wide MLP tensors).
+  """
+  if x.ndim == 0 or x.size < parts:
+    return None
+  magnitude = jnp.abs(x)
+  first, last = x.shape[0], x.shape[-1]
+  if first % parts == 0:
+    per_part = x.size // parts
+    chunks = next((c for c in range(1, 9) if (first // parts) % c == 0
+                   and per_part // c <= _ONE_KERNEL_ROW), 1)
+    blocks = magnitude.reshape(chunks, parts, first // (chunks * parts),
+                               *x.shape[1:])
+    kept = 1
+  elif last % parts == 0:
+    blocks = magnitude.reshape(*x.shape[:-1], parts, last // parts)
+    kept = x.ndim - 1
+  elif x.size % parts == 0:  # neither axis splits: parts of the flat tensor
+    blocks, kept = magnitude.reshape(parts, -1), 0
+  else:
+    return None
+  reduced = tuple(a for a in range(blocks.ndim) if a != kept)
+  return jnp.max(blocks, axis=reduced).astype(jnp.float32)
 
 
 def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
@@ -244,38 +272,86 @@ def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers
   return n
 
 
+def _current_scale(x: jax.Array, fp8_dtype) -> jax.Array:
+  """Current scaling's scale of ``x``: its amax over the fp8 format's
+  largest value (1 for an all-zero ``x``)."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
+  return jax.lax.stop_gradient(jnp.where(amax > 0, amax / fp8_max, 1.0))
+
+
+def _operand_scales(x: jax.Array, w: jax.Array, meta: Optional[Fp8Meta]
+                    ) -> tuple[jax.Array, jax.Array]:
+  if meta is None:
+    return _current_scale(x, E4M3), _current_scale(w, E4M3)
+  return meta["input_scale"], meta["kernel_scale"]
+
+
 @jax.custom_vjp
-def _delayed_matmul(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
-                    meta: Fp8Meta) -> jax.Array:
-  return _delayed_matmul_fwd(x, w, b, meta)[0]
+def _dense_matmul(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
+                  meta: Optional[Fp8Meta]) -> jax.Array:
+  return _dense_matmul_fwd(x, w, b, meta)[0]
 
 
-def _delayed_matmul_fwd(x, w, b, meta):
-  qx = _quantize(x, E4M3, meta["input_scale"])
-  qw = _quantize(w, E4M3, meta["kernel_scale"])
-  y = jax.lax.dot_general(
-      fp8_ops.dequantize(qx, x.dtype, meta["input_scale"]),
-      fp8_ops.dequantize(qw, w.dtype, meta["kernel_scale"]),
-      (((1,), (0,)), ((), ())))
+def _dense_matmul_fwd(x, w, b, meta):
+  if meta is None:
+    # Current scaling quantizes an input shared by two layers (a gated
+    # MLP's gate and up projections) identically for both: XLA then
+    # merges the quantizations, merges the two GEMMs that read the one
+    # result into one over a concatenated kernel, and that GEMM is no
+    # longer the fp8 pattern: 16-bit on the H100. Tying the input to its
+    # own kernel keeps one quantization, and one fp8 GEMM, per layer.
+    x, w = jax.lax.optimization_barrier((x, w))
+  x_scale, w_scale = _operand_scales(x, w, meta)
+  qx = _quantize(x, E4M3, x_scale)
+  # The weight is quantized where it lies (on its shard, under FSDP: the
+  # scale is the whole tensor's) and laid out for the GEMM as fp8, so an
+  # all-gather moves one byte per weight. The backward reads this same
+  # tensor: under remat the recomputed forward's gather serves both of the
+  # backward's GEMMs, and a weight crosses the network twice a step, as
+  # in a 16-bit step (the backward quantizing again would gather again).
+  qw = laid_out_for_consumer(_quantize(w, E4M3, w_scale))
+  y = jax.lax.dot_general(fp8_ops.dequantize(qx, x.dtype, x_scale),
+                          fp8_ops.dequantize(qw, w.dtype, w_scale),
+                          (((1,), (0,)), ((), ())))
   if b is not None:
     # Added to the 2-D product, a bias is the GEMM's epilogue (cuBLASLt's
     # bias vector); added to a 4-D output, as flax's DenseGeneral adds a
     # (heads, head_dim) bias, XLA broadcast it into a full matrix first.
     y = y + b.astype(y.dtype)[None, :]
-  observed = (
+  observed = None if meta is None else (
       _observation(x, meta["input_scale"], meta["input_amax_history"]),
       _observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
   # The fp8 operands are the residuals: the backward GEMMs read them (fp8
   # on the H100 under nn.scan too, where a 16-bit residual would cross the
   # loop), and the weights are quantized once a step.
-  return y, (qx, qw, meta, observed, b)
+  return y, (qx, qw, (x_scale, w_scale), meta, observed, b)
 
 
-def _delayed_matmul_bwd(residuals, g):
-  qx, qw, meta, (input_seen, kernel_seen), bias = residuals
-  dtype = g.dtype
+def _output_gradient_scale(g: jax.Array, meta: Optional[Fp8Meta]
+                           ) -> tuple[jax.Array, int]:
+  """The output gradient's E5M2 scale, and the parts its maxima come in
+  (the history's length; current scaling keeps none)."""
+  if meta is None:
+    return _current_scale(g, E5M2), AMAX_HISTORY_LENGTH
+  history = meta["output_grad_amax_history"]
+  return (meta["output_grad_scale"],
+          history.shape[-1] if history.ndim == 1 else 1)
+
+
+def _seen_output_gradient(meta: Fp8Meta, maxima: jax.Array
+                          ) -> tuple[jax.Array, jax.Array]:
   scale, history = meta["output_grad_scale"], meta["output_grad_amax_history"]
-  programs = history.shape[-1] if history.ndim == 1 else 1
+  if history.ndim != 1:  # an unusual history: the amax in the scale slot
+    return (jnp.max(maxima).reshape(jnp.shape(scale)),
+            jnp.zeros_like(history))
+  return jnp.zeros_like(scale), maxima.reshape(history.shape)
+
+
+def _dense_matmul_bwd(residuals, g):
+  qx, qw, (x_scale, w_scale), meta, observed, bias = residuals
+  dtype = g.dtype
+  scale, programs = _output_gradient_scale(g, meta)
   # Both fp8 layouts of the output gradient from one read of it: the input
   # gradient's GEMM reads q_g, the weight gradient's q_g.T, whose token axis
   # (the contracted one) is innermost, as Hopper's fp8 GEMMs read it; and
@@ -284,32 +360,35 @@ def _delayed_matmul_bwd(residuals, g):
       g, scale, E5M2, programs,
       lambda x, s: _quantize(x, E5M2, s), column_sums=bias is not None)
   d_b = None if bias is None else column_sums[0].astype(bias.dtype)  # (N,)
-  g_seen = (jnp.zeros_like(scale), maxima.reshape(history.shape))
-  if history.ndim != 1:  # an unusual history: the amax in the scale slot
-    g_seen = (jnp.max(maxima).reshape(jnp.shape(scale)),
-              jnp.zeros_like(history))
-  x = fp8_ops.dequantize(qx, dtype, meta["input_scale"])
-  w = fp8_ops.dequantize(qw, dtype, meta["kernel_scale"])
+  x = fp8_ops.dequantize(qx, dtype, x_scale)
+  w = fp8_ops.dequantize(qw, dtype, w_scale)
   d_x = jax.lax.dot_general(fp8_ops.dequantize(q_g, dtype, scale), w,
                             (((1,), (1,)), ((), ())))
   d_w = jax.lax.dot_general(x, fp8_ops.dequantize(q_g_t, dtype, scale),
                             (((0,), (1,)), ((), ())))
-  seen = {"input_scale": input_seen[0], "input_amax_history": input_seen[1],
-          "kernel_scale": kernel_seen[0],
-          "kernel_amax_history": kernel_seen[1],
-          "output_grad_scale": g_seen[0],
-          "output_grad_amax_history": g_seen[1]}
+  seen = None
+  if meta is not None:
+    (input_seen, kernel_seen), g_seen = observed, _seen_output_gradient(
+        meta, maxima)
+    seen = {"input_scale": input_seen[0],
+            "input_amax_history": input_seen[1],
+            "kernel_scale": kernel_seen[0],
+            "kernel_amax_history": kernel_seen[1],
+            "output_grad_scale": g_seen[0],
+            "output_grad_amax_history": g_seen[1]}
   return d_x.astype(dtype), d_w.astype(dtype), d_b, seen
 
 
-_delayed_matmul.defvjp(_delayed_matmul_fwd, _delayed_matmul_bwd)
+_dense_matmul.defvjp(_dense_matmul_fwd, _dense_matmul_bwd)
 
 
-def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Fp8Meta,
+def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Optional[Fp8Meta],
                    contracted: int, bias: Optional[jax.Array] = None
                    ) -> jax.Array:
-  """A Dense layer's fp8 product with delayed scaling (plus ``bias``), as
-  one 2-D matmul whose backward is written out: its output gradient is
+  """A Dense layer's fp8 product (delayed scaling with ``meta``, current
+  without; plus ``bias``), as one 2-D matmul whose backward is written out:
+  the backward reads the forward's fp8 weight, as laid out for the forward's
+  GEMM (gathered once under FSDP), and its output gradient is
   quantized once into both layouts the two gradient GEMMs read, and summed
   into the bias gradient in the same pass
   (:func:`jmp_lab.kernels.cast_transpose.quantize_transpose`), where
@@ -319,7 +398,7 @@ def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Fp8Meta,
   width = int(np.prod(rhs.shape[:contracted]))
   x = lhs.astype(compute).reshape(-1, width)
   flat_bias = None if bias is None else bias.reshape(-1)
-  y = _delayed_matmul(x, rhs.reshape(width, -1), flat_bias, meta)
+  y = _dense_matmul(x, rhs.reshape(width, -1), flat_bias, meta)
   return y.reshape(lhs.shape[:lhs.ndim - contracted] + rhs.shape[contracted:])
 
 
@@ -351,12 +430,17 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
 
   ``bias`` (shaped as the result's trailing, ``rhs``'s free, axes; any
   float dtype) is added to the result. For a Dense-like product (``lhs``'s
-  last axes with ``rhs``'s first) under delayed scaling it is added to the
-  2-D product, where XLA makes it the GEMM's bias epilogue, and its
-  gradient, summed in fp32 and returned in its own dtype, comes out of the
-  kernel that quantizes the output gradient (Transformer Engine's
-  ``cast_transpose_dbias``). The linen and NNX policies pass a Dense
-  layer's bias here. Otherwise it is added to the result.
+  last axes with ``rhs``'s first) it is added to the 2-D product, where XLA
+  makes it the GEMM's bias epilogue, and its gradient, summed in fp32 and
+  returned in its own dtype, comes out of the kernel that quantizes the
+  output gradient (Transformer Engine's ``cast_transpose_dbias``). The
+  linen and NNX policies pass a Dense layer's bias here. Otherwise it is
+  added to the result.
+
+  A Dense-like product's kernel is quantized where it lies and moves as
+  fp8: under FSDP each device quantizes its shard (with the whole tensor's
+  scale) and the GEMM's all-gather carries fp8, once in the forward and once
+  in the backward (whose two GEMMs share it).
 
   >>> import jax, jax.numpy as jnp
   >>> x, w = jnp.full((8, 4), 3.0, jnp.bfloat16), jnp.ones((4, 2), jnp.bfloat16)
@@ -373,11 +457,12 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   """
   del precision, preferred_element_type
   contracted = _dense_contraction(lhs, rhs, dimension_numbers)
-  if meta is not None and contracted:
+  if contracted:
     if out_sharding is not None:
       raise ValueError(f"an fp8 matmul does not take out_sharding (got "
                        f"{out_sharding!r})")
-    check_meta(meta)
+    if meta is not None:
+      check_meta(meta)
     _check_bias(bias, rhs.shape[contracted:])
     return _dense_product(lhs, rhs, meta, contracted, bias)
   out = _fp8_product(

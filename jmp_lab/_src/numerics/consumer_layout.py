@@ -1,0 +1,86 @@
+"""An array laid out as the op that reads it needs: the all-gather (or the
+slice) happens on the array itself, in its own dtype."""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def _axes(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec(sharding, ndim: int) -> list[tuple]:
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  return [_axes(spec[d]) if d < len(spec) else () for d in range(ndim)]
+
+
+def _relayout(x: jax.Array, mesh, source: list[tuple], target: list[tuple]
+              ) -> jax.Array:
+  """One device's block of ``x`` laid out by ``source``, re-laid out by
+  ``target``: gathered over the axes a dimension leaves, then sliced by
+  the axes it takes."""
+  for dim, (have, want) in enumerate(zip(source, target)):
+    if have == want:
+      continue
+    if have:
+      x = jax.lax.all_gather(x, have, axis=dim, tiled=True)
+    if want:
+      parts, index = 1, 0
+      for axis in want:
+        index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
+        parts *= mesh.shape[axis]
+      size = x.shape[dim] // parts
+      x = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+  return x
+
+
+def _partition(mesh, arg_shapes, result_shape):
+  ndim = len(arg_shapes[0].shape)
+  source = _spec(arg_shapes[0].sharding, ndim)
+  target = _spec(result_shape.sharding, ndim)
+  result = NamedSharding(mesh, PartitionSpec(
+      *[(t if len(t) > 1 else t[0]) if t else None for t in target]))
+  return (mesh, lambda x: _relayout(x, mesh, source, target), result,
+          (arg_shapes[0].sharding,))
+
+
+def _rule(ndim: int) -> str:
+  # The result's factors are its own: its layout comes from its consumers,
+  # not from the operand's.
+  names = [f"i{d}" for d in range(ndim)], [f"o{d}" for d in range(ndim)]
+  return f"{' '.join(names[0])} -> {' '.join(names[1])}"
+
+
+_OPS = {}
+
+
+def _op(ndim: int):
+  if ndim not in _OPS:
+    op = custom_partitioning(lambda x: x)
+    op.def_partition(partition=_partition,
+                     infer_sharding_from_operands=lambda mesh, args, _: (
+                         args[0].sharding),
+                     sharding_rule=_rule(ndim))
+    _OPS[ndim] = op
+  return _OPS[ndim]
+
+
+def laid_out_for_consumer(x: jax.Array) -> jax.Array:
+  """``x`` (its value unchanged) laid out on each device as the ops that read
+  it need."""
+  if x.ndim == 0:
+    return x
+  op = _op(x.ndim)
+  dispatch = jax.custom_batching.custom_vmap(op)
+
+  @dispatch.def_vmap
+  def _batched(axis_size, in_batched, x):
+    del axis_size
+    return x, in_batched[0]
+
+  return dispatch(x)
