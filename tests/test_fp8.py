@@ -1168,6 +1168,41 @@ def test_dense_backward_on_8_h100s_quantizes_each_devices_own_tokens():
   assert {g.math for g in report.gemms} == {"fp8"}
 
 
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_an_fsdp_kernel_crosses_the_network_as_fp8_once_per_pass_on_h100(
+    delayed):
+  """FSDP over 2 H100s (the kernel's rows and the tokens split) and remat:
+  the kernel is quantized on its shard and all-gathered as fp8 twice a
+  step, once in the forward and once in the backward, whose recomputed
+  forward and input-gradient GEMM share the one gather (the backward
+  quantized again and gathered a third time under current scaling; XLA
+  gathered the dequantized kernel's rows again under delayed scaling)."""
+  pytest.importorskip("jax_cuda12_plugin")
+  from jax.sharding import PartitionSpec as P
+  tokens, width, features = 4096, 1024, 2048
+  meta = fp8.init_meta() if delayed else None
+
+  def grads(x, w, m):
+    product = jax.checkpoint(lambda x, w, m: jnp.tanh(fp8.dot_general(
+        x, w, DIMS, meta=m)))
+    return jax.value_and_grad(lambda x, w, m: product(x, w, m).astype(
+        jnp.float32).sum(), argnums=(0, 1, 2))(x, w, m)
+
+  abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  report = jmp_lab.diagnostics.compiled_report(
+      grads, jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16),
+      jax.ShapeDtypeStruct((width, features), jnp.bfloat16),
+      jax.tree.map(abstract, meta), target="h100", devices=2,
+      axes={"fsdp": 2},
+      in_specs=(P("fsdp"), P("fsdp"), jax.tree.map(lambda _: P(), meta)))
+  kernel_shard = width * features // 2    # one byte per fp8 element
+  gathers = [c for c in report.collectives if c.kind == "all-gather"]
+  # XLA may combine the two gathers into one collective of two operands
+  assert sum(c.bytes * c.times for c in gathers) == 2 * kernel_shard, gathers
+  assert {c.dtypes for c in gathers} == {("f8e4m3fn",)}, gathers
+  assert {g.math for g in report.gemms} == {"fp8"}
+
+
 def test_dense_backward_under_tensor_parallelism_quantizes_each_devices_block():
   """Data 4 x tensor 2 on 8 H100s, the kernel's columns split over tensor:
   each device quantizes and transposes its own block of the output
@@ -1199,3 +1234,54 @@ def test_dense_backward_under_tensor_parallelism_quantizes_each_devices_block():
   assert "bf16" not in gathered, report.collective_summary()
   assert f"f8e5m2[{tokens // 4},{features // 2}]" in report.hlo_text
   assert {g.math for g in report.gemms} == {"fp8"}
+
+
+# --- the fp8 kernel's layout: from the GEMM that reads it --------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_array_laid_out_for_its_consumer_keeps_its_value(jit):
+  """On 2 devices, rows split, read by an op that wants the columns split:
+  the array is re-laid out (gathered and sliced) without changing a value;
+  eagerly, on one device and under vmap it is the identity."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
+  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  x = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6).astype(
+      jnp.float8_e4m3fn)
+  rows = jax.device_put(x, NamedSharding(mesh, P("fsdp")))
+
+  def read_by_columns(x):
+    return jax.lax.with_sharding_constraint(
+        laid_out_for_consumer(x).astype(jnp.float32) * 2,
+        NamedSharding(mesh, P(None, "fsdp")))
+
+  fn = jax.jit(read_by_columns) if jit else read_by_columns
+  want = np.asarray(x.astype(jnp.float32)) * 2
+  np.testing.assert_array_equal(fn(rows), want)
+  np.testing.assert_array_equal(laid_out_for_consumer(x), x)
+  np.testing.assert_array_equal(
+      jax.vmap(laid_out_for_consumer)(x.reshape(2, 4, 6)), x.reshape(2, 4, 6))
+
+
+def test_an_fsdp_dense_product_matches_one_device():
+  """The fp8 Dense product with its kernel and tokens split over 2 devices
+  (the kernel gathered as fp8 inside the product) gives one device's
+  values and gradients, both scalings, under remat."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  x, w, meta = _dense_problem()
+  split = NamedSharding(mesh, P("fsdp"))
+
+  def value_and_grads(x, w, m):
+    product = jax.checkpoint(lambda x, w, m: fp8.dot_general(
+        x, w, (((2,), (0,)), ((), ())), meta=m))
+    return jax.value_and_grad(lambda x, w, m: jnp.sum(jnp.sin(
+        product(x, w, m).astype(jnp.float32))), argnums=(0, 1, 2))(x, w, m)
+
+  for m in (meta, None):
+    want = jax.jit(value_and_grads)(x, w, m)
+    with jax.set_mesh(mesh):
+      got = jax.jit(value_and_grads)(jax.device_put(x, split),
+                                     jax.device_put(w, split), m)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)

@@ -1,5 +1,20 @@
-"""An array laid out as the op that reads it needs: the all-gather (or the
-slice) happens on the array itself, in its own dtype."""
+"""An array laid out as the ops that read it need: the all-gather (or the
+slice) happens on the array itself, in its own dtype.
+
+An fp8 Dense product quantizes its kernel where the kernel lies (on each
+device's FSDP shard) and hands the fp8 tensor to this op: the GEMM's
+all-gather then carries one byte per weight, and the backward reads the
+very tensor the forward gathered, so its two GEMMs share one gather.
+
+Built on jax's ``custom_partitioning`` (as :mod:`jmp_lab.kernels.cast_transpose`
+is). ``with_sharding_constraint`` cannot do this: the layout to gather to is
+the consumer's (which axes the GEMM contracts locally), which only sharding
+propagation knows. The op's Shardy rule gives its result factors of their
+own, so the result takes its layout from its readers, and the partitioning
+callback gathers (or slices) each device's block from the operand's layout
+to that one. Without a mesh, on one device, or under ``vmap`` it is the
+identity, and XLA lays the array out as before.
+"""
 
 from __future__ import annotations
 
@@ -40,13 +55,17 @@ def _relayout(x: jax.Array, mesh, source: list[tuple], target: list[tuple]
 
 
 def _partition(mesh, arg_shapes, result_shape):
+  given, wanted = arg_shapes[0].sharding, result_shape.sharding
+  if not (isinstance(given, NamedSharding)
+          and isinstance(wanted, NamedSharding)):
+    # No mesh to name the axes by (a jit without one): XLA lays it out.
+    return mesh, lambda x: x, given, (given,)
   ndim = len(arg_shapes[0].shape)
-  source = _spec(arg_shapes[0].sharding, ndim)
-  target = _spec(result_shape.sharding, ndim)
+  source, target = _spec(given, ndim), _spec(wanted, ndim)
   result = NamedSharding(mesh, PartitionSpec(
       *[(t if len(t) > 1 else t[0]) if t else None for t in target]))
   return (mesh, lambda x: _relayout(x, mesh, source, target), result,
-          (arg_shapes[0].sharding,))
+          (given,))
 
 
 def _rule(ndim: int) -> str:
@@ -71,8 +90,12 @@ def _op(ndim: int):
 
 
 def laid_out_for_consumer(x: jax.Array) -> jax.Array:
-  """``x`` (its value unchanged) laid out on each device as the ops that read
-  it need."""
+  """``x``, its value unchanged, laid out on each device as the ops that
+  read it need (gathered from ``x`` itself, in ``x``'s dtype).
+
+  Not differentiable: :mod:`jmp_lab.fp8`'s Dense product calls it inside
+  its forward rule, whose backward is written out.
+  """
   if x.ndim == 0:
     return x
   op = _op(x.ndim)
