@@ -169,7 +169,9 @@ def compile_step(config: Config, axes: dict[str, int], *, target: str = "h100",
   with ``sequences * devices`` sequences a step."""
   devices = int(np.prod(list(axes.values())))
   mesh = compiled.gpu_mesh(target, devices, axes=axes)
-  llama = dataclasses.replace(model, mesh=mesh, remat_policy=remat)
+  llama = dataclasses.replace(model, mesh=mesh, remat=remat != "none",
+                              remat_policy=model.remat_policy
+                              if remat == "none" else remat)
   module = jmp_lab.linen.with_policy(fsdp_llama.LlamaLM(llama), config.policy)
   rules = fsdp_llama.rules_for(mesh)
   batch_axes = dict(rules)["batch"]
@@ -286,7 +288,8 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
                       help="of: " + ", ".join(c.name for c in CONFIGS))
   parser.add_argument("--meshes", default="fsdp=8;fsdp=4,tensor=2",
                       help="';'-separated meshes, each data=N,fsdp=N,tensor=N")
-  parser.add_argument("--remat", default="full", choices=["full", "selective"])
+  parser.add_argument("--remat", default="full",
+                      choices=["full", "selective", "none"])
   parser.add_argument("--sequences", type=int, default=1,
                       help="sequences of 4096 per device")
   parser.add_argument("--fit", action="store_true",
@@ -294,10 +297,13 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
                            "GiB with selective remat (fsdp=8), and the model "
                            "on one GPU with the remainder master")
   parser.add_argument("--layers", type=int, help="fewer layers: a quick run")
+  parser.add_argument("--seq-len", type=int, help="shorter sequences")
   args = parser.parse_args(argv)
   model = fsdp_llama.LLAMA_7B
   if args.layers:
     model = dataclasses.replace(model, layers=args.layers)
+  if args.seq_len:
+    model = dataclasses.replace(model, seq_len=args.seq_len)
   chosen = [c for c in CONFIGS if c.name in args.configs.split(",")]
   meshes = [fsdp_llama.parse_mesh(m) for m in args.meshes.split(";")]
   print(f"# {model.layers}-layer Llama ({args.remat} remat) compiled for "
