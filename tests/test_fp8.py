@@ -1168,24 +1168,32 @@ def test_dense_backward_on_8_h100s_quantizes_each_devices_own_tokens():
   assert {g.math for g in report.gemms} == {"fp8"}
 
 
+_PRODUCTS = {
+    "dense": lambda x, w, m: fp8.dot_general(x, w, DIMS, meta=m),
+    "einsum": lambda x, w, m: fp8.einsum("td,df->tf", x, w, meta=m),
+}
+
+
+@pytest.mark.parametrize("product", sorted(_PRODUCTS))
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
 def test_an_fsdp_kernel_crosses_the_network_as_fp8_once_per_pass_on_h100(
-    delayed):
+    delayed, product):
   """FSDP over 2 H100s (the kernel's rows and the tokens split) and remat:
   the kernel is quantized on its shard and all-gathered as fp8 twice a
   step, once in the forward and once in the backward, whose recomputed
   forward and input-gradient GEMM share the one gather (the backward
   quantized again and gathered a third time under current scaling; XLA
-  gathered the dequantized kernel's rows again under delayed scaling)."""
+  gathered the dequantized kernel's rows again under delayed scaling).
+  A Dense layer's product and an Einsum's alike."""
   pytest.importorskip("jax_cuda12_plugin")
   from jax.sharding import PartitionSpec as P
   tokens, width, features = 4096, 1024, 2048
   meta = fp8.init_meta() if delayed else None
 
   def grads(x, w, m):
-    product = jax.checkpoint(lambda x, w, m: jnp.tanh(fp8.dot_general(
-        x, w, DIMS, meta=m)))
-    return jax.value_and_grad(lambda x, w, m: product(x, w, m).astype(
+    remat = jax.checkpoint(lambda x, w, m: jnp.tanh(_PRODUCTS[product](
+        x, w, m)))
+    return jax.value_and_grad(lambda x, w, m: remat(x, w, m).astype(
         jnp.float32).sum(), argnums=(0, 1, 2))(x, w, m)
 
   abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
@@ -1264,18 +1272,21 @@ def test_an_array_laid_out_for_its_consumer_keeps_its_value(jit):
       jax.vmap(laid_out_for_consumer)(x.reshape(2, 4, 6)), x.reshape(2, 4, 6))
 
 
-def test_an_fsdp_dense_product_matches_one_device():
-  """The fp8 Dense product with its kernel and tokens split over 2 devices
-  (the kernel gathered as fp8 inside the product) gives one device's
-  values and gradients, both scalings, under remat."""
+@pytest.mark.parametrize("einsum", [False, True], ids=["dense", "einsum"])
+def test_an_fsdp_product_matches_one_device(einsum):
+  """The fp8 Dense (or einsum) product with its kernel and tokens split
+  over 2 devices (the kernel gathered as fp8 inside the product) gives one
+  device's values and gradients, both scalings, under remat."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
   x, w, meta = _dense_problem()
   split = NamedSharding(mesh, P("fsdp"))
 
   def value_and_grads(x, w, m):
-    product = jax.checkpoint(lambda x, w, m: fp8.dot_general(
-        x, w, (((2,), (0,)), ((), ())), meta=m))
+    product = jax.checkpoint(
+        (lambda x, w, m: fp8.einsum("btd,dhk->bthk", x, w, meta=m)) if einsum
+        else (lambda x, w, m: fp8.dot_general(
+            x, w, (((2,), (0,)), ((), ())), meta=m)))
     return jax.value_and_grad(lambda x, w, m: jnp.sum(jnp.sin(
         product(x, w, m).astype(jnp.float32))), argnums=(0, 1, 2))(x, w, m)
 
@@ -1284,4 +1295,12 @@ def test_an_fsdp_dense_product_matches_one_device():
     with jax.set_mesh(mesh):
       got = jax.jit(value_and_grads)(jax.device_put(x, split),
                                      jax.device_put(w, split), m)
-    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+    (value, (d_x, d_w, d_m)), (value_1, (d_x_1, d_w_1, d_m_1)) = got, want
+    chex.assert_trees_all_close((value, d_x, d_m), (value_1, d_x_1, d_m_1),
+                                rtol=1e-6, atol=1e-6)
+    # The kernel's gradient is summed over the devices' tokens: each
+    # device's part is rounded to bf16 before the sum (an einsum's by XLA's
+    # partitioner, as before the kernel moved in fp8), so within two
+    # roundings at the scale of the parts.
+    scale = float(jnp.max(jnp.abs(d_w_1.astype(jnp.float32))))
+    chex.assert_trees_all_close(d_w, d_w_1, atol=2**-6 * scale)

@@ -156,10 +156,7 @@ _delayed_out_qdq.defvjp(_delayed_out_qdq_fwd, _delayed_out_qdq_bwd)
 def _current_qdq(x: jax.Array, fp8_dtype) -> jax.Array:
   """``x`` quantized to ``fp8_dtype`` with the scale of its own amax, and
   dequantized back to its dtype."""
-  fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  scale = jnp.where(amax > 0, amax / fp8_max, 1.0)
-  return fp8_ops.qdq(x, fp8_dtype, jax.lax.stop_gradient(scale), x.dtype)
+  return fp8_ops.qdq(x, fp8_dtype, _current_scale(x, fp8_dtype), x.dtype)
 
 
 @jax.custom_vjp
@@ -232,27 +229,7 @@ def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
   if out_sharding is not None:
     raise ValueError(f"an fp8 matmul does not take out_sharding (got "
                      f"{out_sharding!r})")
-
-  # Rematerialized: the backward quantizes the operands again, next to the
-  # gradient GEMMs, instead of reading the dequantized values saved by the
-  # forward. Under nn.scan (a loop) those saved values cross the loop as
-  # 16-bit tensors, and XLA then compiles the backward GEMMs in 16 bits, not
-  # fp8; unrolled, XLA's CSE merges the two quantizations back into one
-  # (prevent_cse=False), so the weights are still quantized once a step.
-  @functools.partial(jax.checkpoint, prevent_cse=False,
-                     policy=jax.checkpoint_policies.nothing_saveable)
-  def quantized_product(lhs, rhs, meta):
-    if meta is None:
-      # Current scaling quantizes an input shared by two layers (a gated
-      # MLP's gate and up projections) identically for both: XLA then
-      # merges the quantizations, merges the two GEMMs that read the one
-      # result into one over a concatenated kernel, and that GEMM is no
-      # longer the fp8 pattern: 16-bit on the H100. Tying the input to its
-      # own kernel keeps one quantization, and one fp8 GEMM, per layer.
-      lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
-    return product(*quantize_operands(lhs, rhs, meta))
-
-  return quantize_output_gradient(quantized_product(lhs, rhs, meta), meta)
+  return _general_matmul(product, lhs.astype(rhs.dtype), rhs, meta)
 
 
 # --- a Dense layer's product: the backward written out -----------------------
@@ -306,7 +283,11 @@ def _dense_matmul(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
   return _dense_matmul_fwd(x, w, b, meta)[0]
 
 
-def _dense_matmul_fwd(x, w, b, meta):
+def _quantized_operands(x: jax.Array, w: jax.Array, meta: Optional[Fp8Meta]
+                        ) -> tuple[jax.Array, jax.Array, tuple, Any]:
+  """The forward's fp8 operands ``(qx, qw)``, their scales and (delayed
+  scaling) what the step observes of them: what both products' forward
+  rules compute, and their residuals."""
   if meta is None:
     # Current scaling quantizes an input shared by two layers (a gated
     # MLP's gate and up projections) identically for both: XLA then
@@ -325,21 +306,42 @@ def _dense_matmul_fwd(x, w, b, meta):
   # backward's GEMMs, and a weight crosses the network twice a step, as
   # in a 16-bit step (the backward quantizing again would gather again).
   qw = laid_out_for_consumer(quantize(w, E4M3, w_scale))
-  y = jax.lax.dot_general(fp8_ops.dequantize(qx, x.dtype, x_scale),
-                          fp8_ops.dequantize(qw, w.dtype, w_scale),
+  observed = None if meta is None else (
+      _observation(x, meta["input_scale"], meta["input_amax_history"]),
+      _observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
+  return qx, qw, (x_scale, w_scale), observed
+
+
+def _dequantized(qx: jax.Array, qw: jax.Array, scales: tuple, dtype
+                 ) -> tuple[jax.Array, jax.Array]:
+  return (fp8_ops.dequantize(qx, dtype, scales[0]),
+          fp8_ops.dequantize(qw, dtype, scales[1]))
+
+
+def _seen(meta: Fp8Meta, observed: tuple, g_seen: tuple) -> Fp8Meta:
+  """The scaling state's cotangent: what the step observed of the input,
+  the kernel and the output gradient (``next_meta`` reads it)."""
+  (input_seen, kernel_seen) = observed
+  return {"input_scale": input_seen[0], "input_amax_history": input_seen[1],
+          "kernel_scale": kernel_seen[0],
+          "kernel_amax_history": kernel_seen[1],
+          "output_grad_scale": g_seen[0],
+          "output_grad_amax_history": g_seen[1]}
+
+
+def _dense_matmul_fwd(x, w, b, meta):
+  qx, qw, scales, observed = _quantized_operands(x, w, meta)
+  y = jax.lax.dot_general(*_dequantized(qx, qw, scales, w.dtype),
                           (((1,), (0,)), ((), ())))
   if b is not None:
     # Added to the 2-D product, a bias is the GEMM's epilogue (cuBLASLt's
     # bias vector); added to a 4-D output, as flax's DenseGeneral adds a
     # (heads, head_dim) bias, XLA broadcast it into a full matrix first.
     y = y + b.astype(y.dtype)[None, :]
-  observed = None if meta is None else (
-      _observation(x, meta["input_scale"], meta["input_amax_history"]),
-      _observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
   # The fp8 operands are the residuals: the backward GEMMs read them (fp8
   # on the H100 under nn.scan too, where a 16-bit residual would cross the
   # loop), and the weights are quantized once a step.
-  return y, (qx, qw, (x_scale, w_scale), meta, observed, b)
+  return y, (qx, qw, scales, meta, observed, b)
 
 
 def _output_gradient_scale(g: jax.Array, meta: Optional[Fp8Meta]
@@ -363,7 +365,7 @@ def _seen_output_gradient(meta: Fp8Meta, maxima: jax.Array
 
 
 def _dense_matmul_bwd(residuals, g):
-  qx, qw, (x_scale, w_scale), meta, observed, bias = residuals
+  qx, qw, scales, meta, observed, bias = residuals
   dtype = g.dtype
   scale, programs = _output_gradient_scale(g, meta)
   # Both fp8 layouts of the output gradient from one read of it: the input
@@ -375,26 +377,55 @@ def _dense_matmul_bwd(residuals, g):
       g, scale, E5M2, programs, lambda x, s: quantize(x, E5M2, s),
       column_sums=bias is not None)
   d_b = None if bias is None else column_sums[0].astype(bias.dtype)  # (N,)
-  x = fp8_ops.dequantize(qx, dtype, x_scale)
-  w = fp8_ops.dequantize(qw, dtype, w_scale)
+  x, w = _dequantized(qx, qw, scales, dtype)
   d_x = jax.lax.dot_general(fp8_ops.dequantize(q_g, dtype, scale), w,
                             (((1,), (1,)), ((), ())))
   d_w = jax.lax.dot_general(x, fp8_ops.dequantize(q_g_t, dtype, scale),
                             (((0,), (1,)), ((), ())))
-  seen = None
-  if meta is not None:
-    (input_seen, kernel_seen), g_seen = observed, _seen_output_gradient(
-        meta, maxima)
-    seen = {"input_scale": input_seen[0],
-            "input_amax_history": input_seen[1],
-            "kernel_scale": kernel_seen[0],
-            "kernel_amax_history": kernel_seen[1],
-            "output_grad_scale": g_seen[0],
-            "output_grad_amax_history": g_seen[1]}
+  seen = None if meta is None else _seen(
+      meta, observed, _seen_output_gradient(meta, maxima))
   return d_x.astype(dtype), d_w.astype(dtype), d_b, seen
 
 
 _dense_matmul.defvjp(_dense_matmul_fwd, _dense_matmul_bwd)
+
+
+# --- any product (an einsum, a dot_general with batch axes) ------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _general_matmul(product: Callable[[jax.Array, jax.Array], jax.Array],
+                    lhs: jax.Array, rhs: jax.Array,
+                    meta: Optional[Fp8Meta]) -> jax.Array:
+  return _general_matmul_fwd(product, lhs, rhs, meta)[0]
+
+
+def _general_matmul_fwd(product, lhs, rhs, meta):
+  # As the Dense product: the fp8 operands (the kernel as laid out for its
+  # GEMM) are the residuals, so the backward reads fp8 under nn.scan and
+  # gathers nothing again under FSDP; the backward is autodiff's of
+  # ``product`` at the dequantized operands.
+  qx, qw, scales, observed = _quantized_operands(lhs, rhs, meta)
+  y = product(*_dequantized(qx, qw, scales, rhs.dtype))
+  return y, (qx, qw, scales, meta, observed)
+
+
+def _general_matmul_bwd(product, residuals, g):
+  qx, qw, scales, meta, observed = residuals
+  if meta is None:
+    scale = _current_scale(g, E5M2)
+  else:
+    scale = meta["output_grad_scale"]
+  g_seen = None if meta is None else _observation(
+      g, scale, meta["output_grad_amax_history"])
+  g = fp8_ops.dequantize(_quantizer(meta)(g, E5M2, scale), g.dtype, scale)
+  _, pullback = jax.vjp(product, *_dequantized(qx, qw, scales, g.dtype))
+  d_lhs, d_rhs = pullback(g)
+  seen = None if meta is None else _seen(meta, observed, g_seen)
+  return d_lhs, d_rhs, seen
+
+
+_general_matmul.defvjp(_general_matmul_fwd, _general_matmul_bwd)
 
 
 def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Optional[Fp8Meta],
@@ -452,10 +483,11 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   linen and NNX policies pass a Dense layer's bias here. Otherwise it is
   added to the result.
 
-  A Dense-like product's kernel is quantized where it lies and moves as
-  fp8: under FSDP each device quantizes its shard (with the whole tensor's
-  scale) and the GEMM's all-gather carries fp8, once in the forward and once
-  in the backward (whose two GEMMs share it).
+  The kernel is quantized where it lies and moves as fp8: under FSDP each
+  device quantizes its shard (with the whole tensor's scale) and the GEMM's
+  all-gather carries fp8, once in the forward and once in the backward
+  (whose GEMMs share it). The backward reads the fp8 operands the forward
+  kept (under ``nn.scan`` too); the output gradient is E5M2.
 
   >>> import jax, jax.numpy as jnp
   >>> x, w = jnp.full((8, 4), 3.0, jnp.bfloat16), jnp.ones((4, 2), jnp.bfloat16)
