@@ -14,17 +14,21 @@ and ``out_qdq``, the functions behind ``Fp8DotGeneralOp``) rather than
 ``jax.nn.scaled_dot_general``, which takes per-block scales (MX formats,
 Blackwell) rather than Hopper's per-tensor ones.
 
-**A Dense layer's backward** (a ``dot_general`` of ``lhs``'s last axes
-with the kernel's first, as flax's Dense and DenseGeneral and NNX's Linear
-and LinearGeneral call it) is written out rather than left to autodiff,
-under delayed scaling: its output gradient is quantized once into the two
-fp8 layouts its gradient GEMMs read (the weight gradient's with the token
-axis innermost, as Hopper's fp8 GEMMs read both operands), by the Pallas
-Triton kernel of :mod:`jmp_lab.kernels.cast_transpose` in a step compiled
-for CUDA, where XLA wrote the transposed copy in a second pass over the
-first. The forward's fp8 operands are the residuals the backward reads.
-Other products (einsums, batched dot_generals) are differentiated by
-autodiff around the same quantize-dequantize pattern.
+**Every product's backward is written out** (a ``custom_vjp``, both
+scalings): the forward's fp8 operands are the residuals the backward reads,
+so its GEMMs are fp8 under ``nn.scan`` too, and the kernel is quantized
+where it lies and laid out for its GEMM as fp8 (under FSDP: gathered as
+fp8, once in the forward and, with remat, once in the backward, where the
+recomputed forward and the input-gradient GEMM share it). **A Dense
+layer's** (a ``dot_general`` of ``lhs``'s last axes with the kernel's
+first, as flax's Dense and DenseGeneral and NNX's Linear and LinearGeneral
+call it) quantizes its output gradient once into the two fp8 layouts its
+gradient GEMMs read (the weight gradient's with the token axis innermost,
+as Hopper's fp8 GEMMs read both operands): under delayed scaling by the
+Pallas Triton kernel of :mod:`jmp_lab.kernels.cast_transpose` in a step
+compiled for CUDA, where XLA wrote the transposed copy in a second pass
+over the first. Other products (einsums, batched dot_generals) are
+differentiated by autodiff of the product at the dequantized operands.
 
 **Scaling.** Transformer Engine's scale is ``fp8_max / amax``; the stored
 ``*_scale`` here is its reciprocal, ``amax / fp8_max`` (what a value is
@@ -55,8 +59,8 @@ each matmul's forward and backward (as Flax's ``fp8_ops`` do), lets XLA
 compile it into a few kernels (Transformer Engine updates its scaling state
 in one multi-tensor kernel for the same reason), and leaves each matmul one
 amax reduction per operand, which XLA compiles into the kernel that
-quantizes the operand (see ``_quantize_dequantize`` and
-``benchmarks/fp8_breakdown.py``). On a
+quantizes the operand (see ``quantize`` in
+``jmp_lab/_src/numerics/fp8_quantize.py`` and ``benchmarks/fp8_breakdown.py``). On a
 skipped (non-finite) step the state keeps its old value, like every other
 state: an inf recorded in an amax history would pin that tensor's scale for
 the next 1,024 steps. Since quantizing saturates
@@ -82,9 +86,9 @@ from jmp_lab._src.numerics.fp8_matmul import (current_dot_general,
                                               current_einsum,
                                               delayed_dot_general,
                                               delayed_einsum, dot_general,
-                                              einsum, operands_in,
-                                              quantize_operands,
-                                              quantize_output_gradient)
+                                              einsum, operands_in)
+from jmp_lab._src.numerics.fp8_quantize import (quantize_operands,
+                                                quantize_output_gradient)
 from jmp_lab._src.numerics.fp8_state import (delayed_scale, init_meta,
                                              next_meta, observed_finite,
                                              rescale, value_and_new_meta,

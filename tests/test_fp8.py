@@ -3,6 +3,7 @@
 import collections
 import functools
 import importlib.util
+import itertools
 import pathlib
 import re
 import sys
@@ -1247,29 +1248,55 @@ def test_dense_backward_under_tensor_parallelism_quantizes_each_devices_block():
 # --- the fp8 kernel's layout: from the GEMM that reads it --------------------
 
 
+_LAYOUTS = [  # (the array's, the reader's): rows <-> columns, on 2 devices
+    (("fsdp", None), (None, "fsdp")),
+    ((None, "fsdp"), ("fsdp", None)),
+    (("fsdp", None), (None, None)),
+    ((None, None), (None, "fsdp")),
+]
+
+
+@pytest.mark.parametrize("given,read", _LAYOUTS)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_an_array_laid_out_for_its_consumer_keeps_its_value(jit):
-  """On 2 devices, rows split, read by an op that wants the columns split:
-  the array is re-laid out (gathered and sliced) without changing a value;
-  eagerly, on one device and under vmap it is the identity."""
+def test_an_array_laid_out_for_its_consumer_keeps_its_value(jit, given, read):
+  """On 2 devices, laid out one way, read by an op that wants another: the
+  array is re-laid out (gathered, sliced, or both) without changing a
+  value; on one device and under vmap it is the identity, and to autodiff
+  (twice over) it is the identity too."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
   mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
   x = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6).astype(
       jnp.float8_e4m3fn)
-  rows = jax.device_put(x, NamedSharding(mesh, P("fsdp")))
+  placed = jax.device_put(x, NamedSharding(mesh, P(*given)))
 
-  def read_by_columns(x):
+  def read_as_wanted(x):
     return jax.lax.with_sharding_constraint(
         laid_out_for_consumer(x).astype(jnp.float32) * 2,
-        NamedSharding(mesh, P(None, "fsdp")))
+        NamedSharding(mesh, P(*read)))
 
-  fn = jax.jit(read_by_columns) if jit else read_by_columns
-  want = np.asarray(x.astype(jnp.float32)) * 2
-  np.testing.assert_array_equal(fn(rows), want)
+  fn = jax.jit(read_as_wanted) if jit else read_as_wanted
+  np.testing.assert_array_equal(fn(placed), np.asarray(x, np.float32) * 2)
   np.testing.assert_array_equal(laid_out_for_consumer(x), x)
   np.testing.assert_array_equal(
       jax.vmap(laid_out_for_consumer)(x.reshape(2, 4, 6)), x.reshape(2, 4, 6))
+  square = lambda v: jnp.sum(laid_out_for_consumer(v) ** 3)  # noqa: E731
+  np.testing.assert_allclose(jax.grad(jax.grad(lambda v: square(v)))(
+      jnp.float32(2.0)), 12.0)
+
+
+def _assert_within_bf16_sums(got, want):
+  """Each leaf within a few bf16 roundings at its own scale (a misplaced
+  block is off by the whole scale): where devices split a contracted axis
+  (the tokens, for the kernel's gradient; the features, for the product
+  and the input's gradient) each device's part is rounded to bf16 before
+  the parts are summed, as XLA's partitioner sums a bf16 dot, and the parts
+  can be larger than their sum."""
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    scale = float(jnp.max(jnp.abs(jnp.asarray(b, jnp.float32))))
+    np.testing.assert_allclose(np.asarray(a, np.float32),
+                               np.asarray(b, np.float32), rtol=0,
+                               atol=2**-4 * scale + 1e-6)
 
 
 @pytest.mark.parametrize("einsum", [False, True], ids=["dense", "einsum"])
@@ -1280,7 +1307,6 @@ def test_an_fsdp_product_matches_one_device(einsum):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
   x, w, meta = _dense_problem()
-  split = NamedSharding(mesh, P("fsdp"))
 
   def value_and_grads(x, w, m):
     product = jax.checkpoint(
@@ -1290,17 +1316,77 @@ def test_an_fsdp_product_matches_one_device(einsum):
     return jax.value_and_grad(lambda x, w, m: jnp.sum(jnp.sin(
         product(x, w, m).astype(jnp.float32))), argnums=(0, 1, 2))(x, w, m)
 
-  for m in (meta, None):
+  # the tokens and the kernel's rows split (FSDP), or the features and the
+  # kernel's columns (a layout that slices as well as gathers)
+  layouts = [(P("fsdp"), P("fsdp")), (P(None, None, "fsdp"), P(None, "fsdp"))]
+  for (x_spec, w_spec), m in itertools.product(layouts, (meta, None)):
     want = jax.jit(value_and_grads)(x, w, m)
     with jax.set_mesh(mesh):
-      got = jax.jit(value_and_grads)(jax.device_put(x, split),
-                                     jax.device_put(w, split), m)
-    (value, (d_x, d_w, d_m)), (value_1, (d_x_1, d_w_1, d_m_1)) = got, want
-    chex.assert_trees_all_close((value, d_x, d_m), (value_1, d_x_1, d_m_1),
-                                rtol=1e-6, atol=1e-6)
-    # The kernel's gradient is summed over the devices' tokens: each
-    # device's part is rounded to bf16 before the sum (an einsum's by XLA's
-    # partitioner, as before the kernel moved in fp8), so within two
-    # roundings at the scale of the parts.
-    scale = float(jnp.max(jnp.abs(d_w_1.astype(jnp.float32))))
-    chex.assert_trees_all_close(d_w, d_w_1, atol=2**-6 * scale)
+      got = jax.jit(value_and_grads)(
+          jax.device_put(x, NamedSharding(mesh, x_spec)),
+          jax.device_put(w, NamedSharding(mesh, w_spec)), m)
+    _assert_within_bf16_sums(got, want)
+
+
+@pytest.mark.parametrize("einsum", [False, True], ids=["dense", "einsum"])
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_fp8_products_on_a_mesh_with_explicit_axes(delayed, einsum):
+  """Sharding in types (a mesh whose axes are Explicit, jax.make_mesh's
+  default), the tokens split over 2 devices: both products and both
+  scalings give one device's values and gradients (the Dense product's
+  gradient GEMMs name their results' shardings, as autodiff's do)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  x, w, meta = _dense_problem()
+  m = meta if delayed else None
+
+  def loss(x, w, m):
+    y = (fp8.einsum("btd,dhk->bthk", x, w, meta=m) if einsum
+         else fp8.dot_general(x, w, (((2,), (0,)), ((), ())), meta=m))
+    return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+  grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  want = grads(x, w, m)
+  with jax.set_mesh(mesh):
+    got = grads(jax.device_put(x, NamedSharding(mesh, P("fsdp"))), w, m)
+  _assert_within_bf16_sums(got, want)
+
+
+@pytest.mark.parametrize("product", [
+    "current-einsum", "current-dense", "delayed-einsum"])
+def test_fp8_products_differentiate_twice(product):
+  """A second derivative through the products runs and is finite (the
+  kernel's layout op is the identity to autodiff). Not the delayed Dense
+  product's: its backward's cast-transpose op has no derivative."""
+  x, w, meta = _dense_problem()
+  m = meta if product.startswith("delayed") else None
+  if product.endswith("einsum"):
+    fn = lambda w: fp8.einsum("btd,dhk->bthk", x, w, meta=m)  # noqa: E731
+  else:
+    fn = lambda w: fp8.dot_general(  # noqa: E731
+        x, w, (((2,), (0,)), ((), ())), meta=m)
+  inner = jax.grad(lambda w: jnp.sum(fn(w).astype(jnp.float32) ** 2))
+  outer = jax.grad(lambda w: jnp.sum(inner(w).astype(jnp.float32)))(w)
+  assert outer.shape == w.shape
+  assert bool(jnp.all(jnp.isfinite(outer.astype(jnp.float32))))
+
+
+def test_quantize_operands_and_output_gradient_compose_an_fp8_product():
+  """The public building blocks: quantize_operands around a product and
+  quantize_output_gradient on its result give fp8.einsum's value and
+  gradients, both scalings."""
+  x, w, meta = _dense_problem()
+  spec = "btd,dhk->bthk"
+  for m in (meta, None):
+    def built(x, w, m=m):
+      return fp8.quantize_output_gradient(
+          jnp.einsum(spec, *fp8.quantize_operands(x, w, m)), m)
+
+    def loss(product):
+      return lambda x, w: jnp.sum(jnp.sin(product(x, w).astype(jnp.float32)))
+
+    want = jax.value_and_grad(loss(lambda x, w, m=m: fp8.einsum(
+        spec, x, w, meta=m)), argnums=(0, 1))(x, w)
+    got = jax.value_and_grad(loss(built), argnums=(0, 1))(x, w)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)

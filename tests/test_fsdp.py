@@ -559,23 +559,25 @@ def test_nnx_sharding_metadata_shards_the_optimizer_state_as_the_params(
                               atol=2e-3)
 
 
-_GATHER = re.compile(r"= (.*?) all-gather(?:-start)?\(")
+_GATHER = re.compile(r"= (.*?) all-gather(-start)?\(")
 
 
 def _bf16_gathered_outside_loss(hlo_text: str) -> int:
-  """Bytes of the bf16 operands of the all-gathers outside the loss (an
-  all-gather combined by XLA carries several operands, of several dtypes;
-  a synchronous one is counted by its result, an upper bound)."""
+  """Bytes of the bf16 operands of the all-gathers outside the loss (XLA
+  combines gathers into one collective of several operands, of several
+  dtypes, which the compiled report counts as one record). An async
+  gather's operands lead its ``((operands), (results))`` type; a
+  synchronous one is counted by its results, an upper bound."""
   total = 0
   for line in hlo_text.splitlines():
     found = _GATHER.search(line)
     if not found or "linear_cross_entropy" in line:
       continue
-    shapes = found.group(1)
-    if shapes.startswith("(("):      # ((operands...), (results...))
-      shapes = shapes[1:shapes.index(")") + 1]
-    elif shapes.startswith("("):     # (operand, result)
-      shapes = shapes[:shapes.index("]") + 1]
+    shapes, asynchronous = found.group(1), found.group(2)
+    if asynchronous and shapes.startswith("(("):
+      shapes = shapes[1:shapes.index(")") + 1]     # the operands' tuple
+    elif asynchronous:
+      shapes = shapes[:shapes.index("]") + 1]      # (operand, result)
     for dims in re.findall(r"bf16\[([\d,]*)\]", shapes):
       total += 2 * int(np.prod([int(d) for d in dims.split(",") if d]))
   return total

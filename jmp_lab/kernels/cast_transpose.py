@@ -39,7 +39,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jmp_lab.kernels.mesh import leading_mesh_axes, split_dims, split_over
+from jmp_lab.kernels.mesh import (axes_per_dim, explicitly_sharded,
+                                  split_dims, split_over)
+from jmp_lab.kernels.stats import part_maxima
 from jmp_lab.kernels.platform import quiet_triton_deprecation
 
 # Tile edges tried, largest first: a 64 x 128 tile is 64 values a thread at
@@ -220,11 +222,10 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, tiling: Tiling, *,
 def _xla_path(x, scale, quantize: Callable, programs: int,
               column_sums: bool = False):
   q = quantize(x, scale)
-  magnitude = jnp.abs(x).astype(jnp.float32)
-  if x.size and x.size % programs == 0:
-    maxima = jnp.max(magnitude.reshape(programs, -1), axis=1)
-  else:  # every slot the amax: their maximum is still x's amax
-    maxima = jnp.full((programs,), jnp.max(magnitude, initial=0.0))
+  maxima = part_maxima(x, programs)
+  if maxima is None:  # every slot the amax: their maximum is still x's amax
+    maxima = jnp.full((programs,), jnp.max(jnp.abs(x).astype(jnp.float32),
+                                           initial=0.0))
   if column_sums:
     return q, q.T, maxima, jnp.sum(x.astype(jnp.float32), axis=0)
   return q, q.T, maxima
@@ -246,12 +247,8 @@ def _local(x, scale, dtype_name: str, programs: int, quantize: Callable,
 def _block_axes(sharding) -> tuple[tuple, tuple]:
   """The mesh axes that split ``x``'s rows and its columns (``()`` where
   whole): each device quantizes and transposes its own block."""
-  spec = tuple(getattr(sharding, "spec", ()) or ())
-  rows = leading_mesh_axes(sharding)
-  columns = spec[1] if len(spec) > 1 else None
-  if columns is None:
-    return rows, ()
-  return rows, tuple(columns) if isinstance(columns, tuple) else (columns,)
+  rows, columns = axes_per_dim(sharding, 2)
+  return rows, columns
 
 
 def _partition(dtype_name, programs, quantize, column_sums, mesh, arg_shapes,
@@ -313,11 +310,12 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
   would otherwise quantize and then transpose in a second pass (and read
   a third time for the bias gradient). Across devices it runs on each
   device's rows (``custom_partitioning``; the maxima combined with a
-  ``pmax``, the column sums with a ``psum``); under ``vmap`` it takes XLA's
-  path.
+  ``pmax``, the column sums with a ``psum``); under ``vmap``, or where ``x``
+  is sharded in its type (explicit mesh axes), it takes XLA's path.
   """
   if (x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16)
-      or tiling(x.shape, programs, column_sums) is None):
+      or tiling(x.shape, programs, column_sums) is None
+      or explicitly_sharded(x)):  # a Pallas ref cannot be sliced so
     return _xla_path(x, scale, quantize, programs, column_sums)
   dtype_name = jnp.dtype(dtype).name
   scale = jnp.reshape(scale.astype(jnp.float32), (1,))

@@ -1,5 +1,6 @@
-"""fp8 matmuls: quantization (delayed and current scaling) and the products
-of Dense layers and einsums (the face :mod:`jmp_lab.fp8` has the docs)."""
+"""fp8 matmuls: the products of Dense layers and of einsums, delayed and
+current scaling (the face :mod:`jmp_lab.fp8` has the docs; the
+quantization they build on is :mod:`jmp_lab._src.numerics.fp8_quantize`)."""
 
 from __future__ import annotations
 
@@ -12,213 +13,14 @@ import numpy as np
 from flax.linen import fp8_ops
 
 from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
-from jmp_lab._src.numerics.fp8_state import (AMAX_HISTORY_LENGTH, E4M3, E5M2,
-                                             Fp8Meta, check_meta)
+from jmp_lab._src.numerics.fp8_quantize import (current_scale, observation,
+                                                quantize)
+from jmp_lab._src.numerics.fp8_state import E4M3, E5M2, Fp8Meta, check_meta
 from jmp_lab.kernels import cast_transpose
+from jmp_lab.kernels.mesh import explicitly_sharded
 
 
-# XLA GPU's longest row reduction that it compiles into one kernel
-# (ReductionIsRaceFree: 1,024 threads x 16 elements).
-_ONE_KERNEL_ROW = 16384
-
-
-def _observation(x: jax.Array, scale: jax.Array, amax_history: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
-  """What one step observes of ``x``, as the cotangents of its scale and
-  history; ``x``'s amax is the largest value in the two.
-
-  When ``x`` splits into as many equal parts as the history has entries,
-  the history slot holds the parts' maxima (zero in the scale slot), and
-  :func:`next_meta` finishes the reduction for all tensors at once: XLA
-  compiles a reduction of a large tensor to one number into two kernels,
-  and the second, a one-block kernel per tensor, was most of what fp8's
-  amaxes cost in kernels. Otherwise (a tensor smaller than the history)
-  the scale slot holds the amax, and the history slot zeros.
-  """
-  parts = _part_maxima(x, amax_history.shape[-1])
-  if amax_history.ndim == 1 and parts is not None:
-    return jnp.zeros_like(scale), parts
-  return (jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(jnp.shape(scale)),
-          jnp.zeros_like(amax_history))
-
-
-def _part_maxima(x: jax.Array, parts: int) -> Optional[jax.Array]:
-  """``|x|``'s maxima over ``parts`` equal parts (fp32), or None where
-  ``x`` does not split so.
-
-  The parts split one axis of ``x`` (its first where that divides, else
-  its last, else the flattened tensor) and keep every other axis whole: an axis that is sharded
-  across devices (a weight's FSDP axis, an activation's tensor-parallel
-  features) is never merged with another, which would make XLA gather
-  the tensor in 16 bits before reducing it. Each part is at most 16,384
-  elements long, or read as up to 8 strided chunks when it is longer (a
-  reduction over ``(chunks, parts, ...)``'s first and trailing axes): XLA
-  splits a row reduction longer than that into two kernels, and one whose
-  reduced major axis is at most 8 it keeps in one (its race-free bounds),
-  so the quantizing kernel computes the parts (GPT-2 small's fp8 step
-  loses the 24 second-stage kernels of its 3,072-wide MLP tensors).
-  """
-  if x.ndim == 0 or x.size < parts:
-    return None
-  magnitude = jnp.abs(x)
-  first, last = x.shape[0], x.shape[-1]
-  if first % parts == 0:
-    per_part = x.size // parts
-    chunks = next((c for c in range(1, 9) if (first // parts) % c == 0
-                   and per_part // c <= _ONE_KERNEL_ROW), 1)
-    blocks = magnitude.reshape(chunks, parts, first // (chunks * parts),
-                               *x.shape[1:])
-    kept = 1
-  elif last % parts == 0:
-    blocks = magnitude.reshape(*x.shape[:-1], parts, last // parts)
-    kept = x.ndim - 1
-  elif x.size % parts == 0:  # neither axis splits: parts of the flat tensor
-    blocks, kept = magnitude.reshape(parts, -1), 0
-  else:
-    return None
-  reduced = tuple(a for a in range(blocks.ndim) if a != kept)
-  return jnp.max(blocks, axis=reduced).astype(jnp.float32)
-
-
-def _quantize_dequantize(x: jax.Array, q_dtype, scale: jax.Array
-                         ) -> jax.Array:
-  """Flax's ``fp8_ops.qdq`` with the fp8 tensor behind an optimization
-  barrier, so that it is a value of its own in the compiled program.
-
-  XLA then compiles the quantization and ``x``'s amax reduction into one
-  kernel (the reduction with the fp8 tensor as a second output), and writes
-  the transposed copy that cuBLASLt's fp8 weight-gradient GEMM reads by
-  transposing the fp8 bytes. Without the barrier it fuses the cast into
-  each transpose instead (two kernels reading the 16-bit tensor) and
-  leaves the amax a reduction of its own that reads the tensor once more.
-  Compiled for the H100, the barrier on every operand and output gradient,
-  with the amaxes split in parts (:func:`_observation`), takes fewer bytes
-  and fewer kernels on both GPT-2 small's fp8 step and the 1.3B-class lean
-  step (``benchmarks/fp8_breakdown.py``; the figures are in
-  ``benchmarks/RESULTS.md``). The barrier changes no value.
-  """
-  return fp8_ops.dequantize(_quantize(x, q_dtype, scale), x.dtype, scale)
-
-
-def _quantize(x: jax.Array, q_dtype, scale: jax.Array) -> jax.Array:
-  """``x`` as fp8 (Flax's ``fp8_ops.quantize``), behind the optimization
-  barrier of :func:`_quantize_dequantize`."""
-  return jax.lax.optimization_barrier(
-      fp8_ops.quantize(x, q_dtype, scale, x.dtype))
-
-
-# --- delayed scaling: quantize with the stored scale, observe the amax -------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _delayed_in_qdq(q_dtype, x, scale, amax_history):
-  del amax_history
-  return _quantize_dequantize(x, q_dtype, scale)
-
-
-def _delayed_in_qdq_fwd(q_dtype, x, scale, amax_history):
-  return (_delayed_in_qdq(q_dtype, x, scale, amax_history),
-          _observation(x, scale, amax_history))
-
-
-def _delayed_in_qdq_bwd(q_dtype, residuals, g):
-  del q_dtype
-  # Straight through for x (its gradient is quantized at the output); the
-  # state's "gradient" is the observation next_meta reads.
-  return (g, *residuals)
-
-
-_delayed_in_qdq.defvjp(_delayed_in_qdq_fwd, _delayed_in_qdq_bwd)
-
-
-@jax.custom_vjp
-def _delayed_out_qdq(y, scale, amax_history):
-  del scale, amax_history
-  return y
-
-
-def _delayed_out_qdq_fwd(y, scale, amax_history):
-  return y, (scale, amax_history)
-
-
-def _delayed_out_qdq_bwd(residuals, g):
-  scale, amax_history = residuals
-  return (_quantize_dequantize(g, E5M2, scale),
-          *_observation(g, scale, amax_history))
-
-
-_delayed_out_qdq.defvjp(_delayed_out_qdq_fwd, _delayed_out_qdq_bwd)
-
-
-# --- current scaling: the scale of each tensor from its own amax ------------
-
-
-def _current_qdq(x: jax.Array, fp8_dtype) -> jax.Array:
-  """``x`` quantized to ``fp8_dtype`` with the scale of its own amax, and
-  dequantized back to its dtype."""
-  return fp8_ops.qdq(x, fp8_dtype, _current_scale(x, fp8_dtype), x.dtype)
-
-
-@jax.custom_vjp
-def _current_in_qdq(x):
-  return _current_qdq(x, E4M3)
-
-
-def _current_in_qdq_fwd(x):
-  return _current_qdq(x, E4M3), None
-
-
-def _current_in_qdq_bwd(_, g):
-  return (g,)  # straight through: the gradient is quantized at the output
-
-
-_current_in_qdq.defvjp(_current_in_qdq_fwd, _current_in_qdq_bwd)
-
-
-@jax.custom_vjp
-def _current_out_qdq(y):
-  return y
-
-
-def _current_out_qdq_fwd(y):
-  return y, None
-
-
-def _current_out_qdq_bwd(_, g):
-  return (_current_qdq(g, E5M2),)
-
-
-_current_out_qdq.defvjp(_current_out_qdq_fwd, _current_out_qdq_bwd)
-
-
-# --- the matmul ----------------------------------------------------------------
-
-
-def quantize_operands(lhs: jax.Array, rhs: jax.Array,
-                      meta: Optional[Fp8Meta] = None
-                      ) -> tuple[jax.Array, jax.Array]:
-  """The two operands of an fp8 matmul, quantized to E4M3 and dequantized
-  to ``rhs``'s dtype (the compute dtype; ``rhs`` is the kernel): delayed
-  scaling with ``meta``, current scaling without."""
-  compute = rhs.dtype
-  lhs = lhs.astype(compute)
-  if meta is None:
-    return _current_in_qdq(lhs), _current_in_qdq(rhs)
-  check_meta(meta)
-  return (_delayed_in_qdq(E4M3, lhs, meta["input_scale"],
-                          meta["input_amax_history"]),
-          _delayed_in_qdq(E4M3, rhs, meta["kernel_scale"],
-                          meta["kernel_amax_history"]))
-
-
-def quantize_output_gradient(y: jax.Array, meta: Optional[Fp8Meta] = None
-                             ) -> jax.Array:
-  """``y`` unchanged; its gradient quantized to E5M2 (delayed scaling with
-  ``meta``, current scaling without)."""
-  if meta is None:
-    return _current_out_qdq(y)
-  return _delayed_out_qdq(y, meta["output_grad_scale"],
-                          meta["output_grad_amax_history"])
+# --- the products -------------------------------------------------------------
 
 
 def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
@@ -229,6 +31,8 @@ def _fp8_product(product: Callable[[jax.Array, jax.Array], jax.Array],
   if out_sharding is not None:
     raise ValueError(f"an fp8 matmul does not take out_sharding (got "
                      f"{out_sharding!r})")
+  if meta is not None:
+    check_meta(meta)
   return _general_matmul(product, lhs.astype(rhs.dtype), rhs, meta)
 
 
@@ -249,23 +53,16 @@ def _dense_contraction(lhs: jax.Array, rhs: jax.Array, dimension_numbers
   return n
 
 
-def _current_scale(x: jax.Array, fp8_dtype) -> jax.Array:
-  """Current scaling's scale of ``x``: its amax over the fp8 format's
-  largest value (1 for an all-zero ``x``)."""
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
-  return jax.lax.stop_gradient(jnp.where(amax > 0, amax / fp8_max, 1.0))
-
-
 def _quantizer(meta: Optional[Fp8Meta]) -> Callable[..., jax.Array]:
-  """How the Dense product quantizes: behind :func:`_quantize`'s barrier
-  under delayed scaling, where XLA then fuses each tensor's amax parts into
-  its quantizing kernel; plainly under current scaling, whose amax is a
+  """How the products quantize: behind :func:`quantize`'s barrier under
+  delayed scaling, where XLA then fuses each tensor's amax parts into its
+  quantizing kernel; plainly under current scaling, whose amax is a
   reduction of its own that must finish first, so the barrier would only
   keep XLA from fusing the cast into its readers (GPT-2 small's step
-  compiled for the H100: 2,271 kernels without it, 2,417 with)."""
+  compiled for the H100 took 2,417 kernels with it; benchmarks/RESULTS.md,
+  issue 39)."""
   if meta is not None:
-    return _quantize
+    return quantize
   return lambda x, q_dtype, scale: fp8_ops.quantize(x, q_dtype, scale,
                                                     x.dtype)
 
@@ -273,7 +70,7 @@ def _quantizer(meta: Optional[Fp8Meta]) -> Callable[..., jax.Array]:
 def _operand_scales(x: jax.Array, w: jax.Array, meta: Optional[Fp8Meta]
                     ) -> tuple[jax.Array, jax.Array]:
   if meta is None:
-    return _current_scale(x, E4M3), _current_scale(w, E4M3)
+    return current_scale(x, E4M3), current_scale(w, E4M3)
   return meta["input_scale"], meta["kernel_scale"]
 
 
@@ -302,13 +99,13 @@ def _quantized_operands(x: jax.Array, w: jax.Array, meta: Optional[Fp8Meta]
   # The weight is quantized where it lies (on its shard, under FSDP: the
   # scale is the whole tensor's) and laid out for the GEMM as fp8, so an
   # all-gather moves one byte per weight. The backward reads this same
-  # tensor: under remat the recomputed forward's gather serves both of the
-  # backward's GEMMs, and a weight crosses the network twice a step, as
+  # tensor: under remat the recomputed forward's gather also serves the
+  # input-gradient GEMM, and a weight crosses the network twice a step, as
   # in a 16-bit step (the backward quantizing again would gather again).
   qw = laid_out_for_consumer(quantize(w, E4M3, w_scale))
   observed = None if meta is None else (
-      _observation(x, meta["input_scale"], meta["input_amax_history"]),
-      _observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
+      observation(x, meta["input_scale"], meta["input_amax_history"]),
+      observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
   return qx, qw, (x_scale, w_scale), observed
 
 
@@ -340,19 +137,17 @@ def _dense_matmul_fwd(x, w, b, meta):
     y = y + b.astype(y.dtype)[None, :]
   # The fp8 operands are the residuals: the backward GEMMs read them (fp8
   # on the H100 under nn.scan too, where a 16-bit residual would cross the
-  # loop), and the weights are quantized once a step.
+  # loop), and the backward does not quantize the weights again.
   return y, (qx, qw, scales, meta, observed, b)
 
 
 def _output_gradient_scale(g: jax.Array, meta: Optional[Fp8Meta]
-                           ) -> tuple[jax.Array, int]:
-  """The output gradient's E5M2 scale, and the parts its maxima come in
-  (the history's length; current scaling keeps none)."""
+                           ) -> jax.Array:
+  """The output gradient's E5M2 scale: its own amax's under current
+  scaling, the stored one under delayed scaling."""
   if meta is None:
-    return _current_scale(g, E5M2), AMAX_HISTORY_LENGTH
-  history = meta["output_grad_amax_history"]
-  return (meta["output_grad_scale"],
-          history.shape[-1] if history.ndim == 1 else 1)
+    return current_scale(g, E5M2)
+  return meta["output_grad_scale"]
 
 
 def _seen_output_gradient(meta: Fp8Meta, maxima: jax.Array
@@ -364,24 +159,53 @@ def _seen_output_gradient(meta: Fp8Meta, maxima: jax.Array
   return jnp.zeros_like(scale), maxima.reshape(history.shape)
 
 
+def _explicit_sharding(like: jax.Array):
+  """``like``'s sharding where its mesh has explicit axes (sharding in
+  types: a gradient GEMM that contracts a sharded axis must name its
+  result's, as autodiff's transpose of a dot does), else None."""
+  return jax.typeof(like).sharding if explicitly_sharded(like) else None
+
+
+def _output_gradient_layouts(g: jax.Array, scale: jax.Array,
+                             meta: Optional[Fp8Meta], with_sums: bool):
+  """``(q_g, q_g.T, maxima, column sums or None)`` of the output gradient:
+  the input gradient's GEMM reads ``q_g``, the weight gradient's ``q_g.T``
+  (its token axis, the contracted one, innermost, as Hopper's fp8 GEMMs
+  read it), and the bias gradient is the column sums, in fp32.
+
+  Under delayed scaling the cast-transpose kernel writes both layouts, the
+  maxima the history needs and the sums from one read of ``g``. Current
+  scaling keeps no history and has read ``g`` once already for its scale;
+  it takes XLA's quantization and transpose, as its autodiff product did
+  (GPT-2 small's step compiled for the H100: the same kernels, and fewer
+  bytes than through the kernel).
+  """
+  if meta is None:
+    q_g = fp8_ops.quantize(g, E5M2, scale, g.dtype)
+    sums = jnp.sum(g.astype(jnp.float32), axis=0) if with_sums else None
+    return q_g, q_g.T, None, sums
+  history = meta["output_grad_amax_history"]
+  programs = history.shape[-1] if history.ndim == 1 else 1
+  q_g, q_g_t, maxima, *sums = cast_transpose.quantize_transpose(
+      g, scale, E5M2, programs, lambda x, s: quantize(x, E5M2, s),
+      column_sums=with_sums)
+  return q_g, q_g_t, maxima, sums[0] if with_sums else None
+
+
 def _dense_matmul_bwd(residuals, g):
   qx, qw, scales, meta, observed, bias = residuals
   dtype = g.dtype
-  scale, programs = _output_gradient_scale(g, meta)
-  # Both fp8 layouts of the output gradient from one read of it: the input
-  # gradient's GEMM reads q_g, the weight gradient's q_g.T, whose token axis
-  # (the contracted one) is innermost, as Hopper's fp8 GEMMs read it; and
-  # the bias gradient, the column sums, from the same read.
-  quantize = _quantizer(meta)
-  q_g, q_g_t, maxima, *column_sums = cast_transpose.quantize_transpose(
-      g, scale, E5M2, programs, lambda x, s: quantize(x, E5M2, s),
-      column_sums=bias is not None)
-  d_b = None if bias is None else column_sums[0].astype(bias.dtype)  # (N,)
+  scale = _output_gradient_scale(g, meta)
+  q_g, q_g_t, maxima, sums = _output_gradient_layouts(
+      g, scale, meta, with_sums=bias is not None)
+  d_b = None if bias is None else sums.astype(bias.dtype)  # (N,)
   x, w = _dequantized(qx, qw, scales, dtype)
   d_x = jax.lax.dot_general(fp8_ops.dequantize(q_g, dtype, scale), w,
-                            (((1,), (1,)), ((), ())))
+                            (((1,), (1,)), ((), ())),
+                            out_sharding=_explicit_sharding(qx))
   d_w = jax.lax.dot_general(x, fp8_ops.dequantize(q_g_t, dtype, scale),
-                            (((0,), (1,)), ((), ())))
+                            (((0,), (1,)), ((), ())),
+                            out_sharding=_explicit_sharding(qw))
   seen = None if meta is None else _seen(
       meta, observed, _seen_output_gradient(meta, maxima))
   return d_x.astype(dtype), d_w.astype(dtype), d_b, seen
@@ -412,11 +236,8 @@ def _general_matmul_fwd(product, lhs, rhs, meta):
 
 def _general_matmul_bwd(product, residuals, g):
   qx, qw, scales, meta, observed = residuals
-  if meta is None:
-    scale = _current_scale(g, E5M2)
-  else:
-    scale = meta["output_grad_scale"]
-  g_seen = None if meta is None else _observation(
+  scale = _output_gradient_scale(g, meta)
+  g_seen = None if meta is None else observation(
       g, scale, meta["output_grad_amax_history"])
   g = fp8_ops.dequantize(_quantizer(meta)(g, E5M2, scale), g.dtype, scale)
   _, pullback = jax.vjp(product, *_dequantized(qx, qw, scales, g.dtype))
@@ -442,10 +263,14 @@ def _dense_product(lhs: jax.Array, rhs: jax.Array, meta: Optional[Fp8Meta],
   second pass and to read it once more for the bias."""
   compute = rhs.dtype
   width = int(np.prod(rhs.shape[:contracted]))
-  x = lhs.astype(compute).reshape(-1, width)
+  lead = lhs.shape[:lhs.ndim - contracted]
+  features = rhs.shape[contracted:]
+  # Each reshape merges (or splits) one group of axes: under sharding in
+  # types jax infers the result's sharding only for such a reshape.
+  x = lhs.astype(compute).reshape(*lead, width).reshape(-1, width)
   flat_bias = None if bias is None else bias.reshape(-1)
   y = _dense_matmul(x, rhs.reshape(width, -1), flat_bias, meta)
-  return y.reshape(lhs.shape[:lhs.ndim - contracted] + rhs.shape[contracted:])
+  return y.reshape(*lead, y.shape[-1]).reshape(*lead, *features)
 
 
 def _check_bias(bias: Any, features: tuple[int, ...]) -> None:
@@ -485,9 +310,11 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
 
   The kernel is quantized where it lies and moves as fp8: under FSDP each
   device quantizes its shard (with the whole tensor's scale) and the GEMM's
-  all-gather carries fp8, once in the forward and once in the backward
-  (whose GEMMs share it). The backward reads the fp8 operands the forward
-  kept (under ``nn.scan`` too); the output gradient is E5M2.
+  all-gather carries fp8. The backward reads the fp8 operands the forward
+  kept (under ``nn.scan`` too): with remat, the recomputed forward's gather
+  serves the input-gradient GEMM too (a weight is gathered twice a step);
+  without, the forward's gathered kernel is held until the backward
+  (gathered once). The output gradient is E5M2.
 
   >>> import jax, jax.numpy as jnp
   >>> x, w = jnp.full((8, 4), 3.0, jnp.bfloat16), jnp.ones((4, 2), jnp.bfloat16)

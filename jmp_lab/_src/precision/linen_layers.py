@@ -320,8 +320,8 @@ def _fp8_einsum_call(module: nn.Einsum, args, kwargs,
   :func:`jmp_lab.fp8.einsum` (linen's Einsum has no matmul attribute to set).
 
   The params are flax's own: the same names, shapes, dtypes, initializers
-  and order. The fp8 product is rematerialized with its quantization, so
-  the backward GEMMs are fp8 inside ``nn.scan`` too (quantizing through
+  and order. The fp8 product keeps its fp8 operands as its backward's
+  residuals, so the backward GEMMs are fp8 inside ``nn.scan`` too (quantizing through
   ``promote_dtype`` instead left them 16-bit there: the dequantized operands
   crossed the loop as bf16 residuals), and the output gradient is quantized
   before the bias add, so the bias gradient is summed from the unquantized
