@@ -28,7 +28,7 @@ as Hopper's fp8 GEMMs read both operands): under delayed scaling by the
 Pallas Triton kernel of :mod:`jmp_lab.kernels.cast_transpose` in a step
 compiled for CUDA, where XLA wrote the transposed copy in a second pass
 over the first. Other products (einsums, batched dot_generals) are
-differentiated by autodiff of the product at the dequantized operands.
+differentiated by transposing the product at the dequantized operands.
 
 **Scaling.** Transformer Engine's scale is ``fp8_max / amax``; the stored
 ``*_scale`` here is its reciprocal, ``amax / fp8_max`` (what a value is

@@ -42,7 +42,7 @@ def part_maxima(x: jax.Array, parts: int) -> Optional[jax.Array]:
 
   >>> import jax.numpy as jnp
   >>> part_maxima(jnp.arange(-8.0, 8.0).reshape(4, 4), 2).tolist()
-  [8.0, 3.0]
+  [8.0, 7.0]
   """
   if x.ndim == 0 or x.size < parts:
     return None
