@@ -94,15 +94,15 @@ def _quantized_operands(x: jax.Array, w: jax.Array, meta: Optional[Fp8Meta]
     # own kernel keeps one quantization, and one fp8 GEMM, per layer.
     x, w = jax.lax.optimization_barrier((x, w))
   x_scale, w_scale = _operand_scales(x, w, meta)
-  quantize = _quantizer(meta)
-  qx = quantize(x, E4M3, x_scale)
+  to_fp8 = _quantizer(meta)
+  qx = to_fp8(x, E4M3, x_scale)
   # The weight is quantized where it lies (on its shard, under FSDP: the
   # scale is the whole tensor's) and laid out for the GEMM as fp8, so an
   # all-gather moves one byte per weight. The backward reads this same
   # tensor: under remat the recomputed forward's gather also serves the
   # input-gradient GEMM, and a weight crosses the network twice a step, as
   # in a 16-bit step (the backward quantizing again would gather again).
-  qw = laid_out_for_consumer(quantize(w, E4M3, w_scale))
+  qw = laid_out_for_consumer(to_fp8(w, E4M3, w_scale))
   observed = None if meta is None else (
       observation(x, meta["input_scale"], meta["input_amax_history"]),
       observation(w, meta["kernel_scale"], meta["kernel_amax_history"]))
@@ -177,8 +177,8 @@ def _output_gradient_layouts(g: jax.Array, scale: jax.Array,
   maxima the history needs and the sums from one read of ``g``. Current
   scaling keeps no history and has read ``g`` once already for its scale;
   it takes XLA's quantization and transpose, as its autodiff product did
-  (GPT-2 small's step compiled for the H100: the same kernels, and fewer
-  bytes than through the kernel).
+  (GPT-2 small's step compiled for the H100: 2,250 kernels and 77.1 GB,
+  against 2,271 and 78.3 through the kernel).
   """
   if meta is None:
     q_g = fp8_ops.quantize(g, E5M2, scale, g.dtype)
