@@ -21,6 +21,7 @@ and XLA lays the array out as before.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -43,12 +44,10 @@ def _relayout(x: jax.Array, mesh, source: list[tuple], target: list[tuple]
       x = jax.lax.all_gather(x, source[dim], axis=dim, tiled=True)
   for dim in changed:
     if target[dim]:
-      parts, index = 1, 0
-      for axis in target[dim]:
-        index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
-        parts *= mesh.shape[axis]
-      size = x.shape[dim] // parts
-      x = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+      # the device's index over the axes, major first, as all_gather orders
+      size = x.shape[dim] // math.prod(mesh.shape[a] for a in target[dim])
+      x = jax.lax.dynamic_slice_in_dim(
+          x, jax.lax.axis_index(target[dim]) * size, size, axis=dim)
   return x
 
 
