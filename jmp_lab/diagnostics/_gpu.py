@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jmp_lab import _compat as compat
+
 # --------------------------------------------------------------------------
 # Targets.
 # --------------------------------------------------------------------------
@@ -249,7 +251,9 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
   # Mosaic GPU compiles its kernels inside XLA's compile, so the dump
   # variables must hold for both steps.
   with mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext():
-    lowered = jitted.trace(*specs).lower()
+    traced = jitted.trace(*specs)
+    with compat.lowering_for(mesh):  # Pallas' Triton lowering asks for the GPU
+      lowered = traced.lower()
     try:
       return lowered.compile(compiler_options=options)
     except Exception as e:  # pylint: disable=broad-except  (XLA's own type)

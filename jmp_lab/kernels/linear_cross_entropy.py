@@ -66,6 +66,15 @@ NUM_WARPS = 8
 MAX_HELD_COLUMNS = 768
 
 
+def _triton_dot(*args, **kwargs):
+  """Pallas Triton's ``dot`` (``jax.experimental.pallas.triton.dot`` on
+  every supported jax; ``pl.dot``, which jax 0.12 removed, was its old
+  name). Imported where a kernel is traced, so that importing jmp_lab needs
+  no Triton backend."""
+  from jax.experimental.pallas import triton as plt
+  return plt.dot(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   """The static shape of one call: hidden width, vocabulary, soft cap."""
@@ -149,7 +158,7 @@ def _logits(hidden, rows_ref, vocab_slice, tiling: Tiling):
   chunks, or ``(hidden_ref, token_slice)`` to read it chunk by chunk in a
   loop (wide D: an unrolled sum would stage every chunk in shared memory)."""
   def chunk_logits(hidden_chunk, c):
-    return pl.dot(hidden_chunk,
+    return _triton_dot(hidden_chunk,
                   rows_ref[vocab_slice, pl.ds(c * tiling.chunk, tiling.chunk)],
                   trans_b=True).astype(jnp.float32)
 
@@ -241,7 +250,7 @@ def _hidden_gradient_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, g_ref,
     ids = j * HIDDEN_GRAD_VOCAB + jnp.arange(HIDDEN_GRAD_VOCAB)
     d_logits = _logits_gradient(logits, capped, ids, labels, lse, g, tiling,
                                 hidden_ref.dtype)
-    return tuple(s + pl.dot(d_logits, rows_ref[vocab, columns(c)])
+    return tuple(s + _triton_dot(d_logits, rows_ref[vocab, columns(c)])
                  for c, s in enumerate(sums))
 
   sums = jax.lax.fori_loop(
@@ -271,7 +280,7 @@ def _rows_gradient_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, g_ref,
         hidden_ref[tokens, pl.ds((first_chunk + c) * tiling.chunk,
                                  tiling.chunk)]
         for c in range(tiling.chunks_per_group)]
-    return tuple(s + pl.dot(d_logits, h, trans_a=True)
+    return tuple(s + _triton_dot(d_logits, h, trans_a=True)
                  for h, s in zip(mine, sums))
 
   sums = jax.lax.fori_loop(

@@ -14,13 +14,12 @@ copies the old values through, so the outputs still equal the inputs.
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jmp_lab import _compat as compat
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels.reference import (CLIP, INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
                                        LR, SCALE, AdamWConfig, Outputs,
@@ -32,19 +31,10 @@ from jmp_lab.kernels.reference import (CLIP, INV_BIAS1, INV_BIAS2, DECAY_BOUNDAR
 COMPILER_PARAMS = plgpu.CompilerParams(
     lowering_semantics=plgpu.LoweringSemantics.Lane)
 
-# jax 0.10 requires plgpu.load's index (``()`` for a whole ref); jax 0.11
-# deprecates it (the "jax-pallas-mgpu-load-idx" warning).
-_LOAD_NEEDS_INDEX = (
-    inspect.signature(plgpu.load).parameters.get("idx") is not None
-    and inspect.signature(plgpu.load).parameters["idx"].default
-    is inspect.Parameter.empty)
-
-
 def load(ref, layout):
-  """A whole ref into registers in ``layout``, on jax 0.10 and 0.11."""
-  if _LOAD_NEEDS_INDEX:
-    return plgpu.load(ref, (), layout=layout, optimized=False)
-  return plgpu.load(ref, layout=layout, optimized=False)
+  """A whole ref into registers in ``layout`` (the call differs between jax
+  versions: :func:`jmp_lab._compat.mosaic_load`)."""
+  return compat.mosaic_load(plgpu, ref, layout)
 
 
 def sqrt_via_rsqrt(x):

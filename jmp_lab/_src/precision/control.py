@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab import _compat as compat
 from jmp_lab._src.precision import observers, scopes, table, tracing
 from jmp_lab._src.precision.ops import MATMUL_OPS
 from jmp_lab._src.precision.values import (Op, Role, as_written, aval, bind,
@@ -181,6 +182,7 @@ def custom_vjp(op: Op) -> tuple[list, list]:
     primals = args[nconsts:]
     rule, rule_consts = fwd.call_wrapped(*([True] * len(primals)))
     outs, _ = context.evaluate(rule, rule_consts, primals, roles, context)
+    _, rule_invars = compat.jaxpr_inputs(rule, rule_consts)
     npruned = len(outs) - len(want)
     trees = out_trees()
     forwards = (trees[2] if len(trees) > 2
@@ -188,7 +190,7 @@ def custom_vjp(op: Op) -> tuple[list, list]:
     pruned = iter(zip(outs[:npruned], rule.outvars[:npruned]))
     residuals, written["residuals"] = [], []
     for i in forwards:
-      value, var = (primals[i], rule.invars[i]) if i is not None else next(
+      value, var = (primals[i], rule_invars[i]) if i is not None else next(
           pruned)
       residuals.append(value)
       written["residuals"].append(var)
@@ -201,7 +203,9 @@ def custom_vjp(op: Op) -> tuple[list, list]:
     # returns against them) and under the rules inside.
     args = ([restore(r, v) for r, v in zip(residuals, written["residuals"])]
             + [restore(c, v) for c, v in zip(cotangents, written["outputs"])])
-    cts = _call_under_rules(bwd.call_wrapped, args, context)
+    cts = _call_under_rules(
+        lambda *a: compat.custom_vjp_cotangents(bwd.call_wrapped(*a)), args,
+        context)
     cts = [_typed(c, d) if is_array(c) and is_floating(d) else None
            for c, d in zip(cts, arg_dtypes)]
     return (None,) * nconsts + tuple(cts)
@@ -257,7 +261,7 @@ def _stable_carry(body, consts_avals, carry, x_avals, roles_before,
 def scan(op: Op) -> tuple[list, list]:
   """``lax.scan`` with its carry in the dtype its body computes."""
   params = op.eqn.params
-  nconsts, ncarry = params["num_consts"], params["num_carry"]
+  nconsts, ncarry = compat.scan_counts(params)
   consts, init, xs = (op.invals[:nconsts], op.invals[nconsts:nconsts + ncarry],
                       op.invals[nconsts + ncarry:])
   croles, iroles, xroles = (op.roles[:nconsts],

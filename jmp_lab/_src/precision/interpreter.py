@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jex_core
 
+from jmp_lab import _compat as compat
 from jmp_lab._nesting import Nesting
 from jmp_lab._src.precision import observers, scopes, table
 from jmp_lab._src.precision.ops import COMPUTE_OPS
@@ -112,9 +113,10 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any],
   the rules gave them) and their roles. Constants are stored values."""
   env: dict = {}
   role: dict = {}
-  for var, value in zip(jaxpr.constvars, consts):
+  constvars, invars = compat.jaxpr_inputs(jaxpr, consts)
+  for var, value in zip(constvars, consts):
     env[var], role[var] = value, Role.STORED
-  for var, value, r in zip(jaxpr.invars, args, roles):
+  for var, value, r in zip(invars, args, roles):
     env[var], role[var] = value, r
 
   def read(atom):

@@ -1,0 +1,118 @@
+"""Where jax versions differ: every difference jmp_lab meets, in one place.
+
+jmp_lab supports jax 0.10.2 (the last release for Python 3.11) through the
+newest release (0.12 at the time of writing); CI tests both ends
+(``.ci/run``'s two lanes). Each helper below names the versions on each side
+of the difference it hides, and tells the versions apart by what the
+installed jax has (a parameter, an attribute), not by its version number, so
+a release in between works as the side it resembles. No module of jmp_lab
+outside this one asks which jax it runs on.
+
+This module is a leaf: it imports jax only, so the kernels (the bottom of
+jmp_lab's import graph) can use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Sequence
+
+import jax
+
+# ---------------------------------------------------------------------------
+# Jaxprs (read by the precision interpreter, jmp_lab/_src/precision/).
+# ---------------------------------------------------------------------------
+
+
+def jaxpr_inputs(jaxpr: Any, consts: Sequence[Any]) -> tuple[list, list]:
+  """``(constvars, invars)`` of ``jaxpr`` traced with ``consts``.
+
+  jax <= 0.11 keeps a jaxpr's constant inputs apart (``jaxpr.constvars``);
+  jax 0.12 merges ``ClosedJaxpr`` into ``Jaxpr``, and a jaxpr traced by
+  ``trace_to_jaxpr_dynamic`` lists its constant inputs first among
+  ``all_invars`` while its ``constvars`` (the inputs with values attached)
+  is empty. Reading ``constvars`` and ``invars`` there binds the constants
+  to the wrong variables (a ``KeyError`` on a ``Var`` later).
+  """
+  everything = getattr(jaxpr, "all_invars", None)
+  if everything is None:  # jax <= 0.11
+    return list(jaxpr.constvars), list(jaxpr.invars)
+  return list(everything[:len(consts)]), list(everything[len(consts):])
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a ``scan`` equation.
+
+  jax <= 0.11 names both in the equation's params; jax 0.12 gives a flat
+  tree of the inputs instead, ``ft_in``, whose three parts are the consts,
+  the carry and the scanned inputs.
+  """
+  if "num_consts" in params:  # jax <= 0.11
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
+def custom_vjp_cotangents(bwd_output: Any) -> list:
+  """The flat input cotangents a ``custom_vjp_call`` equation's ``bwd``
+  (``params["bwd"].call_wrapped``) returned.
+
+  jax <= 0.11 returns the list of cotangents; jax 0.12, which added
+  ``jax.custom_vjp.defvjp_with_logs``, returns a pair ``(cotangents,
+  logs)``. Read as a list there, the pair is two non-arrays, and every
+  cotangent would be taken for a zero: gradients silently zero.
+  """
+  if hasattr(jax.custom_vjp, "defvjp_with_logs"):  # jax >= 0.12
+    cotangents, _ = bwd_output
+    return list(cotangents)
+  return list(bwd_output)
+
+
+# ---------------------------------------------------------------------------
+# Pallas.
+# ---------------------------------------------------------------------------
+
+
+def mosaic_load(plgpu: Any, ref: Any, layout: Any) -> Any:
+  """A whole Mosaic GPU ref into registers in ``layout``.
+
+  jax 0.10 requires ``plgpu.load``'s index (``()`` for a whole ref); jax
+  0.11 deprecates it (the "jax-pallas-mgpu-load-idx" warning) and gives it a
+  default.
+  """
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  if idx is not None and idx.default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def lowering_for(mesh: Any):
+  """A context in which a computation traced for ``mesh``'s GPUs lowers as
+  for them, on a machine without a GPU.
+
+  Pallas' Triton lowering asks which GPU it compiles for. jax 0.10 reads the
+  target from the compile itself; jax 0.12 reads the device kind of the
+  abstract mesh in context (``jax.sharding.use_abstract_mesh``) and, with no
+  GPU present and none in context, refuses ("No supported GPU devices found,
+  please specify an abstract GPU device using AbstractDevice"). A mesh built
+  from a GPU topology carries its device kind in ``mesh.abstract_mesh``, so
+  lowering under it names the target on every version; only lowering runs
+  under it (tracing outside it keeps jax's checks of the arguments'
+  meshes as they are).
+  """
+  abstract = getattr(mesh, "abstract_mesh", None)
+  use = getattr(jax.sharding, "use_abstract_mesh", None)
+  if abstract is None or use is None or getattr(
+      abstract, "abstract_device", None) is None:
+    return contextlib.nullcontext()
+  return use(abstract)
+
+
+__all__ = [
+    "custom_vjp_cotangents",
+    "jaxpr_inputs",
+    "lowering_for",
+    "mosaic_load",
+    "scan_counts",
+]
