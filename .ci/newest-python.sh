@@ -46,9 +46,11 @@ system_mounts() {
   done
   mkdir -p "$ROOT/dev/shm"
   mountpoint -q "$ROOT/dev/shm" || mount -t tmpfs tmpfs "$ROOT/dev/shm"
-  # pip inside must trust what the host's pip trusts, and resolve names as the host does.
+  # pip inside must trust what the host's pip trusts and resolve names as the host does.
   cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
   cp /etc/resolv.conf "$ROOT/etc/resolv.conf" 2>/dev/null || true
+  # gloo (jax's CPU collectives, the multi-process tests) resolves this machine's host name.
+  cp /etc/hosts "$ROOT/etc/hosts" 2>/dev/null || true
 }
 
 copy_tree() {  # the work tree as git sees it (tracked + untracked, unignored), into $1

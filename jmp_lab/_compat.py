@@ -88,8 +88,8 @@ def mosaic_load(plgpu: Any, ref: Any, layout: Any) -> Any:
 
 
 def lowering_for(mesh: Any):
-  """A context in which a computation traced for ``mesh``'s GPUs lowers as
-  for them, on a machine without a GPU.
+  """A context in which a computation for ``mesh``'s GPUs is traced and
+  lowered as for them, on a machine without a GPU.
 
   Pallas' Triton lowering asks which GPU it compiles for. jax 0.10 reads the
   target from the compile itself; jax 0.12 reads the device kind of the
@@ -97,9 +97,9 @@ def lowering_for(mesh: Any):
   GPU present and none in context, refuses ("No supported GPU devices found,
   please specify an abstract GPU device using AbstractDevice"). A mesh built
   from a GPU topology carries its device kind in ``mesh.abstract_mesh``, so
-  lowering under it names the target on every version; only lowering runs
-  under it (tracing outside it keeps jax's checks of the arguments'
-  meshes as they are).
+  tracing and lowering under it names the target on every version. (Both:
+  each equation keeps the abstract mesh it was traced under, and lowering a
+  nested ``jit`` restores it.)
   """
   abstract = getattr(mesh, "abstract_mesh", None)
   use = getattr(jax.sharding, "use_abstract_mesh", None)

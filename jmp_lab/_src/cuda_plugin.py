@@ -21,11 +21,13 @@ user keeps jax's version check and its messages.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-from typing import Callable, MutableMapping, Optional
-
-import jax
+import re
+import sys
+import tempfile
+from typing import Callable, Iterator, MutableMapping, Optional
 
 SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 # The files jax itself reads to tell whether an NVIDIA GPU may be here
@@ -81,6 +83,55 @@ def quiet_without_gpu(
   return True
 
 
+# What the CUDA plugin's libraries print (C++, straight to file descriptor
+# 2) when jaxlib loads them on a machine without a driver: "Could not find
+# cuda drivers on your machine, GPU will not be used", once per library,
+# each after absl's notice that logging is not initialized. True there, and
+# said at every import: noise for a CPU-only user of the gpu-compile extra.
+NO_DRIVER_NOISE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r" are written to STDERR|\S+ \S+ +\d+ cudart_stub\.cc:\d+\] Could not "
+    r"find cuda drivers on your machine, GPU will not be used\.)$")
+
+
+@contextlib.contextmanager
+def stderr_without(noise: re.Pattern) -> Iterator[None]:
+  """File descriptor 2 (what C++ libraries print to) with the lines that
+  match ``noise`` left out; every other line is written to it afterwards,
+  in order."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as caught:
+    os.dup2(caught.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      caught.seek(0)
+      kept = [line for line in caught.read().decode(errors="replace")
+              .splitlines(keepends=True) if not noise.match(line.rstrip("\n"))]
+      if kept:
+        os.write(2, "".join(kept).encode())
+
+
+def import_jax_quietly(installed: Callable[[], bool] = plugin_installed,
+                       gpu: Callable[[], bool] = gpu_may_be_present) -> None:
+  """``import jax`` without the CUDA plugin's no-driver lines, where they
+  can only be noise: a CUDA plugin is installed, no NVIDIA GPU may be here
+  and jax is not imported yet (once it is, there is nothing left to
+  quiet). Everything else jax prints still shows."""
+  if "jax" in sys.modules or not installed() or gpu():
+    import jax  # noqa: F401
+    return
+  with stderr_without(NO_DRIVER_NOISE):
+    import jax  # noqa: F401
+
+
 # jmp_lab/__init__.py imports this module first, before jax can have started
 # a backend through jmp_lab.
+import_jax_quietly()
+import jax  # noqa: E402  (imported above, quietly where it was noise)
+
 quiet_without_gpu()

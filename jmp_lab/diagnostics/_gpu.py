@@ -13,6 +13,7 @@ import importlib.resources
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -246,14 +247,14 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
              "xla_gpu_fail_ptx_compilation_on_register_spilling":
                  bool(fail_on_spill)}
   if dump_to:
-    options["xla_dump_to"] = dump_to
+    options.update(_dump_options(dump_to))
   specs = abstract_args(args, mesh, in_specs)
   # Mosaic GPU compiles its kernels inside XLA's compile, so the dump
   # variables must hold for both steps.
   with mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext():
-    traced = jitted.trace(*specs)
-    with compat.lowering_for(mesh):  # Pallas' Triton lowering asks for the GPU
-      lowered = traced.lower()
+    # Pallas' Triton lowering asks which GPU it compiles for (jax 0.12).
+    with compat.lowering_for(mesh):
+      lowered = jitted.trace(*specs).lower()
     try:
       return lowered.compile(compiler_options=options)
     except Exception as e:  # pylint: disable=broad-except  (XLA's own type)
@@ -274,7 +275,7 @@ def _spilling_kernels(lowered, options) -> str:
     try:
       lowered.compile(compiler_options={
           **options, "xla_gpu_fail_ptx_compilation_on_register_spilling":
-              False, "xla_dump_to": dump_dir})
+              False, **_dump_options(dump_dir)})
     except Exception:  # pylint: disable=broad-except
       return "some of XLA's kernels spill registers"
     spilling = sorted(name for name, (_, spill) in register_usage(
@@ -288,15 +289,76 @@ def _spilling_kernels(lowered, options) -> str:
 
 
 
-def _ptxas() -> Optional[str]:
+def _dump_options(dump_dir: str) -> dict:
+  """XLA's options that dump a compile into ``dump_dir``: its HLO, thunks
+  and the PTX of every kernel ptxas compiles.
+
+  XLA up to jax 0.10 writes each module's PTX there itself
+  (``module_*.ptx``); the XLA of jax 0.12 no longer does. Both hand the PTX
+  to the ``ptxas`` under ``xla_gpu_cuda_data_dir`` in a temporary file, so
+  the compile is pointed at a copy of the CUDA directory whose ``ptxas``
+  keeps a copy of each input in ``dump_dir`` and then runs the real one:
+  one way to read the registers on every version.
+  """
+  options = {"xla_dump_to": dump_dir}
+  data_dir = _ptx_keeping_cuda_dir(dump_dir)
+  if data_dir is not None:
+    options["xla_gpu_cuda_data_dir"] = data_dir
+  return options
+
+
+def _ptx_keeping_cuda_dir(dump_dir: str) -> Optional[str]:
+  """A CUDA directory inside ``dump_dir`` mirroring the nvcc wheel's, whose
+  ``bin/ptxas`` copies its PTX input into ``dump_dir`` before running the
+  real ptxas (None without the wheel)."""
+  real = _nvcc_root()
+  if real is None:
+    return None
+  mirror = os.path.join(dump_dir, "cuda_keeping_ptx")
+  os.makedirs(os.path.join(mirror, "bin"), exist_ok=True)
+  for entry in os.listdir(real):
+    if entry != "bin" and not os.path.exists(os.path.join(mirror, entry)):
+      os.symlink(os.path.join(real, entry), os.path.join(mirror, entry))
+  wrapper = os.path.join(mirror, "bin", "ptxas")
+  with open(wrapper, "w") as f:
+    f.write(_PTXAS_KEEPING_PTX.format(dump=shlex.quote(dump_dir),
+                                      ptxas=shlex.quote(os.path.join(
+                                          real, "bin", "ptxas"))))
+  os.chmod(wrapper, 0o755)
+  return mirror
+
+
+# XLA calls `ptxas FILE -o OUT -arch=... [flags]`: a file argument that is
+# PTX (it has a .version line) is kept as dump_dir/kept_<name>.ptx.
+_PTXAS_KEEPING_PTX = """#!/bin/sh
+for arg in "$@"; do
+  case "$arg" in
+    -*) ;;
+    *) if [ -f "$arg" ] && grep -q '^[.]version' "$arg" 2>/dev/null; then
+         cp "$arg" {dump}/"kept_$(basename "$arg").ptx"
+       fi ;;
+  esac
+done
+exec {ptxas} "$@"
+"""
+
+
+def _nvcc_root() -> Optional[str]:
+  """The nvidia-cuda-nvcc-cu12 wheel's directory (bin/ptxas, nvvm/)."""
   try:
     import nvidia.cuda_nvcc  # the nvidia-cuda-nvcc-cu12 wheel
-    for root in nvidia.cuda_nvcc.__path__:
-      candidate = os.path.join(root, "bin", "ptxas")
-      if os.path.exists(candidate):
-        return candidate
   except ImportError:
-    pass
+    return None
+  for root in nvidia.cuda_nvcc.__path__:
+    if os.path.exists(os.path.join(root, "bin", "ptxas")):
+      return root
+  return None
+
+
+def _ptxas() -> Optional[str]:
+  root = _nvcc_root()
+  if root is not None:
+    return os.path.join(root, "bin", "ptxas")
   return shutil.which("ptxas")
 
 
