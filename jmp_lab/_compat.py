@@ -54,19 +54,35 @@ def scan_counts(params: dict) -> tuple[int, int]:
   return len(consts), len(carry)
 
 
-def custom_vjp_cotangents(bwd_output: Any) -> list:
+def custom_vjp_cotangents(bwd_output: Any, count: int) -> list:
   """The flat input cotangents a ``custom_vjp_call`` equation's ``bwd``
   (``params["bwd"].call_wrapped``) returned.
 
   jax <= 0.11 returns the list of cotangents; jax 0.12, which added
   ``jax.custom_vjp.defvjp_with_logs``, returns a pair ``(cotangents,
   logs)``. Read as a list there, the pair is two non-arrays, and every
-  cotangent would be taken for a zero: gradients silently zero.
+  cotangent would be taken for a zero: gradients silently zero. So what
+  comes back is checked: ``count`` cotangents, each an array, a symbolic
+  zero or None, or a ``RuntimeError`` says that this jax hands back
+  something else (rather than a wrong gradient).
   """
   if hasattr(jax.custom_vjp, "defvjp_with_logs"):  # jax >= 0.12
     cotangents, _ = bwd_output
-    return list(cotangents)
-  return list(bwd_output)
+  else:
+    cotangents = bwd_output
+  cotangents = list(cotangents)
+  if len(cotangents) != count or not all(map(_is_cotangent, cotangents)):
+    raise RuntimeError(
+        f"jmp_lab cannot read a custom_vjp backward rule's output on jax "
+        f"{jax.__version__}: expected {count} cotangents (arrays, symbolic "
+        f"zeros or None), got "
+        f"{[type(c).__name__ for c in cotangents]}; please report it")
+  return cotangents
+
+
+def _is_cotangent(value: Any) -> bool:
+  return value is None or (hasattr(value, "shape") and hasattr(
+      value, "dtype")) or type(value).__name__ in ("Zero", "SymbolicZero")
 
 
 # ---------------------------------------------------------------------------

@@ -204,7 +204,8 @@ def custom_vjp(op: Op) -> tuple[list, list]:
     args = ([restore(r, v) for r, v in zip(residuals, written["residuals"])]
             + [restore(c, v) for c, v in zip(cotangents, written["outputs"])])
     cts = _call_under_rules(
-        lambda *a: compat.custom_vjp_cotangents(bwd.call_wrapped(*a)), args,
+        lambda *a: compat.custom_vjp_cotangents(bwd.call_wrapped(*a),
+                                                len(arg_dtypes)), args,
         context)
     cts = [_typed(c, d) if is_array(c) and is_floating(d) else None
            for c, d in zip(cts, arg_dtypes)]
