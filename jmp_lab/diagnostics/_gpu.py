@@ -251,18 +251,21 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
   specs = abstract_args(args, mesh, in_specs)
   # Mosaic GPU compiles its kernels inside XLA's compile, so the dump
   # variables must hold for both steps.
-  with mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext():
-    # Pallas' Triton lowering asks which GPU it compiles for (jax 0.12).
-    with compat.lowering_for(mesh):
-      lowered = jitted.trace(*specs).lower()
+  # Pallas' Triton lowering asks which GPU it compiles for (jax 0.12), also
+  # from inside XLA's compile (a custom_partitioning callback lowers its
+  # kernels while XLA partitions the program).
+  with (mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext(),
+        compat.lowering_for(mesh)):
+    lowered = jitted.trace(*specs).lower()
     try:
       return lowered.compile(compiler_options=options)
     except Exception as e:  # pylint: disable=broad-except  (XLA's own type)
       if "register spilling" not in str(e):
         raise
+    spilling = _spilling_kernels(lowered, options)
   raise RuntimeError(
       f"compiled for {target if isinstance(target, str) else target.name}, "
-      f"{_spilling_kernels(lowered, options)}, which compile_for_gpu and "
+      f"{spilling}, which compile_for_gpu and "
       f"compiled_report refuse by default (a spill "
       f"costs local-memory traffic on every launch); pass "
       f"fail_on_spill=False to compile and report it anyway") from None
