@@ -64,6 +64,12 @@ NUM_WARPS = 8
 # over the vocabulary; wider ones it reads again at each step (an unrolled
 # sum over more chunks overflows shared memory when compiled for an H100).
 MAX_HELD_COLUMNS = 768
+# The forward kernel's limit is lower: it also carries three fp32 running
+# statistics per token. At D = 768 (GPT-2 small) the Triton of jax 0.12
+# allocates it 255 registers and spills 104 B (jax 0.10's: 226, none);
+# reading the tile again at each step (from L2) takes it to 128 registers on
+# both, and moves the same bytes through HBM.
+FORWARD_MAX_HELD_COLUMNS = 512
 
 
 def _triton_dot(*args, **kwargs):
@@ -183,11 +189,12 @@ def _hidden_chunks(hidden_ref, token_slice, tiling: Tiling):
           for c in range(tiling.chunks)]
 
 
-def _held_hidden(hidden_ref, token_slice, tiling: Tiling):
+def _held_hidden(hidden_ref, token_slice, tiling: Tiling,
+                 max_held: int = MAX_HELD_COLUMNS):
   """The program's hidden tile, loaded once and held through the loop over
-  the vocabulary where it fits (D up to 768); None where it must be read
-  again at each step (from L2: the same tile each time)."""
-  if tiling.width > MAX_HELD_COLUMNS:
+  the vocabulary where it fits (D up to ``max_held``); None where it must be
+  read again at each step (from L2: the same tile each time)."""
+  if tiling.width > max_held:
     return None
   return _hidden_chunks(hidden_ref, token_slice, tiling)
 
@@ -196,7 +203,7 @@ def _statistics_kernel(hidden_ref, rows_ref, labels_ref, lse_ref, label_ref,
                        *, tiling: Tiling, vocab_tiles: int):
   tokens = pl.ds(pl.program_id(0) * FORWARD_TOKENS, FORWARD_TOKENS)
   labels = labels_ref[tokens]
-  held = _held_hidden(hidden_ref, tokens, tiling)
+  held = _held_hidden(hidden_ref, tokens, tiling, FORWARD_MAX_HELD_COLUMNS)
 
   def step(j, carry):
     maximum, total, label_logit = carry
