@@ -84,8 +84,13 @@ def _compiled_gemms(case):
 @pytest.mark.parametrize("name", CASES)
 def test_compiled_for_an_h100_no_gemm_or_convolution_has_an_f32_operand(name):
   pytest.importorskip("jax_plugins.xla_cuda12")
-  gemms = _compiled_gemms(mr.CASES[name]("mixed_bfloat16"))
-  assert len(gemms) >= 12
+  case = mr.CASES[name]("mixed_bfloat16")
+  gemms = _compiled_gemms(case)
+  audit = audit_step(case.step, case.state, next(case.batches))
+  # The GEMMs checked are the step's matmul work, not a few of them (XLA
+  # merges some and, on jax 0.12, drops a gradient GEMM nothing reads).
+  compiled_flops = sum(g.flops * g.times for g in gemms)
+  assert compiled_flops >= 0.75 * sum(r.flops for r in audit.matmuls)
   assert [g.operands for g in gemms if "f32" in (g.lhs.dtype, g.rhs.dtype)
           ] == []
 
@@ -106,7 +111,12 @@ def test_fp8_reaches_layers_with_their_own_float32_dtype(name, policy):
   report = jmp_lab.diagnostics.compiled_report(
       case.step, case.state, batch, target="h100", fail_on_spill=False)
   assert audit.fp8_flop_share > 0.6
-  assert report.gemm_flop_share("fp8") == pytest.approx(audit.fp8_flop_share)
+  # Every FLOP the audit counts as fp8 runs in an fp8 GEMM. (Compared as
+  # FLOPs, not shares: jax 0.12's XLA drops one of Gemma's 16-bit gradient
+  # GEMMs that nothing reads, which raises the compiled share to 0.75.)
+  audited = audit.fp8_flop_share * sum(r.flops for r in audit.matmuls)
+  compiled = sum(g.flops * g.times for g in report.gemms if g.math == "fp8")
+  assert compiled == pytest.approx(audited)
 
 
 @pytest.mark.parametrize("name, steps, seeds", [

@@ -353,7 +353,10 @@ def test_weight_gradients_of_3d_inputs_run_on_a_cpu(module, args):
     # query): both are bf16 rounding noise.
     for tree in (grads, plain):
       assert float(jnp.max(jnp.abs(tree["key"].pop("bias")))) < 0.05
-  chex.assert_trees_all_close(grads, plain, rtol=0.05, atol=2e-2)
+  # Both are bf16 computations of gradients as large as 5: elements near
+  # zero differ by bf16 rounding of the attention's products (0.045 on
+  # jax 0.12's XLA:CPU, which orders its sums differently).
+  chex.assert_trees_all_close(grads, plain, rtol=0.05, atol=5e-2)
   jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, model)
   kernels = [path for path, _ in
              jax.tree_util.tree_flatten_with_path(params)[0]

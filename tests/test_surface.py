@@ -176,7 +176,7 @@ def test_nnx_fp8_meta_is_a_deprecated_name_for_fp8_state():
 # its own layer and those below; the optimizers and the engine (one floor)
 # do not import each other.
 LAYERS = [
-    ("kernels", [r"jmp_lab\.kernels(\..*)?"]),
+    ("kernels", [r"jmp_lab\.kernels(\..*)?", r"jmp_lab\._compat"]),
     ("base", [r"jmp_lab\._nesting", r"jmp_lab\._src\.precision\.scopes",
               r"jmp_lab\._src\.policy", r"jmp_lab\._src\.matmuls",
               r"jmp_lab\._src\.sharding", r"jmp_lab\._checks",
