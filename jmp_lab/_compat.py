@@ -117,7 +117,8 @@ def lowering_for(mesh: Any):
   each equation keeps the abstract mesh it was traced under, and lowering a
   nested ``jit`` restores it.)
   """
-  abstract = getattr(mesh, "abstract_mesh", None)
+  abstract = (mesh if isinstance(mesh, jax.sharding.AbstractMesh)
+              else getattr(mesh, "abstract_mesh", None))
   use = getattr(jax.sharding, "use_abstract_mesh", None)
   if abstract is None or use is None or getattr(
       abstract, "abstract_device", None) is None:
@@ -125,7 +126,18 @@ def lowering_for(mesh: Any):
   return use(abstract)
 
 
+def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3",
+                 cores: int = 132) -> Any:
+  """A one-device abstract mesh of a GPU of ``device_kind``, for
+  :func:`lowering_for` where no CUDA plugin builds a real topology (a
+  lowering for CUDA alone, ``lower(lowering_platforms=("cuda",))``)."""
+  device = jax.sharding.AbstractDevice(device_kind=device_kind,
+                                       num_cores=cores, platform="gpu")
+  return jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+
+
 __all__ = [
+    "abstract_gpu",
     "custom_vjp_cotangents",
     "jaxpr_inputs",
     "lowering_for",
