@@ -533,6 +533,25 @@ def test_quantize_transpose_off_cuda_is_xla_quantization_and_its_parts():
   np.testing.assert_array_equal(sums, np.asarray(x, np.float32).sum(axis=0))
 
 
+def _cast_transpose_lowered_for_cuda():
+  x = jnp.ones((1024, 1024), jnp.bfloat16)
+  quantize = lambda x, s: _xla_quantized(x, s, jnp.float8_e5m2)  # noqa: E731
+  return lowered_for_cuda(lambda x: cast_transpose.quantize_transpose(
+      x, jnp.float32(2.0), jnp.float8_e5m2, 1024, quantize), x)
+
+
+def test_quantize_transpose_for_cuda_is_the_triton_kernel():
+  assert "fp8_cast_transpose" in _cast_transpose_lowered_for_cuda()
+
+
+def test_without_triton_quantize_transpose_takes_xlas_path(triton_hidden):
+  """Once jax removes Pallas' Triton backend (deprecated in 0.11), fp8's
+  output gradients are quantized and transposed by XLA: the step still
+  lowers for CUDA (before: an ImportError at the lowering)."""
+  text = _cast_transpose_lowered_for_cuda()
+  assert "fp8_cast_transpose" not in text and "triton" not in text
+
+
 @pytest.mark.parametrize("shape", [(16, 4), (0, 8), (3, 5)])
 def test_quantize_transpose_of_a_tensor_smaller_than_the_programs(shape):
   """Fewer (or not a multiple of) elements than maxima slots: each slot

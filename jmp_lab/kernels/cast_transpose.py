@@ -42,6 +42,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jmp_lab.kernels.mesh import (axes_per_dim, explicitly_sharded,
                                   split_dims, split_over)
 from jmp_lab.kernels.stats import part_maxima
+from jmp_lab.kernels import platform
 from jmp_lab.kernels.platform import quiet_triton_deprecation
 
 # Tile edges tried, largest first: a 64 x 128 tile is 64 values a thread at
@@ -311,11 +312,14 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
   a third time for the bias gradient). Across devices it runs on each
   device's rows (``custom_partitioning``; the maxima combined with a
   ``pmax``, the column sums with a ``psum``); under ``vmap``, or where ``x``
-  is sharded in its type (explicit mesh axes), it takes XLA's path.
+  is sharded in its type (explicit mesh axes), or where jax has no Pallas
+  Triton backend, it takes XLA's path.
   """
   if (x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float16)
       or tiling(x.shape, programs, column_sums) is None
-      or explicitly_sharded(x)):  # a Pallas ref cannot be sliced so
+      or explicitly_sharded(x)  # a Pallas ref cannot be sliced so
+      # A jax without Pallas' Triton backend (deprecated in 0.11).
+      or not platform.importable("jax.experimental.pallas.triton")):
     return _xla_path(x, scale, quantize, programs, column_sums)
   dtype_name = jnp.dtype(dtype).name
   scale = jnp.reshape(scale.astype(jnp.float32), (1,))
