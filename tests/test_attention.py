@@ -15,6 +15,7 @@ import jmp_lab
 from jmp_lab import attention
 from jmp_lab._src.numerics import attention as attention_impl  # its warn-once set
 from jmp_lab import linen as jl
+from cuda_compile import require_cuda_plugin  # noqa: E402
 
 B, T, N, H = 2, 32, 4, 16
 
@@ -72,7 +73,7 @@ def test_the_cuda_branch_is_a_fused_kernel_and_the_cpu_branch_is_not():
 
 
 def _compiled(fn, *args, fail_on_spill=True):
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   return jmp_lab.diagnostics.compiled_report(fn, *args, target="h100",
                                              fail_on_spill=fail_on_spill)
 

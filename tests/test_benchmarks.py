@@ -9,6 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import fused_update, multi_tensor_compile, train_step  # noqa: E402
+from cuda_compile import require_cuda_plugin  # noqa: E402
 
 
 def test_train_step_harness_small(capsys, tmp_path):
@@ -47,7 +48,7 @@ def test_fused_update_benchmark_small(capsys):
 def test_multi_tensor_compile_benchmark_small(capsys):
   """Both Triton kernels over 2 leaves and the Mosaic GPU probe over 1,
   compiled for an H100."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   multi_tensor_compile.main(["--leaves", "2", "--mosaic-leaves", "1"])
   out = capsys.readouterr().out
   for row in ("| Triton statistics | 2 |", "| Triton update | 2 |",

@@ -22,6 +22,8 @@ from jmp_lab.diagnostics import compiled, hlo
 from jmp_lab.kernels import multi_tensor
 from jmp_lab.kernels.reference import AdamWConfig
 
+from cuda_compile import require_cuda_plugin
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -139,7 +141,7 @@ print(jax.default_backend(), "__cublas$lt$matmul" in text)
 def test_without_a_gpu_jax_starts_quietly_and_still_compiles_for_an_h100():
   """Before the fix: jax's start printed "Jax plugin configuration error ...
   Unable to load CUDA", and the compile failed without JAX_PLATFORMS=cpu."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   if cuda_plugin.gpu_may_be_present():
     pytest.skip("an NVIDIA GPU may be present: jax's own check stays on")
   env = {k: v for k, v in os.environ.items()
@@ -157,7 +159,7 @@ def test_import_jmp_lab_prints_nothing_without_a_gpu():
   """Before the fix: every ``import jmp_lab`` with the gpu-compile extra
   printed the CUDA plugin's "Could not find cuda drivers on your machine"
   (twice on jax 0.12, three times on 0.10.2), each after absl's notice."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   if cuda_plugin.gpu_may_be_present():
     pytest.skip("an NVIDIA GPU may be present: nothing is quieted")
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}

@@ -25,6 +25,7 @@ from jmp_lab import fp8
 from jmp_lab import linen as jl
 
 from conftest import tree_bits_equal
+from cuda_compile import require_cuda_plugin  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -688,7 +689,7 @@ def test_gpt_dense_matmuls_compile_to_fp8_gemms_on_h100():
   """Every Dense matmul of the (small) GPT step, forward and both gradients,
   is an fp8 cuBLASLt GEMM; attention's own two matmuls stay bf16. The
   GPT-2-small figures are in benchmarks/RESULTS.md."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   from benchmarks import train_step
   # Width 256: at width 64 (train_step.SMALL) XLA's kernel that fuses a
   # LayerNorm's backward with the fp8 cast of its output spills registers,
@@ -714,7 +715,7 @@ def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
   weighs less (1.24x, tests/test_compiled_gpt2.py); at this width the
   transposed fp8 copies the weight-gradient GEMMs read and the scaling
   state's kernels weigh more (benchmarks/fp8_breakdown.py)."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   from benchmarks import train_step
   size = _small_gpt()
   configs = {c.name: c for c in train_step.ALL_CONFIGS}
@@ -727,7 +728,7 @@ def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
 @pytest.fixture(scope="module")
 def wide_lean_fp8_report():
   """The lean fp8 step of a 2-layer, width-2048 GPT, compiled for the H100."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   from benchmarks import train_step
   size = train_step.ModelSize(layers=2, width=2048, heads=16, seq_len=1024,
                               vocab=1024, batch=4)
@@ -815,7 +816,7 @@ def test_scanned_layers_backward_gemms_are_fp8_on_h100():
   the forward's dequantized operands crossed the loop as bf16 residuals,
   which XLA cannot rewrite into fp8 GEMMs; the backward now quantizes
   again next to them.)"""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   state = linen_state("mixed_fp8", module=_ScannedMLP())
   report = jmp_lab.diagnostics.compiled_report(
       jmp_lab.make_train_step(linen_loss), state, (X, Y), target="h100")
@@ -858,7 +859,7 @@ def test_linen_einsums_that_pin_float32_are_fp8_gemms_on_h100(scanned):
   16 bits (5 of 8 unscanned: the operands were dequantized to fp32), and
   under nn.scan the step did not trace (the bias gradient attached from
   outside the loop had the stacked shape). The params are flax's own."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   module = _EinsumMLP(scanned)
   state = linen_state("mixed_fp8", module=module)
   chex.assert_trees_all_equal(
@@ -985,7 +986,7 @@ def test_layers_that_share_an_input_are_fp8_gemms_on_h100(spec):
   concatenated kernel, which is not an fp8 GEMM: 2 of the step's 5 GEMMs
   were 16-bit on the H100 (Gemma-style NNX model: 52% fp8 compiled against
   71% audited). Each layer now quantizes its own input."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   state = linen_state(spec, module=_Gated())
   # jax 0.12's XLA spills 16 B in one of its own reduce fusions here (the
   # tiny gated layer's bias gradient and finite check, 80 registers): not a
@@ -1153,7 +1154,7 @@ def test_dense_backward_on_8_h100s_quantizes_each_devices_own_tokens():
   """Data parallel over 8 H100s: each device quantizes its own 1/8 of the
   output gradient (the kernel's partitioning rule), no device gathers the
   batch, and the GEMMs stay fp8."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   from jax.sharding import PartitionSpec as P
   tokens, width, features = 8192, 1024, 2048
   meta = fp8.init_meta()
@@ -1192,7 +1193,7 @@ def test_an_fsdp_kernel_crosses_the_network_as_fp8_once_per_pass_on_h100(
   quantized again and gathered a third time under current scaling; XLA
   gathered the dequantized kernel's rows again under delayed scaling).
   A Dense layer's product and an Einsum's alike."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   from jax.sharding import PartitionSpec as P
   tokens, width, features = 4096, 1024, 2048
   meta = fp8.init_meta() if delayed else None
@@ -1224,7 +1225,7 @@ def test_dense_backward_under_tensor_parallelism_quantizes_each_devices_block():
   gradient (the kernel's rule splits rows and columns), so no device
   gathers it in bf16 (the rule split rows only, and XLA gathered the
   columns: 11.9 GB a step on the 7B-class model, benchmarks/RESULTS.md)."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   from jax.sharding import PartitionSpec as P
   tokens, width, features = 8192, 1024, 2048
   meta = fp8.init_meta()

@@ -14,6 +14,8 @@ from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels import multi_tensor, pallas_triton, reference
 from jmp_lab.kernels.reference import AdamWConfig
 
+from cuda_compile import require_cuda_plugin
+
 F32 = np.dtype(jnp.float32)
 
 
@@ -576,7 +578,7 @@ def test_cast_transpose_compiles_for_the_h100_as_one_kernel_without_spills(
   tile where 3 tiles a program cross strips (3,072 columns), a row a strip
   where 4 do not (2,048). The tiles with sums are smaller (64 x 64): at
   64 x 128 the sums took 168 registers a thread, half the resident warps."""
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   from jmp_lab.diagnostics import compiled_report
   lay = cast_transpose.tiling(shape, 1024, column_sums)
   report = compiled_report(

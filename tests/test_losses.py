@@ -16,6 +16,7 @@ import jmp_lab
 from jmp_lab import linen as jl
 from jmp_lab import losses
 from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
+from cuda_compile import require_cuda_plugin  # noqa: E402
 
 TOKENS, WIDTH, VOCAB = 48, 32, 1000
 
@@ -208,7 +209,7 @@ def test_compiled_for_an_h100_each_blocks_logits_are_read_once_a_pass():
   backward pass, the kernel that writes the logits' gradient. The kernel's
   gradient leaves its GEMM in the kernel's dtype (no fp32 copy converted by
   another kernel)."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   tokens, width, vocab, block = 4096, 128, 16384, 2048
   hidden = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
   kernel = jax.ShapeDtypeStruct((width, vocab), jnp.bfloat16)
@@ -348,7 +349,7 @@ def test_kernels_refuse_what_they_cannot_take(kwargs, match):
 def test_auto_keeps_fp32_hidden_on_the_xla_path_everywhere():
   """fp32 operands would run the kernels' dots in TF32: "auto" gives fp32
   hidden states XLA's path even when compiled for CUDA."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   hidden = jax.ShapeDtypeStruct((256, 64), jnp.float32)
   kernel = jax.ShapeDtypeStruct((64, 1024), jnp.float32)
   labels = jax.ShapeDtypeStruct((256,), jnp.int32)
@@ -363,7 +364,7 @@ def test_compiled_for_an_h100_auto_runs_the_kernels_without_the_logits():
   of (tokens, block) logits, no register spill, no GEMM with an fp32
   operand, and a fraction of the XLA path's bytes (GPT-2's shapes:
   benchmarks/RESULTS.md)."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   tokens, width, vocab = 4096, 256, 16384
   hidden = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
   table = jax.ShapeDtypeStruct((vocab, width), jnp.float32)   # tied
@@ -395,7 +396,7 @@ def test_compiled_for_an_h100_auto_runs_the_kernels_without_the_logits():
 def test_compiled_for_an_h100_auto_keeps_wide_hidden_on_the_xla_path():
   """Over 768 columns the gradient kernels would recompute the logits per
   group of columns: "auto" keeps XLA's path, "triton" still runs them."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   tokens, width, vocab = 1024, 1024, 4096
   args = (jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16),
           jax.ShapeDtypeStruct((vocab, width), jnp.float32),
@@ -435,7 +436,7 @@ def test_compiled_on_8_h100s_each_device_runs_its_own_tokens():
   """Data parallel on 8 H100s: the kernels see 1/8 of the tokens each, and
   the only collective is the kernel gradient's all-reduce (which any
   data-parallel step has)."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   tokens, width, vocab = 4096, 256, 8192
   fn = jax.grad(lambda h, t, y: losses.linear_cross_entropy(
       h, t.T, y).mean(), argnums=(0, 1))

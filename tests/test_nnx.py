@@ -16,6 +16,7 @@ from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
 from jmp_lab import nnx as jnnx
 
 from conftest import tree_bits_equal
+from cuda_compile import require_cuda_plugin  # noqa: E402
 
 F32, BF16, F16 = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16),
                   np.dtype(jnp.float16))
@@ -490,7 +491,7 @@ def test_audit_of_an_nnx_step_finds_every_matmul_in_half():
 
 
 def test_compiled_for_h100_report_of_an_nnx_step():
-  pytest.importorskip("jax_cuda12_plugin")
+  require_cuda_plugin()
   model, optimizer = make_bn("mixed_bfloat16", jmp_lab.DynamicLossScale())
   step, state = jnnx.split_train_step(bn_loss, model, optimizer)
   report = jmp_lab.diagnostics.compiled_report(step, state, BATCH,

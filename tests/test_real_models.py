@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import model_reach as mr  # noqa: E402
 from benchmarks import real_models as rm  # noqa: E402
+from cuda_compile import require_cuda_plugin  # noqa: E402
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 CASES = ["resnet", "linen_lm", "linen_lm_custom", "griffin", "gemma",
@@ -83,7 +84,7 @@ def _compiled_gemms(case):
 
 @pytest.mark.parametrize("name", CASES)
 def test_compiled_for_an_h100_no_gemm_or_convolution_has_an_f32_operand(name):
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   case = mr.CASES[name]("mixed_bfloat16")
   gemms = _compiled_gemms(case)
   audit = audit_step(case.step, case.state, next(case.batches))
@@ -104,7 +105,7 @@ def test_fp8_reaches_layers_with_their_own_float32_dtype(name, policy):
   the audit counts as fp8 compiles to fp8 (under current scaling Gemma's
   gated MLP compiled 52% against 71% audited: its shared input was
   quantized once and XLA merged the gate and up GEMMs)."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   case = mr.CASES[name](policy)
   batch = next(case.batches)
   audit = audit_step(case.step, case.state, batch)

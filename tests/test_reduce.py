@@ -14,6 +14,7 @@ import pytest
 from jmp_lab import linen as jl
 from jmp_lab import reduce as reduce_lib
 from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
+from cuda_compile import require_cuda_plugin  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -392,7 +393,7 @@ def test_reduce_float32_sums_gradients_in_fp32_on_8_h100s(policy):
   """A data-parallel GPT step compiled for 8 H100s: without a reduce dtype
   the weight gradients are all-reduced in bf16; with reduce=float32 every
   gradient is, biases and both embedding tables included."""
-  pytest.importorskip("jax_plugins.xla_cuda12")
+  require_cuda_plugin()
   from benchmarks import train_step
   size = train_step.ModelSize(layers=1, width=256, heads=4, seq_len=128,
                               vocab=4096, batch=8)
