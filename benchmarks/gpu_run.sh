@@ -5,6 +5,9 @@
 #
 #   bash benchmarks/gpu_run.sh OUTPUT_DIR [PART ...]   # default: every part
 #
+#   compiled      the compiled-for-H100 checks (tests/test_compiled.py) on
+#                 this machine's jax and CUDA plugin (0.11.2 and CUDA 13 on
+#                 the lent machines; CI runs them on 0.10.2 and the newest);
 #   kernels       the kernel correctness tests on the real backends: the
 #                 Triton and Mosaic GPU kernels against the jnp reference
 #                 (tests/test_kernels.py, which skips them on a CPU), and
@@ -42,7 +45,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_results}}"
 shift || true
-all_parts=(kernels fused_update train_step fp8 lean)
+all_parts=(kernels compiled fused_update train_step fp8 lean)
 parts=("$@")
 [ "${#parts[@]}" -gt 0 ] || parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
@@ -83,6 +86,8 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on fail
 [ -z "$dry" ] || echo "dry run: the commands, not run"
 for part in "${parts[@]}"; do
   case "$part" in
+    compiled) JAX_PLATFORMS=cpu run compiled 240 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_compiled.py -rs ;;
     kernels) run kernels 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs
              run loss_kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_losses.py \
                -k "triton" -rs ;;

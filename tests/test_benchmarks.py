@@ -67,7 +67,8 @@ def test_gpu_script_runs_jax_and_torch_in_processes_of_their_own(tmp_path):
   commands = [line for line in run.stdout.splitlines() if ": XLA_" in line]
   assert {c.split(":")[0] for c in commands} == {
       "kernels", "fused_update", "fused_update_torch", "train_step",
-      "train_step_torch", "fp8", "fp8_1.3b", "lean", "loss_kernels"}
+      "train_step_torch", "fp8", "fp8_1.3b", "lean", "loss_kernels",
+      "compiled"}
   for command in commands:
     assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in command
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in command

@@ -347,13 +347,20 @@ exec {ptxas} "$@"
 
 
 def _nvcc_root() -> Optional[str]:
-  """The nvidia-cuda-nvcc-cu12 wheel's directory (bin/ptxas, nvvm/)."""
+  """A CUDA directory with ``bin/ptxas`` and ``nvvm/``: the
+  nvidia-cuda-nvcc-cu12 wheel's, else the toolkit whose ``ptxas`` is on the
+  PATH (a GPU machine's)."""
   try:
     import nvidia.cuda_nvcc  # the nvidia-cuda-nvcc-cu12 wheel
+    roots = list(nvidia.cuda_nvcc.__path__)
   except ImportError:
-    return None
-  for root in nvidia.cuda_nvcc.__path__:
-    if os.path.exists(os.path.join(root, "bin", "ptxas")):
+    roots = []
+  on_path = shutil.which("ptxas")
+  if on_path:
+    roots.append(os.path.dirname(os.path.dirname(os.path.realpath(on_path))))
+  for root in roots:
+    if (os.path.exists(os.path.join(root, "bin", "ptxas"))
+        and os.path.isdir(os.path.join(root, "nvvm"))):
       return root
   return None
 
