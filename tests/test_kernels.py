@@ -127,7 +127,20 @@ def test_kernel_matches_reference_within_one_ulp(size, grad_dtype, keep_master,
   # fused and FMA-contracted differently by XLA in the two programs, so a
   # few elements round up to MAX_ULPS apart; nearly all are within one ulp.
   # The master is p + step * -lr, measured at the scale of its operands.
-  chex.assert_trees_all_equal((got.mu, got.nu), (want.mu, want.nu))
+  # The Mosaic GPU kernel's moments are within two ulps of their operands:
+  # on an H200 (jax 0.11.2, the first GPU run, 2026-11-28) 1.3% of the
+  # elements differed, by at most one ulp of b1 * mu, the two programs
+  # contracting b1 * mu + (1 - b1) * g into an FMA differently (where the
+  # two terms cancel, that is many ulps of the small result).
+  # Where the terms cancel each is at most max(|old moment|, |new moment|);
+  # the unfused form rounds three times, the FMA twice: two ulps of that.
+  if backend == "mosaic":
+    for x, w, old in ((got.mu, want.mu, mu), (got.nu, want.nu, nu)):
+      x, w, old = (np.asarray(v, np.float32) for v in (x, w, old))
+      scale = np.maximum(np.abs(old), np.abs(w))
+      assert np.all(np.abs(x - w) <= 2 * np.spacing(scale))
+  else:
+    chex.assert_trees_all_equal((got.mu, got.nu), (want.mu, want.nu))
   scale = np.maximum(np.abs(np.asarray(p)), np.abs(np.asarray(want.master)))
   master_ulps = np.abs(np.asarray(got.master) - np.asarray(want.master)) / np.spacing(
       scale.astype(np.float32))
@@ -218,7 +231,10 @@ def test_auto_uses_the_reference_when_compiled_for_cpu(caplog):
   assert "reference elsewhere" in caplog.text
   chex.assert_trees_all_equal(
       got, jax.jit(lambda *a: reference.fused_update(config, *a))(*args))
-  text = jax.jit(lambda *a: kernels.fused_update("auto", config, *a)).lower(*args).as_text()
+  # Lowered for the CPU whatever the default backend (on a GPU machine the
+  # default is CUDA, where "auto" takes the kernel: found on the first run).
+  text = jax.jit(lambda *a: kernels.fused_update("auto", config, *a)).trace(
+      *args).lower(lowering_platforms=("cpu",)).as_text()
   assert "pallas" not in text and "triton" not in text
 
 
@@ -519,6 +535,9 @@ def test_cast_transpose_layout_tiles_over_exactly_the_programs_or_none():
   assert cast_transpose.tiling((64, 64, 2), 4) is None     # not 2-D
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="XLA's path is what runs off CUDA; on a GPU the "
+                    "kernel runs, tested against it below")
 def test_quantize_transpose_off_cuda_is_xla_quantization_and_its_parts():
   x = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128).astype(
       jnp.bfloat16)
@@ -542,8 +561,12 @@ def _cast_transpose_lowered_for_cuda():
       x, jnp.float32(2.0), jnp.float8_e5m2, 1024, quantize), x)
 
 
+def _has_triton_call(text):
+  return "__gpu$xla.gpu.triton" in text or "triton_kernel_call" in text
+
+
 def test_quantize_transpose_for_cuda_is_the_triton_kernel():
-  assert "fp8_cast_transpose" in _cast_transpose_lowered_for_cuda()
+  assert _has_triton_call(_cast_transpose_lowered_for_cuda())
 
 
 def test_without_triton_quantize_transpose_takes_xlas_path(triton_hidden):
@@ -551,7 +574,7 @@ def test_without_triton_quantize_transpose_takes_xlas_path(triton_hidden):
   output gradients are quantized and transposed by XLA: the step still
   lowers for CUDA (before: an ImportError at the lowering)."""
   text = _cast_transpose_lowered_for_cuda()
-  assert "fp8_cast_transpose" not in text and "triton" not in text
+  assert not _has_triton_call(text) and "fp8_cast_transpose" not in text
 
 
 @pytest.mark.parametrize("shape", [(16, 4), (0, 8), (3, 5)])

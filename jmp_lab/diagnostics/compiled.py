@@ -483,9 +483,20 @@ def _pallas_name(inst: hlo.Instruction) -> str:
 def _cost_model(compiled) -> tuple[Optional[float], Optional[float]]:
   """XLA's cost analysis of the optimized module (flops, bytes accessed).
 
-  ``compiled.cost_analysis()`` is None on the deviceless path; the analysis
-  run through the CPU client's entry point gives the same figures.
+  ``compiled.cost_analysis()`` answers where the target's device is here
+  (a GPU machine, also with ``JAX_PLATFORMS=cuda``, where no CPU client
+  exists); it is None on the deviceless path, where the analysis run
+  through the CPU client's entry point gives the same figures.
   """
+  try:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # one entry per module (older jax)
+      cost = cost[0] if cost else None
+    if cost:
+      return (float(cost.get("flops", 0.0)),
+              float(cost.get("bytes accessed", 0.0)))
+  except Exception:  # pylint: disable=broad-except  (no analysis here)
+    pass
   try:
     from jax._src.lib import _jax  # no public equivalent
     module = compiled._executable.xla_extension_executable().hlo_modules()[0]
