@@ -20,6 +20,11 @@ from typing import Any, Sequence
 
 import jax
 
+#: The installed jax's version string, for messages and for matching the
+#: CUDA plugin built for it (the one place jmp_lab reads it).
+JAX_VERSION: str = jax.__version__
+
+
 # ---------------------------------------------------------------------------
 # Jaxprs (read by the precision interpreter, jmp_lab/_src/precision/).
 # ---------------------------------------------------------------------------
@@ -74,7 +79,7 @@ def custom_vjp_cotangents(bwd_output: Any, count: int) -> list:
   if len(cotangents) != count or not all(map(_is_cotangent, cotangents)):
     raise RuntimeError(
         f"jmp_lab cannot read a custom_vjp backward rule's output on jax "
-        f"{jax.__version__}: expected {count} cotangents (arrays, symbolic "
+        f"{JAX_VERSION}: expected {count} cotangents (arrays, symbolic "
         f"zeros or None), got "
         f"{[type(c).__name__ for c in cotangents]}; please report it")
   return cotangents
@@ -137,6 +142,7 @@ def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3",
 
 
 __all__ = [
+    "JAX_VERSION",
     "abstract_gpu",
     "custom_vjp_cotangents",
     "jaxpr_inputs",

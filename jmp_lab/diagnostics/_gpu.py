@@ -90,7 +90,7 @@ _INSTALL_HINT = (
     "compiling for a GPU without one needs the CUDA plugin of the installed "
     "jax version and ptxas: from jmp_lab's clone, pip install -e "
     "\".[gpu-compile]\" (the jmp_lab[gpu-compile] extra: "
-    f"jax[cuda12-local]=={jax.__version__} and nvidia-cuda-nvcc-cu12), or "
+    f"jax[cuda12-local]=={compat.JAX_VERSION} and nvidia-cuda-nvcc-cu12), or "
     "the CUDA 13 plugin a GPU machine's jax brings")
 # The CUDA plugins jax ships: CUDA 12 (what the gpu-compile extra installs)
 # and CUDA 13 (jax 0.11's GPU machines).
@@ -111,12 +111,12 @@ def cuda_plugin() -> tuple[str, str]:
     except importlib.metadata.PackageNotFoundError:
       pass
   for name, version in found.items():
-    if version == jax.__version__:
+    if version == compat.JAX_VERSION:
       return name, version
   if not found:
     raise RuntimeError(_INSTALL_HINT)
   listed = ", ".join(f"{n} {v}" for n, v in found.items())
-  raise RuntimeError(f"{listed} does not match jax {jax.__version__}; "
+  raise RuntimeError(f"{listed} does not match jax {compat.JAX_VERSION}; "
                      f"{_INSTALL_HINT}")
 
 

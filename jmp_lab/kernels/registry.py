@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import jax
 
+from jmp_lab import _compat as compat
 from jmp_lab.kernels import platform
 
 logger = logging.getLogger("jmp_lab")
@@ -85,7 +86,7 @@ def resolve(name: str) -> str:
   if name != "auto" and name not in available():
     raise ValueError(
         f"fused backend {name!r} needs {BACKENDS[name].module}, which this "
-        f"jax {jax.__version__} cannot import; available: "
+        f"jax {compat.JAX_VERSION} cannot import; available: "
         f"{', '.join(available())}")
   return name
 
