@@ -448,3 +448,26 @@ def test_conv_weight_gradient_is_a_bf16_conv_with_an_fp32_product():
       jax.grad(loss)(params),
       jax.grad(lambda p: plain.apply({"params": p}, x).astype(jnp.float32).sum())(params),
       rtol=0.02, atol=0.05)
+
+
+@pytest.mark.parametrize("policy", [
+    "mixed_bfloat16", "p=f32,c=bf16,o=f32,reduce=f32",
+    "p=bf16,c=bf16,o=f32,reduce=float32"])
+def test_a_users_dense_gradient_is_autodiffs_under_every_reduce_dtype(policy):
+  """The user-level report on jax 0.12: under a reduce dtype every gradient
+  of ``with_policy(nn.Dense(3), policy)``, kernel and bias alike, came out
+  exactly zero (the interpreter read jax 0.12's custom_vjp backward output,
+  a ``(cotangents, logs)`` pair, as two missing cotangents)."""
+  x = jax.random.normal(jax.random.key(1), (4, 5))
+  model = jl.with_policy(nn.Dense(3), policy)
+  params = model.init(jax.random.key(0), x)["params"]
+  grads = jax.grad(lambda p: jnp.sum(
+      model.apply({"params": p}, x).astype(jnp.float32) ** 2))(params)
+  plain = nn.Dense(3)
+  f32 = jax.tree_util.tree_map(lambda v: v.astype(jnp.float32), params)
+  want = jax.grad(lambda p: jnp.sum(plain.apply({"params": p}, x) ** 2))(f32)
+  for leaf in jax.tree_util.tree_leaves(grads):
+    assert float(jnp.max(jnp.abs(leaf))) > 0.1
+  chex.assert_trees_all_close(
+      jax.tree_util.tree_map(lambda v: v.astype(jnp.float32), grads), want,
+      rtol=0.05, atol=0.05)
