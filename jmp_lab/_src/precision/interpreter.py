@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jex_core
+from jax.extend import source_info_util as _source_info
 
 from jmp_lab import _compat as compat
 from jmp_lab._nesting import Nesting
@@ -35,9 +36,6 @@ from jmp_lab._src.precision.tracing import trace
 from jmp_lab._src.precision.values import (Context, Op, Role, aval, cast,
                                            dtype_of,
                                            is_array, is_floating)
-
-# jax internals the interpreter needs (see the module doc).
-from jax._src import source_info_util as _source_info  # noqa: E402
 
 # Whether user code is being traced by apply_rules on this thread (a front
 # end asks, to run a model's own call only once under the rules).

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import source_info_util as _source_info
+from jax.extend import source_info_util as _source_info
 
 PREFIX = "jmp_lab:"
 _CAST = PREFIX + "cast"
