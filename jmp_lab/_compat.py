@@ -124,21 +124,24 @@ def lowering_for(mesh: Any):
   """
   abstract = (mesh if isinstance(mesh, jax.sharding.AbstractMesh)
               else getattr(mesh, "abstract_mesh", None))
+  device = getattr(abstract, "abstract_device", None)
   use = getattr(jax.sharding, "use_abstract_mesh", None)
-  if abstract is None or use is None or getattr(
-      abstract, "abstract_device", None) is None:
+  if device is None or use is None:
     return contextlib.nullcontext()
-  return use(abstract)
+  # A mesh of no axes that names the device: the code traced sees no mesh
+  # (Flax's logical constraints, shardings: as without the context), and
+  # the Triton lowering finds its GPU.
+  return use(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3",
                  cores: int = 132) -> Any:
-  """A one-device abstract mesh of a GPU of ``device_kind``, for
+  """An abstract mesh (of no axes) on a GPU of ``device_kind``, for
   :func:`lowering_for` where no CUDA plugin builds a real topology (a
   lowering for CUDA alone, ``lower(lowering_platforms=("cuda",))``)."""
   device = jax.sharding.AbstractDevice(device_kind=device_kind,
                                        num_cores=cores, platform="gpu")
-  return jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+  return jax.sharding.AbstractMesh((), (), abstract_device=device)
 
 
 __all__ = [
