@@ -56,7 +56,10 @@ for part in "${parts[@]}"; do
   esac
 done
 mkdir -p "$out"
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+# CUDA first (the default backend), and the CPU too: compiled_report's byte
+# model runs XLA's cost analysis through the CPU client (the CUDA client's
+# PJRT C API has none).
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda,cpu
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 dry="${GPU_RUN_DRY:-}"
 

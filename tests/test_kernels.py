@@ -150,6 +150,13 @@ def test_kernel_matches_reference_within_one_ulp(size, grad_dtype, keep_master,
     half_w, half_x = (np.asarray(v, np.float32) for v in (want.extra, got.extra))
     half_ulp = np.asarray(jnp.spacing(jnp.abs(want.extra)), np.float32)
     assert np.all(np.abs(half_w - half_x) <= half_ulp)
+  elif backend == "mosaic":  # the fp32 update, at the scale of the params
+    # Its moments differ from the reference's in their last bit (above), so
+    # where weight decay and the Adam term cancel, the small update differs
+    # by many of its own ulps (1,243 on the H200): what the params see.
+    update_error = np.abs(np.asarray(got.extra) - np.asarray(want.extra))
+    assert np.all(update_error <= BACKEND_MAX_ULPS[backend] * np.spacing(
+        scale.astype(np.float32)))
   else:  # the fp32 update itself
     update_ulps = ulps_apart(want.extra, got.extra)  # at its own scale
     assert update_ulps.max() <= BACKEND_MAX_ULPS[backend]
