@@ -180,12 +180,8 @@ class Op:
 def bind(eqn, args: Sequence[Any], params: Optional[dict] = None) -> list:
   """``eqn``'s primitive applied to ``args`` (with ``params``)."""
   params = eqn.params if params is None else params
-  bind_params = eqn.primitive.get_bind_params(params)
-  if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-    subfuns, bind_params = bind_params
-    out = eqn.primitive.bind(*subfuns, *args, **bind_params)
-  else:
-    out = eqn.primitive.bind(*args, **bind_params)
+  # A dict on every supported jax (jax before 0.10 gave (subfuns, params)).
+  out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
