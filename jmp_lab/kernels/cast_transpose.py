@@ -51,6 +51,10 @@ from jmp_lab.kernels.platform import quiet_triton_deprecation
 _ROW_TILES = (64, 32)
 _COL_TILES = (128, 64, 32)
 NUM_WARPS = 4
+# Tiles larger than 64 x 64 (64 x 128, without column sums) get twice the
+# warps: jax 0.12's Triton allocates their 4-warp program 168 registers a
+# thread (jax 0.10's and 0.11's: at most 128), half the resident warps.
+LARGE_TILE_WARPS = 8
 # With column sums, tiles of at most 64 x 64: a 64 x 128 tile and its sums
 # take 168 registers a thread (no spills, but half the resident warps), a
 # 64 x 64 one 92 with 2,048 columns and 96 with 3,072 (compiled for the
@@ -203,7 +207,10 @@ def cast_transpose(x: jax.Array, scale: jax.Array, dtype, tiling: Tiling, *,
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # GPU only
     quiet_triton_deprecation()
-    compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS,
+    warps = (LARGE_TILE_WARPS
+             if tiling.tile_rows * tiling.tile_cols > _MAX_TILE_WITH_SUMS
+             else NUM_WARPS)
+    compiler_params = pltriton.CompilerParams(num_warps=warps,
                                               num_stages=2)
   return tuple(pl.pallas_call(
       kernel, grid=(tiling.programs,),
