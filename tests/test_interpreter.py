@@ -47,6 +47,28 @@ def _vjp_bwd(residuals, g):
 _vjp_matmul.defvjp(_vjp_fwd, _vjp_bwd)
 
 
+_CLOSED_OVER = jnp.linspace(0.5, 1.5, 8)  # an array constant: num_consts 1
+
+
+@jax.custom_vjp
+def _vjp_closure_matmul(x, w):
+  return _matmul(x, w) * _CLOSED_OVER
+
+
+def _vjp_closure_fwd(x, w):
+  return _vjp_closure_matmul(x, w), (x, w)  # inputs forwarded as residuals
+
+
+def _vjp_closure_bwd(residuals, g):
+  x, w = residuals
+  y = _matmul(x, w)
+  g = g * _CLOSED_OVER * (1 - y * y)
+  return g @ w.T, x.T @ g
+
+
+_vjp_closure_matmul.defvjp(_vjp_closure_fwd, _vjp_closure_bwd)
+
+
 @jax.custom_jvp
 def _jvp_matmul(x, w):
   return _matmul(x, w)
@@ -95,6 +117,7 @@ PRIMITIVES = {
     "remat": _remat,
     "custom_jvp": _jvp_matmul,
     "custom_vjp": _vjp_matmul,
+    "custom_vjp_closing_over_an_array": _vjp_closure_matmul,
     "shard_map": _shard_map,
 }
 

@@ -190,8 +190,10 @@ def custom_vjp(op: Op) -> tuple[list, list]:
     pruned = iter(zip(outs[:npruned], rule.outvars[:npruned]))
     residuals, written["residuals"] = [], []
     for i in forwards:
-      value, var = (primals[i], rule_invars[i]) if i is not None else next(
-          pruned)
+      # jax numbers a forwarded input among all of the call's arguments,
+      # the closed-over constants first; the rule's inputs are the primals.
+      value, var = ((primals[i - nconsts], rule_invars[i - nconsts])
+                    if i is not None else next(pruned))
       residuals.append(value)
       written["residuals"].append(var)
     written["outputs"] = rule.outvars[npruned:]
