@@ -10,14 +10,22 @@
 #
 # The root lives at $NEWEST_PY_ROOT (default /opt/newest-python) and is kept between runs on the
 # same machine (pip's cache too), so only the first run pays for debootstrap (about 2 minutes).
-# Each `run` gets its own copy of the tree and its own mount, so two runs (say, CI and one test
-# file) can go on side by side, and a virtual environment made by CMD never clashes with the
-# host's own .venv. Needs root (debootstrap, chroot, bind mounts) and Debian's package registry;
-# pip inside reaches the same registry as the host's.
+# Each `run` works in its own copy of the tree (the system mounts are shared), so two runs (say,
+# CI and one test file) can go on side by side, and a virtual environment made by CMD never
+# clashes with the host's own .venv. Setting the root up and its mounts happen under a lock.
+# Needs root (debootstrap, chroot, bind mounts) and Debian's package registry; pip inside uses
+# PyPI directly (the host's pip configuration is not copied in).
 set -euo pipefail
 ROOT=${NEWEST_PY_ROOT:-/opt/newest-python}
 SUITE=${NEWEST_PY_SUITE:-trixie}
 repo=$(cd "$(dirname "$0")/.." && pwd)
+
+unmount_all() {  # every mount below $ROOT, deepest first, so nothing below it is deleted
+  local m
+  for m in $(awk -v r="$ROOT" '$2 == r || index($2, r "/") == 1 {print $2}' /proc/mounts | sort -r); do
+    umount -l "$m" 2>/dev/null || true
+  done
+}
 
 setup() {
   [ -x "$ROOT/usr/bin/python3" ] && [ -f "$ROOT/.ready" ] && return 0
@@ -30,7 +38,10 @@ setup() {
              true) | head -1)
   [ -n "$mirror" ] || { echo "newest-python: no Debian mirror in the host's apt sources" >&2; exit 1; }
   echo "newest-python: making a Debian $SUITE root at $ROOT" >&2
-  rm -rf "$ROOT"
+  # A root left half-made keeps bind mounts of the host's /dev, /proc, /sys: unmount them first,
+  # and never cross into another file system while deleting.
+  unmount_all
+  rm -rf --one-file-system "$ROOT"
   debootstrap --variant=minbase "$SUITE" "$ROOT" "$mirror" >/dev/null
   system_mounts
   chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
@@ -47,16 +58,16 @@ system_mounts() {
   mkdir -p "$ROOT/dev/shm"
   mountpoint -q "$ROOT/dev/shm" || mount -t tmpfs tmpfs "$ROOT/dev/shm"
   # pip inside must trust what the host's pip trusts and resolve names as the host does.
-  cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
-  cp /etc/resolv.conf "$ROOT/etc/resolv.conf" 2>/dev/null || true
+  install -m 644 /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
+  install -m 644 /etc/resolv.conf "$ROOT/etc/resolv.conf" 2>/dev/null || true
   # gloo (jax's CPU collectives, the multi-process tests) resolves this machine's host name.
-  cp /etc/hosts "$ROOT/etc/hosts" 2>/dev/null || true
+  install -m 644 /etc/hosts "$ROOT/etc/hosts" 2>/dev/null || true
 }
 
-copy_tree() {  # the work tree as git sees it (tracked + untracked, unignored), into $1
+copy_tree() {  # the work tree as git sees it (tracked + untracked, unignored, present), into $1
   mkdir -p "$1"
   (cd "$repo" && git ls-files -z --cached --others --exclude-standard \
-     | xargs -0 -I{} sh -c '[ -e "{}" ] && printf "%s\0" "{}"' \
+     | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
      | tar --null -T - -cf -) | tar -xf - -C "$1"
   # A git checkout, so that tools that ask git (setuptools, the tests) find one.
   (cd "$1" && git init -q && git add -A >/dev/null 2>&1 \
@@ -65,12 +76,16 @@ copy_tree() {  # the work tree as git sees it (tracked + untracked, unignored), 
 
 run() {
   local cmd=$1 lane
+  mkdir -p "$(dirname "$ROOT")"
+  exec 9>"$ROOT.lock"
+  flock 9
   setup
   system_mounts
+  flock -u 9
   lane="lanes/$$"
-  rm -rf "${ROOT:?}/$lane"
+  trap 'rm -rf --one-file-system "${ROOT:?}/'"$lane"'"' EXIT
+  rm -rf --one-file-system "${ROOT:?}/$lane"
   copy_tree "$ROOT/$lane"
-  trap 'rm -rf "${ROOT:?}/'"$lane"'"' EXIT
   chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \
     CI="${CI:-}" PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
     PIP_DEFAULT_TIMEOUT=180 PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -78,7 +93,7 @@ run() {
 }
 
 case "${1:-}" in
-  setup) setup ;;
+  setup) mkdir -p "$(dirname "$ROOT")"; exec 9>"$ROOT.lock"; flock 9; setup ;;
   run) shift; [ $# -eq 1 ] || { echo "usage: $0 run 'COMMAND'" >&2; exit 2; }; run "$1" ;;
-  *) sed -n '2,16p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
 esac
