@@ -6,7 +6,8 @@ newest release (0.12 at the time of writing); CI tests both ends
 of the difference it hides, and tells the versions apart by what the
 installed jax has (a parameter, an attribute), not by its version number, so
 a release in between works as the side it resembles. No module of jmp_lab
-outside this one asks which jax it runs on.
+outside this one asks which jax it runs on (the kernels ask only whether a
+Pallas backend imports: ``jmp_lab.kernels.platform.importable``).
 
 This module is a leaf: it imports jax only, so the kernels (the bottom of
 jmp_lab's import graph) can use it too.
@@ -126,7 +127,9 @@ def lowering_for(mesh: Any):
               else getattr(mesh, "abstract_mesh", None))
   device = getattr(abstract, "abstract_device", None)
   use = getattr(jax.sharding, "use_abstract_mesh", None)
-  if device is None or use is None:
+  if device is None or use is None or not jax.sharding.get_abstract_mesh().empty:
+    # No device to name, or the caller's own mesh is in context (jax.set_mesh
+    # on the target's mesh): left as it is.
     return contextlib.nullcontext()
   # A mesh of no axes that names the device: the code traced sees no mesh
   # (Flax's logical constraints, shardings: as without the context), and

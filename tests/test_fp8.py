@@ -990,13 +990,13 @@ def test_layers_that_share_an_input_are_fp8_gemms_on_h100(spec):
   state = linen_state(spec, module=_Gated())
   # jax 0.12's XLA spills 16 B in one of its own reduce fusions here (the
   # tiny gated layer's bias gradient and finite check, 80 registers): not a
-  # kernel of jmp_lab's, and beside this test's point, so spills are
-  # allowed, and jmp_lab's own kernels are checked for none.
+  # kernel of jmp_lab's (this step has none: its tensors are too small to
+  # tile), and beside this test's point, so spills are allowed.
   report = jmp_lab.diagnostics.compiled_report(
       jmp_lab.make_train_step(linen_loss), state, (X, Y), target="h100",
       fail_on_spill=False)
   assert collections.Counter(g.math for g in report.gemms) == {"fp8": 7}
-  assert all(k.spill_bytes == 0 for k in report.pallas_kernels)
+  assert report.pallas_kernels == []
 
 
 # --- a Dense layer's product: the output gradient in both layouts at once -----

@@ -202,7 +202,7 @@ def sub_jaxprs(params: dict):
 
   The bodies of ``jax.checkpoint`` (``nn.remat``) and ``shard_map`` are open
   jaxprs; ``scan``, ``cond``, ``jit`` and custom derivatives hold closed
-  ones, whose ``.jaxpr`` is the body (jax 0.11 merges the two kinds). A walk
+  ones, whose ``.jaxpr`` is the body (jax 0.12 merges the two kinds). A walk
   that follows ``.jaxpr`` alone misses the open ones.
   """
   for param in params.values():

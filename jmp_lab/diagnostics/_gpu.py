@@ -328,6 +328,11 @@ def _ptx_keeping_cuda_dir(dump_dir: str) -> Optional[str]:
                                       ptxas=shlex.quote(os.path.join(
                                           real, "bin", "ptxas"))))
   os.chmod(wrapper, 0o755)
+  try:  # a dump folder on a noexec mount cannot hold it: XLA's own then
+    subprocess.run([wrapper, "--version"], check=True, capture_output=True,
+                   timeout=60)
+  except (OSError, subprocess.SubprocessError):
+    return None
   return mirror
 
 
@@ -398,7 +403,12 @@ def register_usage(dump_dir: str, names: Optional[Sequence[str]]
   ptxas = _ptxas()
   if ptxas is None:
     return usage
-  for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):
+  dumped = glob.glob(os.path.join(dump_dir, "*.ptx"))
+  # XLA's own dumps where it writes them (jax 0.10); else the copies kept by
+  # the ptxas wrapper (_dump_options): not both, each kernel once.
+  ptx_files = [p for p in dumped if not os.path.basename(p).startswith(
+      "kept_")] or dumped
+  for ptx in ptx_files:
     with open(ptx) as f:
       text = f.read()
     if names is not None and not any(f".entry {name}(" in text

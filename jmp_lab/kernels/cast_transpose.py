@@ -45,15 +45,15 @@ from jmp_lab.kernels.stats import part_maxima
 from jmp_lab.kernels import platform
 from jmp_lab.kernels.platform import quiet_triton_deprecation
 
-# Tile edges tried, largest first: a 64 x 128 tile is 64 values a thread at
-# 4 warps, read once and written twice (80 registers, no spills, compiled
-# for the H100: tests/test_kernels.py).
+# Tile edges tried, largest first; each tile is read once and written twice
+# (no spills, at most 128 registers a thread, compiled for the H100:
+# tests/test_kernels.py).
 _ROW_TILES = (64, 32)
 _COL_TILES = (128, 64, 32)
 NUM_WARPS = 4
-# Tiles larger than 64 x 64 (64 x 128, without column sums) get twice the
-# warps: jax 0.12's Triton allocates their 4-warp program 168 registers a
-# thread (jax 0.10's and 0.11's: at most 128), half the resident warps.
+# Tiles larger than 64 x 64 (64 x 128, without column sums) run 8 warps, on
+# every jax: at 4 warps (64 values a thread) jax 0.10's Triton gave them 80
+# registers, jax 0.12's 168, half the resident warps.
 LARGE_TILE_WARPS = 8
 # With column sums, tiles of at most 64 x 64: a 64 x 128 tile and its sums
 # take 168 registers a thread (no spills, but half the resident warps), a

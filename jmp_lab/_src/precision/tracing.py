@@ -1,6 +1,6 @@
 """Small adapters over jax's jaxpr internals, in one place.
 
-jax 0.11 merges closed and open jaxprs; these helpers treat both alike, so
+jax 0.12 merges closed and open jaxprs; these helpers treat both alike, so
 the interpreter reads either.
 """
 
