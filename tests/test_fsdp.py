@@ -242,10 +242,13 @@ def test_a_sharded_run_matches_one_device_and_skips_globally(
                                  keep_boxes=keep_boxes)
   assert int(state.skipped_steps) == 1 == int(single.skipped_steps)
   # Half compute: the gradients' partial sums round differently in each
-  # order; bf16 params then land a few bf16 ulps apart (2**-8 relative).
+  # order; bf16 params then land a few bf16 ulps apart (2**-8 relative),
+  # and Adam moves a weight whose gradient is near zero by up to lr either
+  # way (jax 0.12's XLA sums in another order: 6 of 2,048 kernel elements
+  # 0.0041 apart after four steps on fsdp4 x tensor2).
   half_params = jmp_lab.get_policy(policy).param_dtype != jnp.float32
-  tolerance = (dict(rtol=2e-2, atol=2e-3) if half_params else
-               dict(rtol=0, atol=2e-3))
+  tolerance = (dict(rtol=2e-2, atol=5e-3) if half_params else
+               dict(rtol=0, atol=5e-3))
   if jmp_lab.get_policy(policy).matmul is not None:
     # fp8 (e4m3: 3 mantissa bits) rounds 16 times as coarsely as bf16, so
     # the same rounding-order noise lands 16 times as far; the scaling
