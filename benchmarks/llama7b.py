@@ -163,10 +163,16 @@ class Compiled:
 
 def compile_step(config: Config, axes: dict[str, int], *, target: str = "h100",
                  sequences: int = 1, remat: str = "full",
-                 model: fsdp_llama.LlamaConfig = fsdp_llama.LLAMA_7B
-                 ) -> Compiled:
+                 model: fsdp_llama.LlamaConfig = fsdp_llama.LLAMA_7B,
+                 flow: str = "jmp_lab") -> Compiled:
   """``config``'s train step on a mesh of ``axes`` compiled for ``target``,
-  with ``sequences * devices`` sequences a step."""
+  with ``sequences * devices`` sequences a step.
+
+  ``flow`` lays the state out: ``"jmp_lab"`` by
+  :func:`jmp_lab.sharding.state_shardings`, ``"flax"`` as Flax's sharding
+  guide and MaxText do (the boxes' partition specs through the logical
+  rules: ``nn.logical_to_mesh_sharding(nn.get_partition_spec(state))``).
+  """
   devices = int(np.prod(list(axes.values())))
   mesh = compiled.gpu_mesh(target, devices, axes=axes)
   llama = dataclasses.replace(model, mesh=mesh, remat=remat != "none",
@@ -190,8 +196,14 @@ def compile_step(config: Config, axes: dict[str, int], *, target: str = "h100",
 
   with nn.logical_axis_rules(rules):
     boxed = jax.eval_shape(init, jax.random.key(0))
-  layout = jmp_lab.sharding.state_shardings(
-      boxed, mesh, None, shard_optimizer_state=False, rules=rules)
+  if flow == "flax":
+    layout = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh,
+                                         rules)
+  elif flow == "jmp_lab":
+    layout = jmp_lab.sharding.state_shardings(
+        boxed, mesh, None, shard_optimizer_state=False, rules=rules)
+  else:
+    raise ValueError(f"flow must be 'jmp_lab' or 'flax', got {flow!r}")
   state = nn.unbox(boxed)
   step = jmp_lab.make_train_step(
       functools.partial(fsdp_llama.loss_fn,
@@ -296,6 +308,11 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
                       help="also: the most sequences per device that fit 76 "
                            "GiB with selective remat (fsdp=8), and the model "
                            "on one GPU with the remainder master")
+  parser.add_argument("--flow", default="jmp_lab",
+                      choices=["jmp_lab", "flax", "both"],
+                      help="the state's layout: jmp_lab.sharding."
+                           "state_shardings, Flax's guide (the boxes' specs), "
+                           "or each in turn")
   parser.add_argument("--layers", type=int, help="fewer layers: a quick run")
   parser.add_argument("--seq-len", type=int, help="shorter sequences")
   args = parser.parse_args(argv)
@@ -309,14 +326,19 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
   print(f"# {model.layers}-layer Llama ({args.remat} remat) compiled for "
         f"{args.target} without a GPU; jax {jax.__version__}")
   rows = []
+  flows = ["jmp_lab", "flax"] if args.flow == "both" else [args.flow]
   for axes in meshes:
     for config in chosen:
-      start = time.time()
-      rows.append(measure(config, axes, target=args.target,
-                               sequences=args.sequences, remat=args.remat,
-                               model=model))
-      print(f"#   {config.name} on {rows[-1].mesh}: compiled in "
-            f"{time.time() - start:.0f} s", flush=True)
+      for flow in flows:
+        start = time.time()
+        row = measure(config, axes, target=args.target,
+                      sequences=args.sequences, remat=args.remat, model=model,
+                      flow=flow)
+        if len(flows) > 1:
+          row = dataclasses.replace(row, config=f"{config.name} ({flow})")
+        rows.append(row)
+        print(f"#   {row.config} on {row.mesh}: compiled in "
+              f"{time.time() - start:.0f} s", flush=True)
   print(table(rows))
   if args.fit:
     rows += fit_report(chosen, args.target, model)

@@ -119,8 +119,9 @@ def test_fused_auto_beats_or_equals_xla_on_the_gpt2_step(unfused, fused):
     assert update["io_bytes"] / params <= 30.05
     assert update["kernels"] * 10 < base_update["kernels"]
     # Counting a CUDA graph once (XLA's command buffers): measured 12
-    # against 124.
-    assert update["host_launches"] * 5 < base_update["host_launches"]
+    # against 124 on jax 0.10. jax 0.12's XLA records either update, GEMMs and all, into one graph:
+    # 1 against 1.
+    assert update["host_launches"] <= max(1, base_update["host_launches"] // 5)
   else:
     assert got.bytes_accessed <= base.bytes_accessed * 1.001
     assert update["io_bytes"] <= base_update["io_bytes"] * 1.001

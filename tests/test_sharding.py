@@ -318,13 +318,19 @@ def test_sharded_fused_update_equals_the_single_device_update(spec, backend):
   assert int(b_state.skipped_steps) == int(a_state.skipped_steps) == 1
   assert b_state.mu.sharding.spec == P("data")
   f32 = lambda t: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), t)  # noqa: E731
-  # bf16 params: gradients summed in another order (the shards') can move
-  # an element by a few bf16 steps (one of 2048 by 0.0098 on jax 0.12).
-  chex.assert_trees_all_close(f32(b), f32(a), rtol=1e-2, atol=1e-2)
+  # Gradients summed in another order (the shards') can flip the sign of an
+  # element's near-zero Adam direction: one step of lr = 1e-2 apart (one of
+  # 2,048 elements by 0.0098 in the params, 0.0100 in the master, on jax
+  # 0.12). Every other element agrees to 5e-4.
+  one_step = dict(rtol=1e-2, atol=1e-2)
+  chex.assert_trees_all_close(f32(b), f32(a), **one_step)
   if jmp_lab.master_params(a_state) is not None:
     chex.assert_trees_all_close(jmp_lab.master_params(b_state),
-                                jmp_lab.master_params(a_state),
-                                rtol=1e-2, atol=5e-4)
+                                jmp_lab.master_params(a_state), **one_step)
+    moved = jax.tree_util.tree_map(
+        lambda x, y: int(np.sum(np.abs(x - y) > 5e-4 + 1e-2 * np.abs(y))),
+        jmp_lab.master_params(b_state), jmp_lab.master_params(a_state))
+    assert sum(jax.tree_util.tree_leaves(moved)) <= 2, moved
 
 
 def test_sharded_fused_update_needs_flat_layout_and_an_axis():

@@ -312,6 +312,41 @@ class CompiledReport:
     return self.table()
 
 
+def _without_workspace(inst: hlo.Instruction) -> list:
+  """A library call's results but its scratch workspace (cuBLAS and cuDNN
+  return one as a last s8/u8 result)."""
+  target = inst.attribute("custom_call_target") or ""
+  result = inst.result
+  if ("cublas" in target or "cudnn" in target) and len(result) > 1 and (
+      result[-1].dtype in ("s8", "u8")):
+    return result[:-1]
+  return result
+
+
+def _library_gemm(inst: hlo.Instruction, result: list,
+                  times: int) -> Optional[GemmRecord]:
+  """The GEMM a cuBLAS or cuDNN convolution custom call runs (None for any
+  other call)."""
+  target = inst.attribute("custom_call_target") or ""
+  if len(inst.operand_types) < 2 or not all(inst.operand_types[:2]):
+    return None
+  lhs, rhs = inst.operand_types[0][0], inst.operand_types[1][0]
+  if "cublas" in target:
+    gemm = inst.backend_config().get("gemm_backend_config", {})
+    dims = gemm.get("dot_dimension_numbers", {})
+    precision = (gemm.get("precision_config", {})
+                 .get("operand_precision", ["DEFAULT"]))
+    return GemmRecord(
+        "cublas", lhs, rhs, result[0], str(max(precision, key=len)),
+        _dot_flops(result[0], lhs, [int(d) for d in dims.get(
+            "lhs_contracting_dimensions", [])]), times)
+  if "cudnn" in target and "conv" in target:
+    window = math.prod(rhs.dims) / max(1, rhs.dims[-1] if rhs.dims else 1)
+    return GemmRecord("cudnn conv", lhs, rhs, result[0], "DEFAULT",
+                      2.0 * math.prod(result[0].dims) * window, times)
+  return None
+
+
 def _dot_flops(out: hlo.Array, lhs: hlo.Array, contracting: Sequence[int]
                ) -> float:
   k = math.prod(lhs.dims[d] for d in contracting if d < len(lhs.dims))
@@ -412,29 +447,13 @@ class _Walker:
 
   def custom_call(self, inst: hlo.Instruction, times: int) -> None:
     target = inst.attribute("custom_call_target") or ""
-    result = inst.result
-    if ("cublas" in target or "cudnn" in target) and len(result) > 1 and (
-        result[-1].dtype in ("s8", "u8")):
-      result = result[:-1]  # the workspace is scratch, not data
+    result = _without_workspace(inst)
     self.custom_call_bytes += times * (
         inst.operand_bytes + sum(a.bytes for a in result))
     config = inst.backend_config()
-    if "cublas" in target and len(inst.operand_types) >= 2:
-      gemm = config.get("gemm_backend_config", {})
-      dims = gemm.get("dot_dimension_numbers", {})
-      precision = (gemm.get("precision_config", {})
-                   .get("operand_precision", ["DEFAULT"]))
-      lhs, rhs = inst.operand_types[0][0], inst.operand_types[1][0]
-      self.gemms.append(GemmRecord(
-          "cublas", lhs, rhs, result[0], str(max(precision, key=len)),
-          _dot_flops(result[0], lhs, [int(d) for d in dims.get(
-              "lhs_contracting_dimensions", [])]), times))
-    elif "cudnn" in target and "conv" in target and len(inst.operand_types) >= 2:
-      lhs, rhs = inst.operand_types[0][0], inst.operand_types[1][0]
-      window = math.prod(rhs.dims) / max(1, rhs.dims[-1] if rhs.dims else 1)
-      self.gemms.append(GemmRecord("cudnn conv", lhs, rhs, result[0], "DEFAULT",
-                                   2.0 * math.prod(result[0].dims) * window,
-                                   times))
+    library_gemm = _library_gemm(inst, result, times)
+    if library_gemm is not None:
+      self.gemms.append(library_gemm)
     elif target.startswith(_PALLAS_TARGETS):
       name = config.get("name") or _pallas_name(inst)
       self.pallas.append((name, "mosaic" if "mosaic" in target else "triton"))
@@ -451,6 +470,13 @@ class _Walker:
     label = ("triton" if "triton" in kind else
              "cublas" if "cublas" in kind else "fused dot")
     for comp in self.called(inst, "calls"):
+      # jax 0.12's XLA puts a cuBLAS call that reads a dynamic slice (a
+      # scanned layer's weight) inside a "dynamic slice fusion".
+      for call in comp.instructions:
+        if call.opcode == "custom-call":
+          library_gemm = _library_gemm(call, _without_workspace(call), times)
+          if library_gemm is not None:
+            self.gemms.append(library_gemm)
       for dot in self.dots(comp):
         lhs, rhs = dot.operand_types[0][0], dot.operand_types[1][0]
         precision = re.search(r"operand_precision=\{(\w+)", dot.attributes)

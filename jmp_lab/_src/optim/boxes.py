@@ -1,22 +1,24 @@
-"""Flax's partition boxes around params: the optimizers read the values.
+"""Flax's layout metadata around params, which the optimizer states keep.
 
-Flax marks how a param is sharded by boxing it (``nn.with_partitioning``,
-``nn.with_logical_partitioning``: an ``nn.Partitioned`` or
-``nn.LogicallyPartitioned`` node around the array). MaxText's flow creates
-the train state boxed, reads the partition specs off it
-(``nn.get_partition_spec``), then unboxes it (``nn.unbox``) and trains on
-the plain arrays. So a state built from boxed params must accept the
-unboxed ones, and a state kept boxed must accept boxed ones:
+Flax marks how a param is sharded by wrapping it: linen boxes it
+(``nn.with_partitioning``, ``nn.with_logical_partitioning``: an
+``nn.Partitioned`` or ``nn.LogicallyPartitioned`` node around the array),
+NNX keeps the metadata on the ``nnx.Variable`` (``sharding_names``,
+``out_sharding``). Each framework's own layout flow reads it off the train
+state: Flax's guide (``nn.get_partition_spec(jax.eval_shape(init))``),
+MaxText (the same, then ``nn.unbox``), NNX
+(``nnx.get_partition_spec(nnx.state(optimizer, nnx.OptState))``). optax's
+states keep it because optax maps over the params as given; jmp_lab's do
+the same, so those flows shard them as they shard optax's:
 
 * what an optimizer records about the params (their structure, shapes and
-  dtypes; the fused optimizer's leaf layout) is recorded of the values, with
-  the boxes stripped;
-* ``mixed_precision``'s trees (the fp32 master, the inner state) are built by
-  mapping over the params as given, so they keep the boxes (and
-  ``nn.get_partition_spec`` of the state gives the master and moments their
-  params' specs, as optax's own states do);
-* the fused optimizer works on the values and boxes what it hands back the
-  way the caller's tree was boxed.
+  dtypes; the fused optimizer's leaf layout) is recorded of the values, and
+  the kernels run on the values;
+* every state array shaped like the params (master, moments, remainders) is
+  wrapped as its param is (:func:`wrapped_like_params`), and an update
+  hands back its new state wrapped as the state it was given was;
+* a state built wrapped accepts unwrapped params (MaxText's unboxed
+  training) and wrapped ones (Flax's guide trains on the boxed state).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.core import meta
 
@@ -51,18 +54,85 @@ def variable_values(tree: Any) -> Any:
   return nnx.as_pure(tree)
 
 
+def is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _is_wrapper(x: Any) -> bool:
+  return is_box(x) or is_variable(x)
+
+
 def has_boxes(tree: Any) -> bool:
   return any(is_box(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_box))
 
 
+def _has_wrappers(tree: Any) -> bool:
+  return any(_is_wrapper(x) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=_is_wrapper))
+
+
+def _rewrapped(wrapper: Any, value: Any) -> Any:
+  """``value`` in a wrapper like ``wrapper`` (its type and metadata).
+
+  Rebuilt through the wrapper's pytree structure, as ``jax.tree.map`` (and
+  so optax) rebuilds it: an NNX Variable with an ``out_sharding`` cannot be
+  constructed outside a mesh, but it can be unflattened."""
+  if value is None or not _is_wrapper(wrapper):
+    return value
+  return jax.tree_util.tree_structure(wrapper).unflatten([value])
+
+
 def boxed_like(like: Any, values: Any) -> Any:
-  """``values`` (an unboxed tree) boxed as ``like`` is: each box of ``like``
-  around the value at its place (``like`` unboxed has ``values``' shape)."""
-  if not has_boxes(like):
+  """``values`` (an unwrapped tree) wrapped as ``like`` is: each linen box
+  or NNX Variable of ``like`` around the value at its place (``like``
+  unwrapped has ``values``' structure; a None value stays None)."""
+  if not _has_wrappers(like):
     return values
-  treedef = jax.tree_util.tree_structure(like, is_leaf=is_box)
-  boxes = treedef.flatten_up_to(like)
-  flat_values = treedef.flatten_up_to(values)
+  treedef = jax.tree_util.tree_structure(like, is_leaf=_is_wrapper)
   return treedef.unflatten([
-      box.replace_boxed(value) if is_box(box) else value
-      for box, value in zip(boxes, flat_values)])
+      _rewrapped(wrapper, value) for wrapper, value in
+      zip(treedef.flatten_up_to(like), treedef.flatten_up_to(values))])
+
+
+def wrapped_like_params(state: Any, params: Any) -> Any:
+  """``state`` (built from the params' values) with every subtree shaped
+  like the params (the master, moments, remainders; None where a leaf has
+  none) wrapped as ``params`` are: linen's boxes, NNX's Variables.
+
+  Example::
+
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> params = {"w": nn.LogicallyPartitioned(jnp.ones((4, 2)),
+    ...                                        ("embed", "mlp"))}
+    >>> state = {"mu": {"w": jnp.zeros((4, 2))}, "count": jnp.zeros(())}
+    >>> nn.get_partition_spec(wrapped_like_params(state, params))["mu"]["w"]
+    PartitionSpec('embed', 'mlp')
+  """
+  if not _has_wrappers(params):
+    return state
+  values = variable_values(unboxed(params))
+  treedef = jax.tree_util.tree_structure(values)
+  shapes = [np.shape(x) for x in treedef.flatten_up_to(values)]
+  if treedef.num_nodes == 1:  # a lone array: nothing tells a subtree apart
+    return state
+
+  def param_shaped(node: Any) -> bool:
+    try:
+      flat = treedef.flatten_up_to(node)
+    except (ValueError, TypeError):
+      return False
+    return any(x is not None for x in flat) and all(
+        x is None or (hasattr(x, "shape") and tuple(x.shape) == shape)
+        for x, shape in zip(flat, shapes))
+
+  return jax.tree_util.tree_map(
+      lambda node: boxed_like(params, node) if param_shaped(node) else node,
+      state, is_leaf=param_shaped)
+
+
+def rewrapped_state(given: Any, new: Any) -> Any:
+  """``new`` (an unwrapped state) wrapped as the state ``given`` to an
+  update was."""
+  if not has_boxes(given):
+    return new
+  return boxed_like(given, new)

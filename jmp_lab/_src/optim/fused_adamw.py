@@ -180,10 +180,11 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
       nu_dtype=nu_dtype)
 
 
-def _init(spec: FusedSpec, params: Any) -> FusedAdamWState:
-  # Flax's nnx.Optimizer inits with the model's Variables, updates with
-  # their values.
-  params = boxes.variable_values(params)
+def _init(spec: FusedSpec, given: Any) -> FusedAdamWState:
+  # Built from the values (Flax's nnx.Optimizer inits with the model's
+  # Variables and updates with their values; linen's may be boxed), then
+  # wrapped as the params are, so Flax's layout flows shard it as optax's.
+  params = boxes.unboxed(boxes.variable_values(given))
   _checks.check_params(params, spec.policy)
   common = dict(count=jnp.zeros((), jnp.int32),
                 loss_scale=fresh_copy(spec.loss_scale),
@@ -191,7 +192,7 @@ def _init(spec: FusedSpec, params: Any) -> FusedAdamWState:
                 last_step_applied=jnp.ones((), bool),
                 params_spec=ParamsSpec.of(params), policy=spec.policy)
   module = fused_tree if spec.layout == "tree" else fused_flat
-  return module.init(spec, boxes.unboxed(params), common)
+  return boxes.wrapped_like_params(module.init(spec, params, common), given)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -211,11 +212,14 @@ class FusedUpdate(WritesParams):
     del extra_args  # AdamW takes none; accepted for optax API compatibility.
     _check_call(state, params)
     grads, carried_scale = self._received(grads, state, params)
-    # The kernels read the values; boxed grads get boxed updates back.
-    updates, new_state = self._updates(boxes.unboxed(grads), state,
+    # The kernels read the values; boxed grads get boxed updates back, a
+    # boxed state its new state boxed.
+    updates, new_state = self._updates(boxes.unboxed(grads),
+                                       boxes.unboxed(state),
                                        boxes.unboxed(params), also_finite,
                                        carried_scale)
-    return boxes.boxed_like(grads, updates), new_state
+    return (boxes.boxed_like(grads, updates),
+            boxes.rewrapped_state(state, new_state))
 
   def new_params(self, grads, state, params=None, *, also_finite=None):
     """``(new params, new state)``: the params the kernel wrote, with no
@@ -223,10 +227,12 @@ class FusedUpdate(WritesParams):
     to ``apply_updates(params, update(...)[0])``)."""
     _check_call(state, params)
     grads, carried_scale = self._received(grads, state, params)
-    new, new_state = self._new_params(boxes.unboxed(grads), state,
+    new, new_state = self._new_params(boxes.unboxed(grads),
+                                      boxes.unboxed(state),
                                       boxes.unboxed(params), also_finite,
                                       carried_scale)
-    return boxes.boxed_like(params, new), new_state
+    return (boxes.boxed_like(params, new),
+            boxes.rewrapped_state(state, new_state))
 
   def _received(self, grads, state, params):
     """Marked gradients (of the scaled loss) are divided by the loss

@@ -106,20 +106,21 @@ class MixedPrecisionUpdate(Update):
   master: masters.Master
   axis_name: Optional[Union[str, Sequence[str]]]
 
-  def init(self, params) -> MixedPrecisionState:
-    # Flax's nnx.Optimizer inits with the model's Variables, updates with
-    # their values.
-    params = boxes.variable_values(params)
+  def init(self, given) -> MixedPrecisionState:
+    # Built from the values (Flax's nnx.Optimizer inits with the model's
+    # Variables and updates with their values; linen's may be boxed), then
+    # wrapped as the params are, so Flax's layout flows shard it as optax's.
+    params = boxes.unboxed(boxes.variable_values(given))
     _checks.check_params(params, self.policy)
     # The inner transformation sees the fp32 master's trainable leaves.
     master = masters.as_f32(params) if self.master.half_params else params
-    return MixedPrecisionState(
+    return boxes.wrapped_like_params(MixedPrecisionState(
         inner_state=self.inner.init(gate.floating_only(master, params)),
         loss_scale=fresh_copy(self.loss_scale),
         skipped_steps=jnp.zeros((), jnp.int32),
         last_step_applied=jnp.ones((), bool),
         params_spec=ParamsSpec.of(params), policy=self.policy,
-        **self.master.init_tree(params))
+        **self.master.init_tree(params)), given)
 
   def __call__(self, grads, state, params=None, *, also_finite=None,
                **extra_args):

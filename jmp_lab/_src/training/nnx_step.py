@@ -71,12 +71,15 @@ class Optimizer(nnx.Optimizer):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"jmp_lab.nnx.Optimizer needs a flax.nnx.Module, got "
                       f"{type(model).__name__}")
-    params = _pure_params(model, wrt)
+    params = nnx.state(model, wrt)
     if not jax.tree_util.tree_leaves(params):
       raise ValueError(
           f"jmp_lab.nnx.Optimizer's wrt={wrt!r} selects no variable of the "
           f"{type(model).__name__}: nothing would be trained. Give the "
           f"filter of its params (nnx.Param, the default)")
+    # The Variables, as Flax's nnx.Optimizer gives them: the state's
+    # param-shaped arrays keep their metadata (out_sharding), so
+    # nnx.get_partition_spec lays them out as the params.
     opt_state = tx.init(params)
     state = step_core.jmp_lab_state(opt_state, "jmp_lab.nnx.Optimizer")
     if isinstance(state, FusedAdamWState) and isinstance(
