@@ -16,6 +16,7 @@ axis (:func:`state_shardings`'s example; the distributed guide).
 
 :func:`state_shardings` gives the ``NamedSharding`` of every leaf of a
 :class:`~jmp_lab.TrainState` (or of any optimizer state);
+:func:`nnx_optimizer_shardings` that of an NNX optimizer's state;
 ``jmp_lab.make_train_step(loss_fn, state_sharding=..., batch_sharding=...)``
 keeps that layout step after step (its in and out shardings).
 
@@ -39,6 +40,7 @@ Example::
 
 from jmp_lab._src.sharding import (
     bytes_per_device,
+    nnx_optimizer_shardings,
     optimizer_state_shardings,
     replicated,
     state_shardings,
@@ -46,6 +48,7 @@ from jmp_lab._src.sharding import (
 
 __all__ = [
     "bytes_per_device",
+    "nnx_optimizer_shardings",
     "optimizer_state_shardings",
     "replicated",
     "state_shardings",

@@ -307,6 +307,68 @@ def state_shardings(state: Any, mesh: Mesh, axis_name: Optional[str] = "data",
       axis_name if shard_optimizer_state else None))
 
 
+def nnx_optimizer_shardings(model: Any, optimizer: Any, mesh: Mesh,
+                            axis_name: Optional[str] = None) -> Any:
+  """The ``NamedSharding`` of every array of an NNX optimizer's state: each
+  array shaped like a param (the master, moments, remainders) as its param,
+  with ZeRO-1 over ``axis_name`` on top where the param is replicated along
+  it (None: none); the rest (counters, the loss scale, keys) replicated.
+
+  NNX's counterpart of :func:`state_shardings`. The params' layout comes
+  from their Variables' sharding metadata (``nnx.with_partitioning``,
+  ``out_sharding``: read by Flax's ``nnx.get_named_sharding``), else from
+  their arrays' own ``NamedSharding`` on ``mesh``. Works with Flax's
+  ``nnx.Optimizer`` and :class:`jmp_lab.nnx.Optimizer`, whatever the
+  transformation inside. The result has the structure of
+  ``nnx.state(optimizer, nnx.OptState)``, as ``jax.device_put``,
+  ``jax.lax.with_sharding_constraint`` and ``nnx.jit``'s ``out_shardings``
+  take it.
+
+  Example (ZeRO-1 over a data axis on top of FSDP)::
+
+    >>> import jax, jax.numpy as jnp, optax, jmp_lab
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((1, 1), ("data", "fsdp"))
+    >>> with jax.set_mesh(mesh):
+    ...   model = nnx.Linear(4, 8, rngs=nnx.Rngs(0), kernel_init=
+    ...       nnx.with_partitioning(nnx.initializers.lecun_normal(),
+    ...                             (None, "fsdp")))
+    ...   optimizer = nnx.Optimizer(model, jmp_lab.mixed_precision(
+    ...       optax.adam(1e-3), policy="mixed_bfloat16"), wrt=nnx.Param)
+    >>> shardings = nnx_optimizer_shardings(model, optimizer, mesh, "data")
+    >>> shardings["opt_state"]["inner_state"][0]["mu"]["kernel"].spec
+    P('data', 'fsdp')
+    >>> with jax.set_mesh(mesh):
+    ...   nnx.update(optimizer, jax.device_put(
+    ...       nnx.state(optimizer, nnx.OptState), shardings))
+  """
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  _check_mesh(mesh)
+  if axis_name is not None:
+    _check_axis(mesh, axis_name)
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be a flax.nnx.Module, got "
+                    f"{type(model).__name__}")
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(f"optimizer must be an nnx.Optimizer (Flax's or "
+                    f"jmp_lab.nnx.Optimizer), got {type(optimizer).__name__}")
+  params = nnx.state(model, optimizer.wrt)
+  values = nnx.as_pure(params)
+  from_metadata = nnx.as_pure(nnx.get_named_sharding(params, mesh))
+
+  def own_or_metadata(value, sharding):
+    own = getattr(value, "sharding", None)
+    if (sharding.spec == P() and isinstance(own, NamedSharding)
+        and own.mesh == mesh):
+      return NamedSharding(mesh, _spec(list(own.spec)))  # P(None,) is P()
+    return sharding
+
+  params_shardings = jax.tree_util.tree_map(own_or_metadata, values,
+                                            from_metadata)
+  return _follow_params(nnx.as_pure(nnx.state(optimizer, nnx.OptState)),
+                        values, params_shardings, mesh, axis_name)
+
+
 def bytes_per_device(tree: Any) -> int:
   """Bytes of ``tree``'s arrays held by one device (its first shard each)."""
   return sum(leaf.addressable_shards[0].data.nbytes
