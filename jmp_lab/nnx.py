@@ -104,6 +104,10 @@ def with_policy(
 ) -> nnx.Module:
   """Applies ``policy`` to an NNX module graph, in place; returns ``model``.
 
+  The model itself is changed (NNX modules are mutable graphs; nothing is
+  copied): after the call ``model``, and every reference to it, runs under
+  the policy. ``nnx.clone(model)`` first keeps an unchanged copy.
+
   Args:
     model: a constructed ``flax.nnx.Module``; its code is not changed.
     policy: the default policy (or its spec).

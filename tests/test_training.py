@@ -402,6 +402,58 @@ class MistakesWarnTest(chex.TestCase):
                             wrt=nnx.Param)
 
 
+@pytest.mark.parametrize("optimizer", ["mixed_precision", "fused_adamw"])
+def test_multisteps_around_the_optimizer_warns_under_flax_train_state(
+    optimizer):
+  """Flax's own TrainState never shows jmp_lab the whole state; the
+  optimizer's init sees MultiSteps call it, and warns with the fix (it
+  failed deep inside optax at the first step: "pytree structure error ...
+  ScaledGradients")."""
+  from flax.training import train_state  # pylint: disable=import-outside-toplevel
+  model = nn.Dense(3)
+  params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+  inner = (jmp_lab.mixed_precision(optax.sgd(0.1), policy="mixed_float16")
+           if optimizer == "mixed_precision" else
+           jmp_lab.fused_adamw(1e-3, policy="mixed_float16"))
+  with pytest.warns(UserWarning, match=rf"jmp_lab.{optimizer}: optax.MultiSteps"
+                    r" wraps the jmp_lab optimizer.*Put the accumulation "
+                    r"inside: jmp_lab.mixed_precision\(optax.MultiSteps") as w:
+    train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                  tx=optax.MultiSteps(inner, 4))
+  assert len(w) == 1 and w[0].filename == __file__
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # the right way, and plain use: silent
+    train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=jmp_lab.mixed_precision(
+            optax.MultiSteps(optax.sgd(0.1), 4), policy="mixed_float16"))
+    train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                  tx=inner)
+
+
+def test_marked_gradients_name_grads_when_edited_by_hand():
+  """A loop that clips, masks or edits a leaf by hand met
+  ``AttributeError: 'ScaledGradients' object has no attribute 'at'``; the
+  errors now say that ``.grads`` is the plain tree and how to mark it
+  again, and the documented ways keep working."""
+  _, marked = jmp_lab.scaled_value_and_grad(
+      lambda w: jnp.sum(w["w"] ** 2), jmp_lab.StaticLossScale(8.0))(
+          {"w": jnp.ones(2)})
+  with pytest.raises(AttributeError, match=r"no attribute 'at'.*grads\.grads"
+                     r".*jmp_lab\.ScaledGradients\(tree\)"):
+    marked.at  # pylint: disable=pointless-statement
+  for edit in (lambda g: g * 0.5, lambda g: 0.5 * g, lambda g: g + g,
+               lambda g: -g, lambda g: g / 2):
+    with pytest.raises(TypeError, match=r"jax\.tree\.map\(f, grads\).*"
+                       r"grads\.grads.*jmp_lab\.ScaledGradients\(tree\)"):
+      edit(marked)
+  halved = jax.tree.map(lambda g: g * 0.5, marked)
+  assert isinstance(halved, jmp_lab.ScaledGradients)
+  chex.assert_trees_all_close(halved.grads, {"w": jnp.full(2, 8.0)})
+  remarked = jmp_lab.ScaledGradients({"w": marked.grads["w"].at[0].set(0.0)})
+  chex.assert_trees_all_close(remarked["w"].grads, jnp.array([0.0, 16.0]))
+  assert not hasattr(marked, "dtype")   # hasattr still answers False
+
+
 # --- issue 40: scaled gradients in Equinox's and NNX's idioms ------------------
 
 

@@ -184,6 +184,7 @@ def _init(spec: FusedSpec, given: Any) -> FusedAdamWState:
   # Built from the values (Flax's nnx.Optimizer inits with the model's
   # Variables and updates with their values; linen's may be boxed), then
   # wrapped as the params are, so Flax's layout flows shard it as optax's.
+  scaled.warn_if_initialised_by_multisteps("jmp_lab.fused_adamw", fused=True)
   params = boxes.unboxed(boxes.variable_values(given))
   _checks.check_params(params, spec.policy)
   common = dict(count=jnp.zeros((), jnp.int32),

@@ -110,6 +110,8 @@ class MixedPrecisionUpdate(Update):
     # Built from the values (Flax's nnx.Optimizer inits with the model's
     # Variables and updates with their values; linen's may be boxed), then
     # wrapped as the params are, so Flax's layout flows shard it as optax's.
+    scaled.warn_if_initialised_by_multisteps("jmp_lab.mixed_precision",
+                                             fused=False)
     params = boxes.unboxed(boxes.variable_values(given))
     _checks.check_params(params, self.policy)
     # The inner transformation sees the fp32 master's trainable leaves.

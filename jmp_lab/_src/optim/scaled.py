@@ -17,16 +17,22 @@ at ``1/scale`` in silence.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import optax
 
 from jmp_lab._src.loss_scale import (DynamicLossScale, LossScale,
                                      NoOpLossScale, StaticLossScale)
 from jmp_lab._src.user_warnings import PrecisionWarning, user_stacklevel
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))  # jmp_lab/
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -89,6 +95,91 @@ class ScaledGradients:
 
   def __repr__(self) -> str:
     return f"ScaledGradients({self.grads!r})"
+
+  def __getattr__(self, name: str) -> Any:
+    # Only for names the class lacks: a loop that edits a leaf by hand
+    # (``grads.at``, ``grads.astype``) gets the way to do it.
+    if name.startswith("__") or name == "grads":
+      raise AttributeError(name)
+    raise AttributeError(
+        f"'ScaledGradients' object has no attribute {name!r}: it marks the "
+        f"gradients of the scaled loss for jmp_lab's optimizers. Edit the "
+        f"plain tree, grads.grads (e.g. jax.tree.map(f, grads.grads)), then "
+        f"mark the result again with jmp_lab.ScaledGradients(tree); or map "
+        f"over the marked tree directly: jax.tree.map(f, grads) keeps the "
+        f"mark")
+
+  def _refuse_arithmetic(self, *_: Any) -> Any:
+    raise TypeError(
+        "arithmetic on ScaledGradients (the marked gradients of the scaled "
+        "loss) is not defined: use jax.tree.map(f, grads), which keeps the "
+        "mark, or compute on the plain tree grads.grads and mark the result "
+        "again with jmp_lab.ScaledGradients(tree)")
+
+  __add__ = __radd__ = __sub__ = __rsub__ = _refuse_arithmetic
+  __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse_arithmetic
+  __neg__ = __pow__ = __matmul__ = _refuse_arithmetic
+
+
+def accumulation_fix(fused: bool) -> str:
+  """Where gradient accumulation goes with a jmp_lab optimizer: inside."""
+  if fused:
+    return ("jmp_lab.mixed_precision(optax.MultiSteps(optax.adamw(...), "
+            "every_k_schedule=k), policy=...) (fused_adamw takes no inner "
+            "transformation)")
+  return ("jmp_lab.mixed_precision(optax.MultiSteps(inner, every_k_schedule=k)"
+          ", policy=...)")
+
+
+def accumulated_outside_message(where: str, fused: bool) -> str:
+  """The warning for ``optax.MultiSteps`` around a jmp_lab optimizer.
+
+  Legal, and almost certainly wrong: MultiSteps sums the *scaled*
+  gradients, in the params' dtype, across loss-scale changes, and calls the
+  optimizer once a window, so the dynamic scale adjusts k times more slowly
+  and one overflowing micro-batch throws the window away. Inside
+  (``mixed_precision(optax.MultiSteps(inner, k))``) each micro-batch is
+  unscaled with its own scale and accumulated in fp32.
+  """
+  return (
+      f"{where}: optax.MultiSteps wraps the jmp_lab optimizer, so it sums "
+      f"the gradients of the scaled loss in the params' dtype across "
+      f"loss-scale changes, and the optimizer sees one step per window: the "
+      f"loss scale backs off k times more slowly and one overflowing "
+      f"micro-batch drops the whole window (and the train step refuses it: "
+      f"the marked gradients of the scaled loss do not fit MultiSteps' "
+      f"accumulator). Put the accumulation inside: "
+      f"{accumulation_fix(fused)}; each micro-batch is then unscaled "
+      f"with its own scale and summed in fp32")
+
+
+def warn_if_initialised_by_multisteps(where: str, fused: bool) -> None:
+  """Warns when ``optax.MultiSteps.init`` is what calls a jmp_lab
+  optimizer's ``init``: the one moment the mistake can be seen whatever
+  builds the state (Flax's own ``TrainState.create``, a hand-written loop),
+  not only :class:`jmp_lab.TrainState`, which checks the state it builds."""
+  frame = sys._getframe(2)  # the caller of the optimizer's init
+  for _ in range(3):
+    if frame is None:
+      return
+    if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
+      if not _called_by_jmp_lab(frame.f_back):  # which warns by its name
+        warnings.warn(accumulated_outside_message(where, fused), UserWarning,
+                      stacklevel=user_stacklevel())
+      return
+    frame = frame.f_back
+
+
+def _called_by_jmp_lab(frame: Any) -> bool:
+  """Whether jmp_lab's own code (``TrainState.create``,
+  ``jmp_lab.nnx.Optimizer``) is among the few frames above ``frame``."""
+  for _ in range(4):
+    if frame is None:
+      return False
+    if frame.f_code.co_filename.startswith(_PACKAGE):
+      return True
+    frame = frame.f_back
+  return False
 
 
 def unmarked(grads: Any) -> Any:

@@ -186,9 +186,22 @@ def master_params(opt_state: Any, params: Any = None
   """The fp32 master params held in ``opt_state``, as a tree.
 
   Returns None when the policy's ``param_dtype`` is float32 (or float64): the
-  params are then the master and no copy is kept; and with ``master="none"``.
-  With ``master="remainder"`` the master is the params plus the remainder in
-  the state: pass ``params``.
+  params are then the master and no copy is kept (``"mixed_bfloat16"``,
+  ``"mixed_float16"``); and with ``master="none"``. For bf16 params with an
+  fp32 master, use the policy ``"p=bf16,c=bf16,o=f32"``. With
+  ``master="remainder"`` the master is the params plus the remainder in the
+  state: pass ``params``.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, jmp_lab
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> tx = jmp_lab.mixed_precision(optax.sgd(0.1), policy="p=bf16,c=bf16,o=f32")
+    >>> master_params(tx.init(params))["w"].dtype
+    dtype('float32')
+    >>> tx = jmp_lab.mixed_precision(optax.sgd(0.1), policy="mixed_bfloat16")
+    >>> master_params(tx.init({"w": jnp.ones(3)})) is None   # fp32 params
+    True
   """
   return find_state(opt_state).master_tree(params)
 

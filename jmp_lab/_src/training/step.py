@@ -14,6 +14,7 @@ import optax
 
 from jmp_lab import _checks
 from jmp_lab._src.numerics import fp8_state
+from jmp_lab._src.optim import scaled
 from jmp_lab._src.optim.scaled import ScaledGradients
 from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.states import (FusedAdamWState, State, find_state,
@@ -51,28 +52,16 @@ def _holds_jmp_lab_state(tree: Any) -> bool:
 
 
 def warn_if_accumulated_outside(opt_state: Any, where: str) -> None:
-  """Warns when ``optax.MultiSteps`` wraps the jmp_lab optimizer.
-
-  Legal, and almost certainly wrong: MultiSteps sums the *scaled*
-  gradients, in the params' dtype, across loss-scale changes, and calls the
-  optimizer once a window, so the dynamic scale adjusts k times more slowly
-  and one overflowing micro-batch throws the window away. Inside
-  (``mixed_precision(optax.MultiSteps(inner, k))``) each micro-batch is
-  unscaled with its own scale and accumulated in fp32.
-  """
+  """Warns when ``optax.MultiSteps`` wraps the jmp_lab optimizer (see
+  :func:`scaled.accumulated_outside_message`)."""
   if not _accumulated_outside(opt_state):
     return
-  warnings.warn(
-      f"{where}: optax.MultiSteps wraps the jmp_lab optimizer, so it sums "
-      f"the gradients of the scaled loss in the params' dtype across "
-      f"loss-scale changes, and the optimizer sees one step per window: the "
-      f"loss scale backs off k times more slowly and one overflowing "
-      f"micro-batch drops the whole window (and the train step refuses it: "
-      f"the marked gradients of the scaled loss do not fit MultiSteps' "
-      f"accumulator). Put the accumulation inside: "
-      f"{_accumulation_fix(opt_state)}; each micro-batch is then unscaled "
-      f"with its own scale and summed in fp32", UserWarning,
-      stacklevel=user_stacklevel())
+  warnings.warn(scaled.accumulated_outside_message(
+      where, _is_fused(opt_state)), UserWarning, stacklevel=user_stacklevel())
+
+
+def _is_fused(opt_state: Any) -> bool:
+  return isinstance(find_state(opt_state), FusedAdamWState)
 
 
 def _accumulated_outside(opt_state: Any) -> bool:
@@ -81,15 +70,6 @@ def _accumulated_outside(opt_state: Any) -> bool:
   return any(is_multisteps(node) and _holds_jmp_lab_state(node.inner_opt_state)
              for node in jax.tree_util.tree_leaves(opt_state,
                                                    is_leaf=is_multisteps))
-
-
-def _accumulation_fix(opt_state: Any) -> str:
-  if isinstance(find_state(opt_state), FusedAdamWState):
-    return ("jmp_lab.mixed_precision(optax.MultiSteps(optax.adamw(...), "
-            "every_k_schedule=k), policy=...) (fused_adamw takes no inner "
-            "transformation)")
-  return ("jmp_lab.mixed_precision(optax.MultiSteps(inner, every_k_schedule=k)"
-          ", policy=...)")
 
 
 def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
@@ -109,7 +89,7 @@ def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
         f"the scaled loss (jmp_lab.ScaledGradients) cannot go through its "
         f"accumulator, which would sum them in the params' dtype across "
         f"loss-scale changes. Put the accumulation inside: "
-        f"{_accumulation_fix(opt_state)}")
+        f"{scaled.accumulation_fix(_is_fused(opt_state))}")
   kwargs = dict(extra_args)
   if also_finite is not None:
     kwargs["also_finite"] = also_finite
