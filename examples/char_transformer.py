@@ -110,8 +110,12 @@ def loss_fn(params, state, batch):
 
 
 def make_optimizer(args, policy):
+  # "auto": a dynamic scale for fp16 compute, none for bf16 and fp32 (bf16
+  # has fp32's exponent range, so its gradients do not underflow).
+  dynamic = args.loss_scale == "dynamic" or (
+      args.loss_scale == "auto" and policy.compute_dtype == jnp.float16)
   loss_scale = (jmp_lab.DynamicLossScale(2.0**15, growth_interval=100)
-                if args.loss_scale == "dynamic" else jmp_lab.NoOpLossScale())
+                if dynamic else jmp_lab.NoOpLossScale())
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, max(args.steps, 100))
   if args.fused:
     # Clipping happens inside the fused kernel, on unscaled gradients.
@@ -161,9 +165,10 @@ def make_parser(description: str, ckpt_dir: str) -> argparse.ArgumentParser:
                       help="a text file (default: the stdlib's own sources)")
   parser.add_argument("--policy", default="mixed_bfloat16", type=policy_spec,
                       help=POLICY_HELP)
-  parser.add_argument("--loss-scale", default="dynamic",
-                      choices=["dynamic", "none"],
-                      help="dynamic (torch GradScaler's rules) or none")
+  parser.add_argument("--loss-scale", default="auto",
+                      choices=["auto", "dynamic", "none"],
+                      help="auto: dynamic for fp16 compute, none for bf16 and "
+                           "fp32; dynamic (torch GradScaler's rules); none")
   parser.add_argument("--fused", action="store_true", help="use jmp_lab.fused_adamw")
   parser.add_argument("--clip", type=float, default=1.0, help="global-norm clip")
   parser.add_argument("--master", default="float32",
@@ -313,8 +318,8 @@ def main(argv=None):
   valid_loss = float(valid_loss_of(state))
   tokens_per_s = timed_steps * args.batch_size * args.seq_len / max(seconds, 1e-9)
   print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
-        f"{valid_loss:.3f} nats/char, loss scale {float(state.loss_scale.loss_scale):g}, "
-        f"skipped {int(state.skipped_steps)}, {tokens_per_s:,.0f} tokens/s")
+        f"{valid_loss:.3f} nats/char, skipped {int(state.skipped_steps)}, "
+        f"{tokens_per_s:,.0f} tokens/s")
   print(f"this run: {recorder.describe()}")
   text = sample(model, {"params": state.params, **state.model_state}, b"def ",
                 args.sample_len, args.seq_len, jax.random.key(7))

@@ -191,7 +191,9 @@ def diagnose(result, x_train, y_train, out_dir: str) -> None:
       hist, loss_scale=scale,
       title=f"SimpleCNN gradients ({result['policy']})").savefig(path, dpi=120)
   print(f"wrote {path}")
-  result["recorder"].plot(os.path.join(out_dir, "digits_trace.png"))
+  trace_path = os.path.join(out_dir, "digits_trace.png")
+  result["recorder"].plot(trace_path)
+  print(f"wrote {trace_path}")
   audit = jmp_lab.diagnostics.audit_step(result["step"], state,
                                          result["example_batch"],
                                          policy=result["policy"])

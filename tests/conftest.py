@@ -30,6 +30,7 @@ import hypothesis  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # 2 CPU devices; tests/test_fsdp.py starts a process with 8.
 chex.set_n_cpu_devices(int(os.environ.get("JMP_LAB_TEST_CPU_DEVICES", "2")))
@@ -110,7 +111,43 @@ LONGEST_FIRST = (
 )
 
 
+# ---------------------------------------------------------------------------
+# Whole-model compiles for H100s (``model_compile``): GPT-2, the 7B-class
+# Llama, the real models' steps. They are measurements of what XLA makes of
+# a model, and each takes a minute or more of XLA's time; CI runs them on
+# its newest-jax lane only (where XLA changes first: jax 0.12 put GEMMs in
+# dynamic-slice fusions and CUDA graphs), which keeps the two lanes inside
+# the hour. The GPU machines' jax 0.11.2 runs them too. JMP_LAB_MODEL_COMPILES=all
+# runs them on any jax; =none skips them everywhere.
+# ---------------------------------------------------------------------------
+
+MODEL_COMPILES_FROM = (0, 11)
+
+
+def _skip_model_compiles() -> str:
+  """Why whole-model compiles are skipped here ("" where they run)."""
+  from jmp_lab import _compat  # pylint: disable=import-outside-toplevel
+  choice = os.environ.get("JMP_LAB_MODEL_COMPILES", "")
+  if choice == "all":
+    return ""
+  if choice == "none":
+    return "JMP_LAB_MODEL_COMPILES=none"
+  version = tuple(int(part) for part in _compat.JAX_VERSION.split(".")[:2])
+  if version < MODEL_COMPILES_FROM:
+    return (f"a whole-model compile for H100s: run on jax >= "
+            f"{'.'.join(map(str, MODEL_COMPILES_FROM))} (CI's newest-jax "
+            f"lane); JMP_LAB_MODEL_COMPILES=all runs it on this jax "
+            f"{_compat.JAX_VERSION}")
+  return ""
+
+
 def pytest_collection_modifyitems(items):
+  reason = _skip_model_compiles()
+  if reason:
+    for item in items:
+      if item.get_closest_marker("model_compile"):
+        item.add_marker(pytest.mark.skip(reason=reason))
+
   def rank(item):
     name = item.path.name
     return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(

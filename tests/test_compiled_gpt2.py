@@ -14,6 +14,9 @@ import pytest
 
 import jmp_lab
 
+#: Every test here compiles GPT-2's step for an H100 (see tests/conftest.py).
+pytestmark = pytest.mark.model_compile
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

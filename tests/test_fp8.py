@@ -685,6 +685,7 @@ def _small_gpt():
                               vocab=1024, batch=4)
 
 
+@pytest.mark.model_compile
 def test_gpt_dense_matmuls_compile_to_fp8_gemms_on_h100():
   """Every Dense matmul of the (small) GPT step, forward and both gradients,
   is an fp8 cuBLASLt GEMM; attention's own two matmuls stay bf16. The
@@ -706,6 +707,7 @@ def test_gpt_dense_matmuls_compile_to_fp8_gemms_on_h100():
       "f8e4m3fn x f8e5m2 -> bf16"}
 
 
+@pytest.mark.model_compile
 def test_fp8_step_launches_at_most_1_45x_the_kernels_of_bf16_on_h100():
   """The fp8 bookkeeping's kernel cost, compiled for an H100 on a small GPT:
   1.39x the bf16 step's kernels, 377 / 272 (2.15x before the scaling state was
@@ -811,6 +813,7 @@ def test_fp8_state_of_scanned_layers_that_pin_float32_trains_layer_by_layer():
       np.asarray(meta["input_amax_history"]).max(axis=1) / E4M3_MAX, rtol=1e-6)
 
 
+@pytest.mark.model_compile
 def test_scanned_layers_backward_gemms_are_fp8_on_h100():
   """The gradient GEMMs inside nn.scan's loop are fp8 too. (They were 16-bit:
   the forward's dequantized operands crossed the loop as bf16 residuals,
@@ -1182,6 +1185,7 @@ _PRODUCTS = {
 }
 
 
+@pytest.mark.model_compile
 @pytest.mark.parametrize("product", sorted(_PRODUCTS))
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
 def test_an_fsdp_kernel_crosses_the_network_as_fp8_once_per_pass_on_h100(

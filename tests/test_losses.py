@@ -432,6 +432,7 @@ def test_kernels_split_by_tokens_across_devices():
   assert "all-gather" not in hlo
 
 
+@pytest.mark.model_compile
 def test_compiled_on_8_h100s_each_device_runs_its_own_tokens():
   """Data parallel on 8 H100s: the kernels see 1/8 of the tokens each, and
   the only collective is the kernel gradient's all-reduce (which any

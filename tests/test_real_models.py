@@ -82,6 +82,7 @@ def _compiled_gemms(case):
   return report.gemms
 
 
+@pytest.mark.model_compile
 @pytest.mark.parametrize("name", CASES)
 def test_compiled_for_an_h100_no_gemm_or_convolution_has_an_f32_operand(name):
   require_cuda_plugin()
@@ -96,6 +97,7 @@ def test_compiled_for_an_h100_no_gemm_or_convolution_has_an_f32_operand(name):
           ] == []
 
 
+@pytest.mark.model_compile
 @pytest.mark.parametrize("policy", ["mixed_fp8",
                                     "mixed_bfloat16,matmul=fp8_current"])
 @pytest.mark.parametrize("name", ["linen_lm", "gemma"])

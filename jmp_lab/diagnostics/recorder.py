@@ -83,7 +83,7 @@ class TrainingRecorder:
         more = len(changes) - max_changes
         text += (f"; loss scale {shown}" + (f" and {more} more changes"
                                             if more > 0 else "")
-                 + f"; final {scales[-1]:g}")
+                 + f"; the last step ran at {scales[-1]:g}")
     return text
 
   def plot(self, path: Optional[str] = None):
@@ -104,8 +104,11 @@ class TrainingRecorder:
                  where="post", label="skipped steps")
     axes[2].set(title="skipped steps (cumulative)", xlabel="step")
     axes[2].yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[2].set_ylim(bottom=0, top=max(1, int(max(
-        history["skipped_steps"], default=0))) * 1.1)
+    skips = int(max(history["skipped_steps"], default=0))
+    axes[2].set_ylim(bottom=0, top=max(1, skips) * 1.1)
+    if not skips:  # a line on the axis reads as a missing plot
+      axes[2].text(0.5, 0.5, "no step skipped", transform=axes[2].transAxes,
+                   ha="center", va="center", color="tab:red")
     for ax in axes:
       ax.legend(fontsize=8)
     fig.tight_layout()
