@@ -250,3 +250,16 @@ def test_audit_counts_the_matmuls_inside_checkpoint_scan_and_shard_map(where):
   assert len(report.matmuls) == expected
   if where == "nn.remat+nn.scan":
     assert {r.times for r in report.matmuls} == {3}
+
+
+def test_the_audit_table_shows_what_a_half_gemm_accumulates_in():
+  """An fp16 product's row: its result fp16 under ``out`` and fp32 under
+  ``acc``, what cuBLAS accumulates in (the table showed the result dtype
+  under ``acc``, which read as fp16 accumulation)."""
+  report = jmp_lab.diagnostics.audit_step(
+      lambda a, b: a @ b, jnp.ones((16, 16), jnp.float16),
+      jnp.ones((16, 16), jnp.float16))
+  header, row = report.table().splitlines()[:2]
+  assert header.split()[:4] == ["op", "operands", "out", "acc"]
+  assert row.split()[:4] == ["dot_general", "float16/float16", "float16",
+                             "float32"]

@@ -21,11 +21,31 @@ FP8_DTYPES = tuple(np.dtype(getattr(jnp, n)) for n in (
     "float8_e4m3fn", "float8_e5m2") if hasattr(jnp, n))
 
 
+def gemm_accumulation(operand_dtypes: tuple[str, ...]) -> str:
+  """The type a GPU GEMM of these operands accumulates in: fp32 for fp16,
+  bf16, fp8 and fp32 operands (cuBLAS's compute type as XLA calls it;
+  tensor cores add fp16 and bf16 products in fp32 whatever the result
+  type), fp64 for fp64, int32 for integers.
+
+  Example::
+
+    >>> gemm_accumulation(("float16", "float16"))
+    'float32'
+  """
+  dtypes = [np.dtype(d) for d in operand_dtypes]
+  if any(d == np.float64 for d in dtypes):
+    return "float64"
+  if all(np.issubdtype(d, np.integer) for d in dtypes):
+    return "int32"
+  return "float32"
+
+
 @dataclasses.dataclass
 class MatmulRecord:
   kind: str                       # "dot_general" or "conv"
   operand_dtypes: tuple[str, str]
-  accumulation_dtype: str
+  accumulation_dtype: str         # the result's dtype (the dot's
+                                  # preferred_element_type, or its operands')
   lhs_shape: tuple[int, ...]
   rhs_shape: tuple[int, ...]
   out_shape: tuple[int, ...]

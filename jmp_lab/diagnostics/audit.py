@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jmp_lab._src.matmuls import (FP8_DTYPES, HALF_DTYPES, MatmulRecord,
+                                  gemm_accumulation,
                                   compiled_sub_jaxprs, matmul_records,
                                   sub_jaxprs, walk)
 from jmp_lab._src.policy import Policy, get_policy
@@ -117,15 +118,16 @@ def audit_step(fn: Callable[..., Any], *args, policy: Any = None,
 
 
 def _audit_table(report: AuditReport) -> str:
-  lines = [f"{'op':<11} {'operands':<18} {'acc':<8} {'lhs x rhs -> out':<40} "
-           f"{'FLOP %':>7}  {'TC dims':<8} where"]
+  lines = [f"{'op':<11} {'operands':<18} {'out':<9}{'acc':<8} "
+           f"{'lhs x rhs -> out':<40} {'FLOP %':>7}  {'TC dims':<8} where"]
   for r in sorted(report.matmuls, key=lambda r: -r.flops):
     shapes = f"{list(r.lhs_shape)}x{list(r.rhs_shape)}->{list(r.out_shape)}"
     tc = "ok" if r.tensor_core_dims else "odd " + "".join(r.odd_dims)
     flag = "  <- fp32, could be half" if r in report.fp32_could_be_half else ""
     flag += "  (fp8 GEMM)" if r.fp8 else ""
     lines.append(
-        f"{r.kind:<11} {'/'.join(r.operand_dtypes):<18} {r.accumulation_dtype:<8} "
+        f"{r.kind:<11} {'/'.join(r.operand_dtypes):<18} "
+        f"{r.accumulation_dtype:<9}{gemm_accumulation(r.operand_dtypes):<8} "
         f"{shapes:<40} {100 * r.flops / report.total_flops:6.2f}%  {tc:<8} "
         f"{r.location}{flag}")
   lines.append(
