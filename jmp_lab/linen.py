@@ -103,6 +103,7 @@ def with_policy(
     fp32_norms: bool = True,
     fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
     keep_layer_dtypes: bool = False,
+    cache_dtype: Optional[str] = None,
 ) -> PolicyModule:
   """Applies ``policy`` to a linen module.
 
@@ -131,6 +132,18 @@ def with_policy(
       config's fp32 ``dtype`` to every layer, which would otherwise keep
       every matmul in fp32. To keep one layer in fp32 (an fp32 head), give
       it a path or class override instead.
+    cache_dtype: ``None`` keeps the ``cache`` collection in the dtype the
+      model makes it (a float32 KV cache stays float32); ``"compute"``
+      stores a new cache in its module's compute dtype (half the memory
+      under bf16).
+
+  **Module state** (the ``cache`` collection, batch statistics, any
+  variable outside ``params``): a value a module call writes into it is
+  cast to the dtype the variable holds, as torch casts a bf16 write into a
+  float32 buffer; the ``cache`` collection is also read in the compute
+  dtype inside a call, so ``dynamic_update_slice(cache, keys, ...)`` sees
+  one dtype. A model that decodes with a float32 cache runs under any
+  policy.
 
   **How precision is decided.** Per module, by the rules (see the module
   doc); per op, by :mod:`jmp_lab.precision`'s rules inside every module
@@ -167,7 +180,7 @@ def with_policy(
       module, policy, rules=rules, class_overrides=class_overrides,
       path_overrides=path_overrides, fp32_norms=fp32_norms,
       fp8_history_length=fp8_history_length,
-      keep_layer_dtypes=keep_layer_dtypes)
+      keep_layer_dtypes=keep_layer_dtypes, cache_dtype=cache_dtype)
 
 
 __all__ = [

@@ -101,6 +101,7 @@ def with_policy(
     fp32_norms: bool = True,
     fp8_history_length: int = fp8.AMAX_HISTORY_LENGTH,
     keep_layer_dtypes: bool = False,
+    cache_dtype: Optional[str] = None,
 ) -> nnx.Module:
   """Applies ``policy`` to an NNX module graph, in place; returns ``model``.
 
@@ -129,6 +130,16 @@ def with_policy(
       By default the policy wins over a layer's ``dtype`` (public model
       code passes ``dtype=jnp.float32`` to every layer); give an fp32 head
       a path or class override instead.
+    cache_dtype: ``None`` keeps each ``nnx.Cache`` in the dtype the model
+      made it (a float32 KV cache stays float32); ``"compute"`` stores the
+      caches in their module's compute dtype (half the memory under bf16).
+
+  **Module state** (a KV cache, a buffer, any non-param floating variable
+  but batch statistics): a value a policed call writes into it is cast to
+  the variable's stored dtype, as torch casts a bf16 write into a float32
+  buffer; an ``nnx.Cache`` is also read in the compute dtype inside a
+  call, so ``dynamic_update_slice(cache, keys, ...)`` sees one dtype. A
+  model that decodes with a float32 cache runs under any policy.
 
   **How precision is decided:** as in :func:`jmp_lab.linen.with_policy`,
   per module (policy, overrides) and per op: every module call runs under
@@ -155,7 +166,7 @@ def with_policy(
       model, policy, rules=rules, class_overrides=class_overrides,
       path_overrides=path_overrides, fp32_norms=fp32_norms,
       fp8_history_length=fp8_history_length,
-      keep_layer_dtypes=keep_layer_dtypes)
+      keep_layer_dtypes=keep_layer_dtypes, cache_dtype=cache_dtype)
 
 
 from jmp_lab._src.training.nnx_step import (Optimizer, make_train_step,

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
 import jax
 
 from jmp_lab._src.numerics import fp8_state
+from jmp_lab.kernels import pytrees
 from jmp_lab._src.precision import linen_layers, scopes
 from jmp_lab._src.precision import rules as rules_lib
 from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
@@ -42,6 +43,7 @@ class PolicyModule:
   module: nn.Module
   plan: Plan
   fp8_history_length: int = fp8_state.AMAX_HISTORY_LENGTH
+  cache_dtype: Optional[str] = None
 
   @property
   def policy(self) -> Policy:
@@ -100,12 +102,15 @@ class _Interceptor:
   def __init__(self, owner: PolicyModule):
     self.plan = owner.plan
     self.history_length = owner.fp8_history_length
+    self.cache_dtype = owner.cache_dtype
     self.calls: list[nn.Module] = []  # boundary calls running, innermost last
 
   def __call__(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
     if method == "setup":  # params made in setup are read by the plan too
-      with _reading_params(module, self.plan, self._decide(module), (), {}):
+      decision = self._decide(module)
+      with _reading_params(module, self.plan, decision, (), {}), \
+          _policed_state(module, decision, self.cache_dtype):
         return next_fun(*args, **kwargs)
     if (method.startswith("_") and method != "__call__") or (
         self.calls and self.calls[-1] is module):
@@ -120,7 +125,8 @@ class _Interceptor:
     attached: dict = {}
     self.calls.append(module)
     try:
-      with _reading_params(module, self.plan, decision, attach, attached):
+      with _reading_params(module, self.plan, decision, attach, attached), \
+          _policed_state(module, decision, self.cache_dtype):
         out = linen_layers.call_layer(
             next_fun, module, method, args, kwargs, self.plan, decision,
             self.history_length, dot_product_attention)
@@ -176,6 +182,69 @@ def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
       scope.param = before
 
 
+def _reconciled(value: Any, stored: Any) -> Any:
+  """``value`` with each floating array cast to the dtype of the array
+  ``stored`` holds at its place (the same structure; else as it is)."""
+  if stored is None:
+    return value
+  floating = lambda x: (hasattr(x, "dtype")  # noqa: E731  (arrays, structs)
+                        and jax.numpy.issubdtype(x.dtype, jax.numpy.floating))
+  try:
+    return jax.tree_util.tree_map(
+        lambda v, s: v.astype(s.dtype) if (pytrees.is_floating_array(v)
+                                           and floating(s)) else v,
+        value, stored)
+  except (ValueError, TypeError):  # another structure (a sown tuple grows)
+    return value
+
+
+@contextlib.contextmanager
+def _policed_state(module: nn.Module, decision: Decision,
+                   cache_dtype: Optional[str]):
+  """For the block: a value ``module`` writes into a variable outside
+  ``params`` (a KV cache, a buffer, a counter) is cast to the dtype the
+  variable holds, as torch casts a bf16 write into a float32 buffer; the
+  ``cache`` collection is read in the compute dtype, so a decode step that
+  writes this step's keys into it (``dynamic_update_slice``) sees one
+  dtype; with ``cache_dtype="compute"`` a new cache is stored in it. Flax
+  has no hook for a variable's read and write: the module's scope's
+  ``get_variable`` and ``put_variable`` are set for the block."""
+  scope, compute = module.scope, decision.compute_dtype
+  if scope is None or compute is None:
+    yield
+    return
+  get, put = scope.get_variable, scope.put_variable
+  saved = {name: scope.__dict__.get(name)
+           for name in ("get_variable", "put_variable")}
+
+  def get_variable(col, name, default=None):
+    value = get(col, name, default)
+    if col != "cache":
+      return value
+    with scopes.policy_cast_scope():
+      return cast_floating(value, compute)
+
+  def put_variable(col, name, value):
+    if col != "params":
+      stored = get(col, name)
+      if stored is None and col == "cache" and cache_dtype == "compute":
+        stored = jax.tree_util.tree_map(
+            lambda v: jax.ShapeDtypeStruct(v.shape, compute), value)
+      with scopes.policy_cast_scope():
+        value = _reconciled(value, stored)
+    put(col, name, value)
+
+  scope.get_variable, scope.put_variable = get_variable, put_variable
+  try:
+    yield
+  finally:
+    for name, before in saved.items():
+      if before is None:
+        delattr(scope, name)
+      else:
+        setattr(scope, name, before)
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None,
                           broadcast_dropout: bool = True, dropout_rng=None,
                           dropout_rate: float = 0.0,
@@ -219,8 +288,13 @@ def with_policy(module: nn.Module, policy: Any, *, rules=(),
                 class_overrides=None, path_overrides=None,
                 fp32_norms: bool = True,
                 fp8_history_length: int = fp8_state.AMAX_HISTORY_LENGTH,
-                keep_layer_dtypes: bool = False) -> PolicyModule:
+                keep_layer_dtypes: bool = False,
+                cache_dtype: Optional[str] = None) -> PolicyModule:
   """See :func:`jmp_lab.linen.with_policy` (the face holds the docs)."""
+  if cache_dtype not in (None, "compute"):
+    raise ValueError(f"cache_dtype must be None (caches keep their dtype) or "
+                     f"'compute' (stored in the compute dtype), got "
+                     f"{cache_dtype!r}")
   if isinstance(module, PolicyModule):
     raise TypeError(
         "with_policy got a model that already has a policy (a "
@@ -238,4 +312,4 @@ def with_policy(module: nn.Module, policy: Any, *, rules=(),
       policy, rules=rules, class_overrides=class_overrides,
       path_overrides=path_overrides, fp32_norms=fp32_norms,
       keep_layer_dtypes=keep_layer_dtypes, embed_classes=(nn.Embed,)))
-  return PolicyModule(module, plan, fp8_history_length)
+  return PolicyModule(module, plan, fp8_history_length, cache_dtype)

@@ -37,7 +37,7 @@ from jmp_lab._nesting import Nesting
 from jmp_lab._src.precision import interpreter, nnx_layers, scopes
 from jmp_lab._src.precision import rules as rules_lib
 from jmp_lab._src.precision.interpreter import is_tracing
-from jmp_lab._src.precision.nnx_layers import base_class, swapped
+from jmp_lab._src.precision.nnx_layers import Fp8State, base_class, swapped
 from jmp_lab._src.precision.plan import Decision, Plan
 from jmp_lab._src.precision.rules import make_rules
 from jmp_lab._src.numerics.attention import attention_fn
@@ -93,6 +93,35 @@ class PolicyParam(nnx.Param):
 
 
 @functools.lru_cache(maxsize=None)
+def _written_in_stored_dtype(variable_class: type) -> Callable:
+  def set_value(self, value, **kwargs):
+    # Inside a policed call a value computed in the compute dtype lands in
+    # a buffer of another float dtype (a float32 KV cache): cast to the
+    # destination's dtype, as torch's copy into a float32 buffer does.
+    if _MODULE_CALLS.active:
+      stored = self.get_raw_value()
+      if (pytrees.is_floating_array(stored) and pytrees.is_floating_array(value)
+          and value.dtype != stored.dtype):
+        with scopes.policy_cast_scope():
+          value = value.astype(stored.dtype)
+    return variable_class.set_value(self, value, **kwargs)
+  return set_value
+
+
+def _state_class(cls: type, read_in_compute: bool) -> type:
+  """``cls`` whose writes inside a policed call keep its stored dtype; with
+  ``read_in_compute`` (a cache) also read in the ``compute_dtype``
+  metadata there. Its own type for filters (``nnx.Cache`` stays one)."""
+  if getattr(cls, "_jmp_lab_state", None) is not None:
+    cls = cls.__mro__[1]  # called again: from the user's class
+  methods = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+             "set_value": _written_in_stored_dtype(cls),
+             "_jmp_lab_state": "cache" if read_in_compute else "state"}
+  if read_in_compute:
+    methods["get_value"] = _read_in_compute_dtype(cls)
+  return type(cls.__name__, (cls,), methods)
+
+
 def _cast_on_read_class(cls: type) -> type:
   if issubclass(cls, PolicyParam) or getattr(cls, "_jmp_lab_cast_on_read",
                                              False):
@@ -215,7 +244,33 @@ def _own_dtype(module: nnx.Module, plan: Plan, decision: Decision
   return plan.layer_dtype(decision)
 
 
-def apply_plan(model: nnx.Module, plan: Plan, history_length: int) -> None:
+def _policed_state(model: nnx.Module, modules: dict, decisions: dict,
+                   cache_dtype: Optional[str]) -> None:
+  """Every floating non-param variable (a cache, a buffer, a counter; not
+  a batch statistic, which the norms keep in fp32) keeps its stored dtype
+  when a policed call writes it; a ``nnx.Cache`` is also read in its
+  module's compute dtype there, so a decode step that writes this step's
+  keys into it (``dynamic_update_slice``) sees one dtype. With
+  ``cache_dtype="compute"`` the caches are stored in it too."""
+  for path, variable in nnx.iter_graph(model):
+    if (not isinstance(variable, nnx.Variable)
+        or isinstance(variable, (nnx.Param, nnx.BatchStat, Fp8State))
+        or not pytrees.is_floating_array(variable.get_raw_value())):
+      continue
+    owner = next(path[:end] for end in range(len(path) - 1, -1, -1)
+                 if path[:end] in modules)
+    compute = decisions[owner].compute_dtype
+    is_cache = isinstance(variable, nnx.Cache) and compute is not None
+    if is_cache and cache_dtype == "compute":
+      variable.set_raw_value(variable.get_raw_value().astype(compute),
+                             _unsafe_bypass_check=True)
+    variable.__class__ = _state_class(type(variable), is_cache)
+    if is_cache:
+      variable.set_metadata(compute_dtype=compute)
+
+
+def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
+               cache_dtype: Optional[str] = None) -> None:
   """Makes ``plan``'s answers part of ``model``'s graph (see the module
   doc); calling it again replaces an earlier plan."""
   modules = dict(nnx.iter_modules(model))
@@ -247,6 +302,7 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int) -> None:
                              _unsafe_bypass_check=True)
     variable.__class__ = _cast_on_read_class(type(variable))
     variable.set_metadata(compute_dtype=read)
+  _policed_state(model, modules, decisions, cache_dtype)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None,
@@ -299,8 +355,13 @@ def with_policy(model: nnx.Module, policy: Any, *, rules=(),
                 class_overrides=None, path_overrides=None,
                 fp32_norms: bool = True,
                 fp8_history_length: int = fp8_state.AMAX_HISTORY_LENGTH,
-                keep_layer_dtypes: bool = False) -> nnx.Module:
+                keep_layer_dtypes: bool = False,
+                cache_dtype: Optional[str] = None) -> nnx.Module:
   """See :func:`jmp_lab.nnx.with_policy` (the face holds the docs)."""
+  if cache_dtype not in (None, "compute"):
+    raise ValueError(f"cache_dtype must be None (caches keep their dtype) or "
+                     f"'compute' (stored in the compute dtype), got "
+                     f"{cache_dtype!r}")
   if not isinstance(model, nnx.Module):
     raise TypeError(
         f"jmp_lab.nnx.with_policy needs a flax.nnx.Module, got "
@@ -314,5 +375,5 @@ def with_policy(model: nnx.Module, policy: Any, *, rules=(),
       policy, rules=rules, class_overrides=class_overrides,
       path_overrides=path_overrides, fp32_norms=fp32_norms,
       keep_layer_dtypes=keep_layer_dtypes, embed_classes=(nnx.Embed,)))
-  apply_plan(model, plan, fp8_history_length)
+  apply_plan(model, plan, fp8_history_length, cache_dtype)
   return model

@@ -92,7 +92,7 @@ class Optimizer(nnx.Optimizer):
     self.step = nnx.training.optimizer.OptState(jnp.zeros((), jnp.uint32))
     self.tx = tx
     self.wrt = wrt
-    self.opt_state = nnx.data(nnx.training.optimizer.to_opt_state(opt_state))
+    self.opt_state = nnx.data(_opt_state_variables(opt_state, params))
 
   def _pure_opt_state(self) -> Any:
     return nnx.as_pure(self.opt_state)
@@ -154,6 +154,23 @@ def _check_model_agrees(model: nnx.Module, policy: Optional[Policy]) -> None:
       f"jmp_lab.nnx.Optimizer: the model computes in {dtypes[0].name} "
       f"(jmp_lab.nnx.with_policy) but the optimizer's policy ({policy}) "
       f"computes in {policy.compute_dtype.name}; give both the same policy")
+
+
+def _opt_state_variables(opt_state: Any, params: Any) -> Any:
+  """Flax's ``to_opt_state``: each param-shaped array an ``OptVariable``
+  with its param's metadata. A Variable with an ``out_sharding`` can only
+  be made under a mesh: outside one (the model was built under
+  ``jax.set_mesh``, the optimizer after it), under the params' own."""
+  try:
+    return nnx.training.optimizer.to_opt_state(opt_state)
+  except ValueError as e:
+    meshes = {x.sharding.mesh for x in jax.tree_util.tree_leaves(
+        nnx.as_pure(params)) if isinstance(
+            getattr(x, "sharding", None), jax.sharding.NamedSharding)}
+    if "mesh" not in str(e) or len(meshes) != 1:
+      raise
+    with jax.set_mesh(meshes.pop()):
+      return nnx.training.optimizer.to_opt_state(opt_state)
 
 
 def _pure_params(model: nnx.Module, wrt: Any) -> Any:
