@@ -29,18 +29,22 @@ class MatmulCount:
   fp8) operands, ``full`` left with a wider floating operand;
   ``recast_in_loss`` of them were written with wider operands and put in
   half by a train step's loss rules, outside any model policy
-  (:func:`jmp_lab.precision.island`)."""
+  (:func:`jmp_lab.precision.island`); ``in_model`` ran inside a model's
+  policy (a wrapped module's call, an autocast region)."""
 
   half: int = 0
   full: int = 0
   recast_in_loss: int = 0
+  in_model: int = 0
 
   def add(self, operand_dtypes: Sequence[np.dtype],
-          written_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
+          written_dtypes: Sequence[np.dtype], in_loss: bool,
+          in_model: bool = False) -> None:
     floating = [np.dtype(d) for d in operand_dtypes
                 if jnp.issubdtype(d, jnp.floating)]
     if len(floating) < 2:
       return
+    self.in_model += bool(in_model)
     if all(d.itemsize <= 2 for d in floating):
       self.half += 1
     else:
@@ -60,7 +64,7 @@ def recording():
   ...   _ = jmp_lab.autocast(jnp.matmul, "mixed_bfloat16")(jnp.ones((2, 2)),
   ...                                                      jnp.ones((2, 2)))
   >>> count
-  MatmulCount(half=1, full=0, recast_in_loss=0)
+  MatmulCount(half=1, full=0, recast_in_loss=0, in_model=1)
   """
   count = MatmulCount()
   with observers.listening(count.add):
@@ -80,7 +84,10 @@ def warn_unless_half(policy: Policy, count: MatmulCount,
   """
   if policy.compute_dtype not in HALF_DTYPES:
     return
-  if count.recast_in_loss:
+  if count.recast_in_loss and not count.in_model:
+    # Only the loss's rules ran matmuls: the model is not wrapped. A wrapped
+    # model whose head runs in the loss (a tied head, a chunked head) has
+    # its head recast there, in half: nothing ran in fp32.
     warnings.warn(
         f"{where}: the policy ({policy}) computes in "
         f"{policy.compute_dtype.name}, but the model's matmuls are written in "

@@ -30,9 +30,11 @@ def matmul(op: Op) -> tuple[list, list]:
   if target is None or not all(is_floating(d) and d.itemsize > 1
                                for d in actual):
     dtypes = [np.dtype(v.aval.dtype) for v in op.eqn.invars[:2]]
-    observers.matmul_ran(dtypes, dtypes, False)
+    observers.matmul_ran(dtypes, dtypes, False,
+                         in_model=op.region.compute is not None)
     return as_written(op)  # as written, or integer or fp8: not ours
-  observers.matmul_ran([target, target], written, op.region.compute is None)
+  observers.matmul_ran([target, target], written, op.region.compute is None,
+                       in_model=op.region.compute is not None)
   operands = [cast(x, target) for x in op.invals[:2]]
   rest = list(op.invals[2:])
   params = dict(op.eqn.params)

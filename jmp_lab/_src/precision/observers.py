@@ -47,9 +47,13 @@ def muted():
 
 
 def matmul_ran(operand_dtypes: Sequence[np.dtype],
-               written_dtypes: Sequence[np.dtype], in_loss: bool) -> None:
+               written_dtypes: Sequence[np.dtype], in_loss: bool,
+               in_model: bool = False) -> None:
+  """Tells the listeners a matmul ran with ``operand_dtypes``: put in half
+  by a train step's loss rules (``in_loss``), or inside a model's policy
+  (``in_model``: a front end's module call, an autocast region)."""
   for listener in getattr(_local, "listeners", ()):
-    listener(operand_dtypes, written_dtypes, in_loss)
+    listener(operand_dtypes, written_dtypes, in_loss, in_model)
 
 
 # Places the rules could not reach, warned about once each.
