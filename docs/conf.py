@@ -13,6 +13,7 @@ copyright = "2026, jmp_lab developers"
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",   # the API page's one-line-per-name tables
     "sphinx.ext.napoleon",      # the docstrings' Args:/Returns: sections
     "sphinx.ext.viewcode",
 ]
@@ -21,6 +22,7 @@ myst_heading_anchors = 3
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build"]
 
+autosummary_generate = False   # tables only: the entries are documented below them
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False,
