@@ -1057,3 +1057,28 @@ def test_nnx_layout_helpers_lay_the_optimizer_state_out_as_the_params(
   for path, spec in _state_specs_by_param(nnx.as_pure(nnx.get_partition_spec(
       nnx.state(opt, nnx.OptState))), params):
     assert spec == params[path]
+
+
+def test_flax_partition_specs_reach_moments_inside_optax_masked():
+  """``optax.masked`` leaves holes (``MaskedNode``) in its moments: the
+  unmasked ones still get their params' specs, as optax's own do (the
+  holes made the subtree unrecognised, and the moments came out
+  replicated)."""
+  model = jmp_lab.linen.with_policy(nn.Dense(
+      8, kernel_init=_boxed(_init, ("embed", "mlp")),
+      bias_init=_boxed(nn.initializers.zeros, ("mlp",))), FLOW_POLICY)
+  mask = {"kernel": True, "bias": False}
+  tx = jmp_lab.mixed_precision(optax.chain(
+      optax.clip_by_global_norm(1.0), optax.masked(optax.adam(1e-3), mask)),
+      policy=FLOW_POLICY)
+
+  def init(key):
+    from flax.training import train_state  # pylint: disable=import-outside-toplevel
+    return train_state.TrainState.create(
+        apply_fn=model.apply, tx=tx,
+        params=model.init(key, jnp.ones((1, 4)))["params"])
+  specs = nn.get_partition_spec(jax.eval_shape(init, jax.random.key(0)))
+  assert specs.opt_state.inner_state[1].inner_state[0].mu["kernel"] == P(
+      "embed", "mlp")
+  assert specs.opt_state.master_params == {"bias": P("mlp"),
+                                           "kernel": P("embed", "mlp")}

@@ -77,8 +77,8 @@ def _rewrapped(wrapper: Any, value: Any) -> Any:
   Rebuilt through the wrapper's pytree structure, as ``jax.tree.map`` (and
   so optax) rebuilds it: an NNX Variable with an ``out_sharding`` cannot be
   constructed outside a mesh, but it can be unflattened."""
-  if value is None or not _is_wrapper(wrapper):
-    return value
+  if not hasattr(value, "shape") or not _is_wrapper(wrapper):
+    return value  # a hole: None, optax.masked's MaskedNode
   return jax.tree_util.tree_structure(wrapper).unflatten([value])
 
 
@@ -121,8 +121,10 @@ def wrapped_like_params(state: Any, params: Any) -> Any:
       flat = treedef.flatten_up_to(node)
     except (ValueError, TypeError):
       return False
-    return any(x is not None for x in flat) and all(
-        x is None or (hasattr(x, "shape") and tuple(x.shape) == shape)
+    def hole(x):  # None, or an empty node (optax.masked's MaskedNode)
+      return x is None or not jax.tree_util.tree_leaves(x)
+    return any(not hole(x) for x in flat) and all(
+        hole(x) or (hasattr(x, "shape") and tuple(x.shape) == shape)
         for x, shape in zip(flat, shapes))
 
   return jax.tree_util.tree_map(
