@@ -158,3 +158,26 @@ def test_cache_dtype_is_checked():
     with pytest.raises(ValueError, match=r"cache_dtype must be None .* or "
                                          r"'compute'.*got 'bf16'"):
       with_policy(model, "mixed_bfloat16", cache_dtype="bf16")
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_autocast_decodes_into_a_carried_float32_buffer(policy):
+  """The function route: a decode loop that writes each step's keys into a
+  float32 buffer it carries (``fori_loop`` + ``dynamic_update_slice``)
+  keeps the buffer float32 and matches the fp32 run to half tolerance."""
+  weight = jax.random.normal(jax.random.key(0), (WIDTH, WIDTH)) / 4
+
+  def decode(x):
+    def body(i, buffer):
+      keys = jnp.tanh(x[i] @ weight)[None]
+      return jax.lax.dynamic_update_slice(buffer, keys, (i, 0))
+    buffer = jax.lax.fori_loop(0, CACHE, body,
+                               jnp.zeros((CACHE, WIDTH), jnp.float32))
+    return buffer @ weight, buffer
+
+  x = jax.random.normal(jax.random.key(1), (CACHE, WIDTH))
+  want, _ = decode(x)
+  got, buffer = jmp_lab.autocast(decode, policy)(x)
+  assert buffer.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got, np.float32), want,
+                             atol=0.03 * float(jnp.max(jnp.abs(want))))
