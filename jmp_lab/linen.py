@@ -143,7 +143,9 @@ def with_policy(
   float32 buffer; the ``cache`` collection is also read in the compute
   dtype inside a call, so ``dynamic_update_slice(cache, keys, ...)`` sees
   one dtype. A model that decodes with a float32 cache runs under any
-  policy.
+  policy. A cache holding recurrent state is read in the compute dtype
+  too, like the rest of its module's arithmetic: give that module an fp32
+  override where it must accumulate in fp32.
 
   **How precision is decided.** Per module, by the rules (see the module
   doc); per op, by :mod:`jmp_lab.precision`'s rules inside every module

@@ -139,7 +139,11 @@ def with_policy(
   the variable's stored dtype, as torch casts a bf16 write into a float32
   buffer; an ``nnx.Cache`` is also read in the compute dtype inside a
   call, so ``dynamic_update_slice(cache, keys, ...)`` sees one dtype. A
-  model that decodes with a float32 cache runs under any policy.
+  model that decodes with a float32 cache runs under any policy, and a
+  cache made after this call (Flax's ``MultiHeadAttention.init_cache``) is
+  treated so at its module's next call. A cache holding recurrent state is
+  read in the compute dtype too, like the rest of its module's arithmetic:
+  give that module an fp32 override where it must accumulate in fp32.
 
   **How precision is decided:** as in :func:`jmp_lab.linen.with_policy`,
   per module (policy, overrides) and per op: every module call runs under

@@ -1100,3 +1100,31 @@ def test_flax_partition_specs_reach_moments_inside_optax_masked():
       "embed", "mlp")
   assert specs.opt_state.master_params == {"bias": P("mlp"),
                                            "kernel": P("embed", "mlp")}
+
+
+@pytest.mark.parametrize("optimizer", ["mixed_precision", "fused_adamw",
+                                       "fused_adamw:remainder"])
+def test_a_state_built_from_nnx_variables_takes_their_values(optimizer):
+  """``tx.init(nnx.state(model, nnx.Param))`` (Variables, as Flax's
+  nnx.Optimizer inits) then ``tx.update`` with the values, as a hand-written
+  loop does: it updates, hands the new state back in Variables, and the
+  fp32 master and moments are plain state, not params a policy reads in
+  bf16 (they were copies of the policy's param class, with its read
+  dtype)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  model = jmp_lab.nnx.with_policy(
+      nnx.Linear(4, 3, rngs=nnx.Rngs(0)), FLOW_POLICY)
+  tx = flow_tx(optimizer)
+  state = tx.init(nnx.state(model, nnx.Param))
+  variables = [x for x in jax.tree_util.tree_leaves(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+               if isinstance(x, nnx.Variable)]
+  assert variables and all(type(v) is nnx.Param for v in variables)
+  assert all("compute_dtype" not in v.get_metadata() for v in variables)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  grads = jax.tree_util.tree_map(lambda p: jnp.full_like(p, 0.01), params)
+  updates, new_state = tx.update(grads, state, params)
+  assert jax.tree_util.tree_structure(new_state, is_leaf=lambda x: isinstance(
+      x, nnx.Variable)) == jax.tree_util.tree_structure(
+          state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert any(bool(jnp.any(u != 0)) for u in jax.tree_util.tree_leaves(updates))

@@ -181,3 +181,25 @@ def test_autocast_decodes_into_a_carried_float32_buffer(policy):
   assert buffer.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got, np.float32), want,
                              atol=0.03 * float(jnp.max(jnp.abs(want))))
+
+
+def test_flax_attention_cache_made_after_with_policy_decodes():
+  """``nnx.MultiHeadAttention.init_cache`` makes its float32 KV cache when
+  decoding starts, after the model was wrapped: it is policed at the
+  layer's next call (it crashed, as a cache made before did)."""
+  def make():
+    return nnx.MultiHeadAttention(num_heads=2, in_features=WIDTH,
+                                  qkv_features=WIDTH, decode=True,
+                                  rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (BATCH, 1, WIDTH))
+  outs = {}
+  for policy in (None, "mixed_bfloat16"):
+    layer = make()
+    if policy is not None:
+      layer = jmp_lab.nnx.with_policy(layer, policy)
+    layer.init_cache((BATCH, CACHE, WIDTH), dtype=jnp.float32)
+    outs[policy] = [np.asarray(layer(x * (i + 1)), np.float32)
+                    for i in range(3)]
+    assert layer.cached_key.get_raw_value().dtype == jnp.float32
+  for got, want in zip(outs["mixed_bfloat16"], outs[None]):
+    np.testing.assert_allclose(got, want, atol=0.03 * np.max(np.abs(want)))

@@ -79,7 +79,24 @@ def _rewrapped(wrapper: Any, value: Any) -> Any:
   constructed outside a mesh, but it can be unflattened."""
   if not hasattr(value, "shape") or not _is_wrapper(wrapper):
     return value  # a hole: None, optax.masked's MaskedNode
-  return jax.tree_util.tree_structure(wrapper).unflatten([value])
+  rebuilt = jax.tree_util.tree_structure(wrapper).unflatten([value])
+  return _as_stored(rebuilt) if is_variable(rebuilt) else rebuilt
+
+
+def _as_stored(variable: nnx.Variable) -> nnx.Variable:
+  """A copy of a param that a policy reads in its compute dtype, as state:
+  the user's Variable class, without the policy's read metadata (an fp32
+  master or moment is never read in half). The policy's classes name both
+  (``_jmp_lab_stored_class``, ``_jmp_lab_read_metadata``)."""
+  policy_class = type(variable)
+  stored = getattr(policy_class, "_jmp_lab_stored_class", None)
+  if stored is None:
+    return variable
+  variable.__class__ = stored
+  metadata = dict(variable.get_metadata())
+  metadata.pop(policy_class._jmp_lab_read_metadata, None)
+  variable.set_metadata(metadata)
+  return variable
 
 
 def boxed_like(like: Any, values: Any) -> Any:
@@ -132,9 +149,15 @@ def wrapped_like_params(state: Any, params: Any) -> Any:
       state, is_leaf=param_shaped)
 
 
+def values_of(tree: Any) -> Any:
+  """``tree`` with linen's boxes and NNX's Variables replaced by their
+  values."""
+  return variable_values(unboxed(tree))
+
+
 def rewrapped_state(given: Any, new: Any) -> Any:
   """``new`` (an unwrapped state) wrapped as the state ``given`` to an
-  update was."""
-  if not has_boxes(given):
+  update was (linen's boxes, NNX's Variables)."""
+  if not _has_wrappers(given):
     return new
   return boxed_like(given, new)

@@ -216,7 +216,7 @@ class FusedUpdate(WritesParams):
     # The kernels read the values; boxed grads get boxed updates back, a
     # boxed state its new state boxed.
     updates, new_state = self._updates(boxes.unboxed(grads),
-                                       boxes.unboxed(state),
+                                       boxes.values_of(state),
                                        boxes.unboxed(params), also_finite,
                                        carried_scale)
     return (boxes.boxed_like(grads, updates),
@@ -229,7 +229,7 @@ class FusedUpdate(WritesParams):
     _check_call(state, params)
     grads, carried_scale = self._received(grads, state, params)
     new, new_state = self._new_params(boxes.unboxed(grads),
-                                      boxes.unboxed(state),
+                                      boxes.values_of(state),
                                       boxes.unboxed(params), also_finite,
                                       carried_scale)
     return (boxes.boxed_like(params, new),

@@ -126,7 +126,18 @@ class MixedPrecisionUpdate(Update):
 
   def __call__(self, grads, state, params=None, *, also_finite=None,
                **extra_args):
+    # A state built from NNX Variables, updated by hand with their values
+    # (Flax's own nnx.Optimizer hands it the values): the values, and the
+    # new state wrapped again. Linen's boxes are kept throughout.
+    given = state
+    state = boxes.variable_values(state)
     _check_call(state, params)
+    updates, new_state = self._update(grads, state, params, also_finite,
+                                      extra_args)
+    return updates, boxes.rewrapped_state(given, new_state) if (
+        given is not state) else new_state
+
+  def _update(self, grads, state, params, also_finite, extra_args):
     # Marked gradients (of the scaled loss) are divided by the loss scale;
     # plain ones are the unscaled loss's (see scaled.received).
     grads, carried_scale = scaled.received(

@@ -176,7 +176,7 @@ def _called_by_jmp_lab(frame: Any) -> bool:
   for _ in range(4):
     if frame is None:
       return False
-    if frame.f_code.co_filename.startswith(_PACKAGE):
+    if frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
       return True
     frame = frame.f_back
   return False

@@ -90,6 +90,10 @@ class PolicyParam(nnx.Param):
   """
 
   get_value = _read_in_compute_dtype(nnx.Param)
+  # What a copy of it that is not read by a module (an optimizer state's
+  # master or moment) is: the user's class, without this metadata.
+  _jmp_lab_stored_class = nnx.Param
+  _jmp_lab_read_metadata = "compute_dtype"
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,6 +118,11 @@ def _state_class(cls: type, read_in_compute: bool) -> type:
   metadata there. Its own type for filters (``nnx.Cache`` stays one)."""
   if getattr(cls, "_jmp_lab_state", None) is not None:
     cls = cls.__mro__[1]  # called again: from the user's class
+  return _made_state_class(cls, read_in_compute)
+
+
+@functools.lru_cache(maxsize=None)
+def _made_state_class(cls: type, read_in_compute: bool) -> type:
   methods = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
              "set_value": _written_in_stored_dtype(cls),
              "_jmp_lab_state": "cache" if read_in_compute else "state"}
@@ -131,7 +140,8 @@ def _cast_on_read_class(cls: type) -> type:
   # A Param subclass (e.g. nnx.LoRAParam) keeps its type for filters.
   return type(cls.__name__, (cls,), {
       "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-      "get_value": _read_in_compute_dtype(cls), "_jmp_lab_cast_on_read": True})
+      "get_value": _read_in_compute_dtype(cls), "_jmp_lab_cast_on_read": True,
+      "_jmp_lab_stored_class": cls, "_jmp_lab_read_metadata": "compute_dtype"})
 
 
 def _cast_arrays(tree: Any, dtype: Optional[np.dtype]) -> Any:
@@ -160,7 +170,8 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
                   output: Optional[np.dtype],
                   own_dtype: Optional[np.dtype], fp8_delayed: bool = False,
                   reduce_bias: Optional[np.dtype] = None,
-                  attend: Optional[tuple[np.dtype, np.dtype]] = None) -> type:
+                  attend: Optional[tuple[np.dtype, np.dtype]] = None,
+                  cache_dtype: Optional[str] = None) -> type:
   """``base`` whose ``__call__`` runs in ``compute`` (its inputs cast to it
   with ``cast_inputs``) and returns ``output`` (None: as it comes), with the layer's own ``dtype`` set to ``own_dtype``
   for the call; with ``fp8_delayed``, its matmul in fp8 scaled by its
@@ -170,6 +181,7 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
   dtype with the table's gradient summed in the reduce dtype."""
 
   def __call__(self, *args, **kwargs):
+    _police_new_state(self, compute, cache_dtype)
     if not is_tracing():  # the outermost policed call: it runs the engine
       return _under_rules(self, "__call__", compute, args, kwargs)
     args, kwargs = _cast_arrays((args, kwargs), compute if cast_inputs
@@ -253,20 +265,44 @@ def _policed_state(model: nnx.Module, modules: dict, decisions: dict,
   keys into it (``dynamic_update_slice``) sees one dtype. With
   ``cache_dtype="compute"`` the caches are stored in it too."""
   for path, variable in nnx.iter_graph(model):
-    if (not isinstance(variable, nnx.Variable)
-        or isinstance(variable, (nnx.Param, nnx.BatchStat, Fp8State))
-        or not pytrees.is_floating_array(variable.get_raw_value())):
-      continue
-    owner = next(path[:end] for end in range(len(path) - 1, -1, -1)
-                 if path[:end] in modules)
-    compute = decisions[owner].compute_dtype
-    is_cache = isinstance(variable, nnx.Cache) and compute is not None
-    if is_cache and cache_dtype == "compute":
-      variable.set_raw_value(variable.get_raw_value().astype(compute),
-                             _unsafe_bypass_check=True)
-    variable.__class__ = _state_class(type(variable), is_cache)
-    if is_cache:
-      variable.set_metadata(compute_dtype=compute)
+    if _is_module_state(variable):
+      owner = next(path[:end] for end in range(len(path) - 1, -1, -1)
+                   if path[:end] in modules)
+      _police_state_variable(variable, decisions[owner].compute_dtype,
+                             cache_dtype)
+
+
+def _is_module_state(variable: Any) -> bool:
+  """A floating variable a module writes as it runs: a cache, a buffer, a
+  counter (not a param, a batch statistic, fp8 scaling state, or what
+  ``sow`` and ``perturb`` record)."""
+  return (isinstance(variable, nnx.Variable)
+          and not isinstance(variable, (nnx.Param, nnx.BatchStat, Fp8State,
+                                        nnx.Intermediate, nnx.Perturbation))
+          and getattr(type(variable), "_jmp_lab_state", None) is None
+          and pytrees.is_floating_array(variable.get_raw_value()))
+
+
+def _police_state_variable(variable: nnx.Variable,
+                           compute: Optional[np.dtype],
+                           cache_dtype: Optional[str]) -> None:
+  is_cache = isinstance(variable, nnx.Cache) and compute is not None
+  if is_cache and cache_dtype == "compute":
+    variable.set_raw_value(variable.get_raw_value().astype(compute),
+                           _unsafe_bypass_check=True)
+  variable.__class__ = _state_class(type(variable), is_cache)
+  if is_cache:
+    variable.set_metadata(compute_dtype=compute)
+
+
+def _police_new_state(module: nnx.Module, compute: Optional[np.dtype],
+                      cache_dtype: Optional[str]) -> None:
+  """The module's own state variables made after ``with_policy`` (Flax's
+  ``MultiHeadAttention.init_cache`` makes its KV cache when decoding
+  starts) get the same treatment, at the module's next call."""
+  for value in list(vars(module).values()):
+    if _is_module_state(value):
+      _police_state_variable(value, compute, cache_dtype)
 
 
 def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
@@ -286,7 +322,8 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
         base_class(module), decision.compute_dtype, not decision.as_written,
         plan.output_dtype(decision, path == ()),
         _own_dtype(module, plan, decision), mode == "fp8",
-        nnx_layers.bias_reduce_dtype(module, plan, decision, mode), attend)
+        nnx_layers.bias_reduce_dtype(module, plan, decision, mode), attend,
+        cache_dtype)
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention
