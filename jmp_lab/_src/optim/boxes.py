@@ -123,7 +123,7 @@ def wrapped_like_params(state: Any, params: Any) -> Any:
     ...                                        ("embed", "mlp"))}
     >>> state = {"mu": {"w": jnp.zeros((4, 2))}, "count": jnp.zeros(())}
     >>> nn.get_partition_spec(wrapped_like_params(state, params))["mu"]["w"]
-    PartitionSpec('embed', 'mlp')
+    P('embed', 'mlp')
   """
   if not _has_wrappers(params):
     return state
