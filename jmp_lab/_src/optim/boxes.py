@@ -62,10 +62,6 @@ def _is_wrapper(x: Any) -> bool:
   return is_box(x) or is_variable(x)
 
 
-def has_boxes(tree: Any) -> bool:
-  return any(is_box(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_box))
-
-
 def _has_wrappers(tree: Any) -> bool:
   return any(_is_wrapper(x) for x in jax.tree_util.tree_leaves(
       tree, is_leaf=_is_wrapper))
@@ -127,7 +123,7 @@ def wrapped_like_params(state: Any, params: Any) -> Any:
   """
   if not _has_wrappers(params):
     return state
-  values = variable_values(unboxed(params))
+  values = values_of(params)
   treedef = jax.tree_util.tree_structure(values)
   shapes = [np.shape(x) for x in treedef.flatten_up_to(values)]
   if treedef.num_nodes == 1:  # a lone array: nothing tells a subtree apart

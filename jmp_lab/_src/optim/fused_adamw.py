@@ -185,7 +185,7 @@ def _init(spec: FusedSpec, given: Any) -> FusedAdamWState:
   # Variables and updates with their values; linen's may be boxed), then
   # wrapped as the params are, so Flax's layout flows shard it as optax's.
   scaled.warn_if_initialised_by_multisteps("jmp_lab.fused_adamw", fused=True)
-  params = boxes.unboxed(boxes.variable_values(given))
+  params = boxes.values_of(given)
   _checks.check_params(params, spec.policy)
   common = dict(count=jnp.zeros((), jnp.int32),
                 loss_scale=fresh_copy(spec.loss_scale),

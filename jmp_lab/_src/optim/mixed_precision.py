@@ -112,7 +112,7 @@ class MixedPrecisionUpdate(Update):
     # wrapped as the params are, so Flax's layout flows shard it as optax's.
     scaled.warn_if_initialised_by_multisteps("jmp_lab.mixed_precision",
                                              fused=False)
-    params = boxes.unboxed(boxes.variable_values(given))
+    params = boxes.values_of(given)
     _checks.check_params(params, self.policy)
     # The inner transformation sees the fp32 master's trainable leaves.
     master = masters.as_f32(params) if self.master.half_params else params
