@@ -607,9 +607,12 @@ def _feeds_only_the_embedding_scatter(hlo_text: str, name: str) -> bool:
   return bool(readers) and all("scatter" in line for line in readers)
 
 
-def _bf16_gathered_outside_loss(hlo_text: str) -> int:
-  """Bytes of the bf16 operands of the all-gathers outside the loss (XLA
-  combines gathers into one collective of several operands, of several
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f8e4m3fn": 1, "f8e5m2": 1, "s32": 4}
+
+
+def _gathered_outside_loss(hlo_text: str, dtypes=tuple(_BYTES)) -> int:
+  """Bytes of the operands of ``dtypes`` of the all-gathers outside the loss
+  (XLA combines gathers into one collective of several operands, of several
   dtypes, which the compiled report counts as one record), but the
   embedding gradient's. An async gather's operands lead its
   ``((operands), (results))`` type; a synchronous one is counted by its
@@ -625,9 +628,15 @@ def _bf16_gathered_outside_loss(hlo_text: str) -> int:
       shapes = shapes[1:shapes.index(")") + 1]     # the operands' tuple
     elif asynchronous:
       shapes = shapes[:shapes.index("]") + 1]      # (operand, result)
-    for dims in re.findall(r"bf16\[([\d,]*)\]", shapes):
-      total += 2 * int(np.prod([int(d) for d in dims.split(",") if d]))
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shapes):
+      if dtype in dtypes:
+        total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",")
+                                              if d]))
   return total
+
+
+def _bf16_gathered_outside_loss(hlo_text: str) -> int:
+  return _gathered_outside_loss(hlo_text, ("bf16",))
 
 
 @pytest.mark.model_compile
@@ -641,12 +650,14 @@ def test_compiled_for_8_h100s_fp8_weights_are_gathered_in_fp8(config_name):
   under delayed scaling, which gathered the row-parallel layers' inputs in
   bf16 to reduce their amaxes; benchmarks/RESULTS.md, issue 39). No model
   tensor is gathered in bf16 but the norms' scales."""
-  llama7b, bf16 = _compiled_llama("bf16-params")
+  _, bf16 = _compiled_llama("bf16-params")
   _, fp8 = _compiled_llama(config_name)
   assert _bf16_gathered_outside_loss(fp8.report.hlo_text) < 2**16
   assert _bf16_gathered_outside_loss(bf16.report.hlo_text) > 2**26
-  ratio = (sum(llama7b.gathered_outside_loss(fp8.report).values())
-           / sum(llama7b.gathered_outside_loss(bf16.report).values()))
+  # The weights' bytes (jax 0.12 also gathers the embedding's activation
+  # gradient, 67 MB, in both steps: no weight, so not counted).
+  ratio = (_gathered_outside_loss(fp8.report.hlo_text)
+           / _gathered_outside_loss(bf16.report.hlo_text))
   assert ratio <= 0.55, ratio
 
 
