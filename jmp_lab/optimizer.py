@@ -61,5 +61,9 @@ Example::
 
 from jmp_lab._src.optim.mixed_precision import (MixedPrecisionUpdate,
                                                mixed_precision)
+from jmp_lab._src.optim.quantized_adam import (QuantizedAdamState,
+                                               quantized_adamw,
+                                               scale_by_quantized_adam)
 
-__all__ = ["MixedPrecisionUpdate", "mixed_precision"]
+__all__ = ["MixedPrecisionUpdate", "mixed_precision", "QuantizedAdamState",
+           "quantized_adamw", "scale_by_quantized_adam"]

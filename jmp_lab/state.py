@@ -31,8 +31,9 @@ Example::
 from jmp_lab._src.optim.states import (FusedAdamWState, MixedPrecisionState,
                                       current_loss_scale, find_state,
                                       last_step_applied, master_params,
-                                      optimizer_policy, skipped_steps)
+                                      optimizer_policy, QuantizedMoment,
+                                      skipped_steps)
 
 __all__ = ["FusedAdamWState", "MixedPrecisionState", "current_loss_scale",
            "find_state", "last_step_applied", "master_params",
-           "optimizer_policy", "skipped_steps"]
+           "optimizer_policy", "QuantizedMoment", "skipped_steps"]

@@ -391,6 +391,53 @@ def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
     assert leaf.sharding.spec in set(specs.values())
 
 
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_8_bit_moments_update_shards_as_one_device_updates_the_leaves(backend):
+  """8-bit moments sharded like their params (fsdp x tensor, ZeRO-1 on a
+  vector): each device quantizes its own blocks, bit for bit as one device
+  quantizing whole leaves, and the codes and scales stay sharded."""
+  tx = jmp_lab.fused_adamw(1e-2, policy="p=bf16,c=bf16,o=f32",
+                           master="remainder", mu_dtype="int8",
+                           nu_dtype="float8_e4m3fn", backend=backend,
+                           loss_scale=jmp_lab.NoOpLossScale())
+  rng = np.random.default_rng(0)
+  # tensor=2 halves w's last axis to 256: whole blocks on every device.
+  shapes = {"w": (64, 512), "b": (4096,), "w3": (8, 64, 64), "odd": (5, 3)}
+  specs = {"w": P("fsdp", "tensor"), "b": P(("fsdp", "tensor")),
+           "w3": P(None, "fsdp"), "odd": P()}
+  params = {k: jnp.asarray(rng.normal(size=v), jnp.bfloat16)
+            for k, v in shapes.items()}
+  grads = {k: jnp.asarray(rng.normal(size=v) * 1e-3, jnp.bfloat16)
+           for k, v in shapes.items()}
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+  state = tx.init(params)
+  expected = tx.update(grads, state, params)
+  state_layout = jmp_lab.sharding.state_shardings(
+      jmp_lab.TrainState.create(apply_fn=lambda *a: None, params=params, tx=tx,
+                                policy="p=bf16,c=bf16,o=f32"),
+      mesh, None,
+      params_shardings={k: NamedSharding(mesh, v) for k, v in specs.items()}
+  ).opt_state
+  assert state_layout.mu["w"].scales.spec == P("fsdp", "tensor")
+  sharded_state = jax.device_put(state, state_layout)
+  put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, specs[k]))  # noqa: E731
+                      for k, v in tree.items()}
+  update = jax.jit(tx.update, out_shardings=(
+      {k: NamedSharding(mesh, specs[k]) for k in specs}, state_layout))
+  got = update(put(grads), sharded_state, put(params))
+  tree_equal = lambda a, b: jax.tree_util.tree_all(jax.tree_util.tree_map(  # noqa: E731
+      lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+  assert tree_equal(got[0], expected[0])
+  assert tree_equal((got[1].mu, got[1].nu, got[1].master_remainder),
+                    (expected[1].mu, expected[1].nu,
+                     expected[1].master_remainder))
+  codes = got[1].mu["w"].codes
+  assert codes.dtype == jnp.int8 and codes.sharding.spec == P("fsdp", "tensor")
+  assert got[1].nu["w3"].scales.sharding.spec == P(None, "fsdp")
+
+
 # --- in the 2-device session ------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmp_lab.kernels import layout as layout_lib
+from jmp_lab.kernels import quantized
 
 Rules = Sequence[tuple[str, Any]]
 
@@ -211,7 +212,22 @@ def _follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh,
       return NamedSharding(mesh, P())
     return NamedSharding(mesh, _split_spec(shape, mesh.shape[zero1], zero1))
 
-  return jax.tree_util.tree_map_with_path(one, opt_state)
+  def quantized_moment(path, moment):
+    # Codes and scales split alike, the blocks' axis in whole blocks: ZeRO-1
+    # is decided on the scales' shape (blocks, not elements).
+    spec = param_spec(tuple(path), moment.shape)
+    if spec is None:
+      return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()),
+                                    moment)
+    if zero1 is not None:
+      spec = _with_zero1(spec, tuple(np.shape(moment.scales)), mesh, zero1)
+    return quantized.QuantizedMoment(NamedSharding(mesh, spec),
+                                     NamedSharding(mesh, spec))
+
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: (quantized_moment(path, x) if quantized.is_quantized(x)
+                       else one(path, x)),
+      opt_state, is_leaf=quantized.is_quantized)
 
 
 def _has_flat_buffers(opt_state: Any) -> bool:

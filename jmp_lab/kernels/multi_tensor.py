@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jmp_lab.kernels import remainder, rounding
+from jmp_lab.kernels import quantized, remainder, rounding
 from jmp_lab.kernels.reference import (CLIP, FINITE, INV_BIAS1, INV_BIAS2, LR,
                                        SCALE, SEED, AdamWConfig,
                                        Outputs, adamw_elementwise)
@@ -85,7 +85,11 @@ class Segments:
     sizes: elements of each leaf (the kernels see them flattened).
     decays: whether each leaf is weight-decayed.
     first_leaf: the number of this launch's first leaf among all of them
-      (the stochastic-rounding stream of leaf ``i`` is ``first_leaf + i``).
+      (the stochastic-rounding stream of leaf ``i`` is ``first_leaf + i``),
+      unless ``leaf_ids`` names each leaf's number.
+    quant_blocks: for a launch of 8-bit moments, each leaf's block (its
+      operands are then ``(rows, block)`` views; a program handles
+      ``BLOCK // block`` rows, so a block's scale is computed in registers).
     shard_shapes, global_shapes: for shards of leaves, their shapes and the
       whole leaves' (stochastic rounding draws by the index in the whole
       leaf, from a base index the scalars carry after the flags).
@@ -94,12 +98,19 @@ class Segments:
   sizes: tuple[int, ...]
   decays: tuple[bool, ...]
   first_leaf: int = 0
+  leaf_ids: Optional[tuple[int, ...]] = None
+  quant_blocks: Optional[tuple[int, ...]] = None
   # Elements one program handles.
   block: int = BLOCK
   # When the leaves are shards (stochastic rounding under a sharded state):
   # each leaf's shard shape and whole shape; its base index is a scalar slot.
   shard_shapes: Optional[tuple[tuple[int, ...], ...]] = None
   global_shapes: Optional[tuple[tuple[int, ...], ...]] = None
+
+  def leaf_id(self, i: int) -> int:
+    """Leaf ``i``'s number among all leaves (its rounding stream)."""
+    return (self.leaf_ids[i] if self.leaf_ids is not None
+            else self.first_leaf + i)
 
   @property
   def block_starts(self) -> tuple[int, ...]:
@@ -153,10 +164,21 @@ def _for_each_leaf(program, segments: Segments, body: Callable[[int], None]):
 
 
 def _block(program, segments: Segments, i: int):
-  """Leaf ``i``'s slice, mask and element indices for this program."""
+  """Leaf ``i``'s slice, mask and element indices for this program (and
+  the mask of its quantization blocks' rows, or None)."""
+  if segments.quant_blocks is not None:
+    block = segments.quant_blocks[i]
+    rows = BLOCK // block
+    row0 = (program - segments.block_starts[i]) * rows
+    row = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, block), 0)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (rows, block), 1)
+    index = row * block + lane
+    row_mask = row0 + jax.lax.broadcasted_iota(
+        jnp.int32, (rows,), 0) < segments.sizes[i] // block
+    return pl.ds(row0, rows), index < segments.sizes[i], index, row_mask
   offset = (program - segments.block_starts[i]) * BLOCK
   index = offset + jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
-  return pl.ds(offset, BLOCK), index < segments.sizes[i], index
+  return pl.ds(offset, BLOCK), index < segments.sizes[i], index, None
 
 
 def _stats_kernel(segments: Segments, scale_ref, *refs):
@@ -253,22 +275,62 @@ def _leaf_index(scalars_ref, segments: Segments, i: int, index):
                                segments.global_shapes[i], base)
 
 
-def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
+@dataclasses.dataclass(frozen=True)
+class _Groups:
+  """How a launch's leaf operands are grouped: a moment is one group (an
+  array a leaf) or two (8-bit: codes, then scales)."""
+
+  remainder: bool
+  direct: bool
+  extra: bool
+  mu_quantized: bool
+  nu_quantized: bool
+
+  def split(self, groups: list) -> dict:
+    it = iter(groups)
+    take = lambda k: tuple(next(it) for _ in range(k))  # noqa: E731
+    mu_n, nu_n = 1 + self.mu_quantized, 1 + self.nu_quantized
+    named = dict(g=next(it), p=next(it))
+    named["rem"] = next(it) if self.remainder else None
+    named["mu"], named["nu"] = take(mu_n), take(nu_n)
+    named["p_out"] = next(it)          # the remainder out, with one
+    named["mu_out"], named["nu_out"] = take(mu_n), take(nu_n)
+    named["half_out"] = next(it) if self.remainder else None
+    named["extra_out"] = next(it) if self.extra else None
+    return named
+
+
+def _load_moment(config, refs, i, where, mask, row_mask, load, second):
+  """A leaf's moment in fp32 (an 8-bit one dequantized in registers)."""
+  kind = config.nu_quant if second else config.mu_quant
+  if len(refs) == 1:
+    return load(refs[0][i].at[where], mask=mask, other=0)
+  codes = load(refs[0][i].at[where], mask=mask, other=0)
+  scales = load(refs[1][i].at[where], mask=row_mask, other=0)
+  return quantized.dequantize(codes, scales, kind, second)
+
+
+def _store_moment(config, refs, i, where, mask, row_mask, value, store,
+                  second):
+  """A leaf's new moment, quantized in registers when 8-bit."""
+  if len(refs) == 1:
+    store(refs[0][i].at[where], value.astype(refs[0][i].dtype), mask=mask)
+    return
+  kind = config.nu_quant if second else config.mu_quant
+  codes, scales = quantized.quantize(value, kind, second)
+  store(refs[0][i].at[where], codes, mask=mask)
+  store(refs[1][i].at[where], scales, mask=row_mask)
+
+
+def _update_kernel(config: AdamWConfig, segments: Segments, grouping: _Groups,
                    scalars_ref, *refs):
   n = len(segments.sizes)
-  groups = [refs[k * n:(k + 1) * n] for k in range(len(refs) // n)]
-  if config.remainder:
-    # In: g, half, remainder, mu, nu. Out (all aliased): remainder, mu, nu,
-    # half.
-    g, half, rem, mu, nu, rem_out, mu_out, nu_out, half_out = groups
-    extra_out = None
-  elif config.direct:
-    # In: g, half params, mu, nu. Out (all aliased): params, mu, nu.
-    g, p, mu, nu, p_out, mu_out, nu_out = groups
-    extra_out = None
-  else:
-    g, p, mu, nu, p_out, mu_out, nu_out = groups[:7]
-    extra_out = groups[7] if write_extra else None
+  # In: g, p (the half params with a remainder or no master), [remainder],
+  # mu, nu. Out (aliased): p (or the remainder), mu, nu, [half]; then the
+  # extra output (a fresh buffer) when asked.
+  r = grouping.split([refs[k * n:(k + 1) * n]
+                      for k in range(len(refs) // n)])
+  extra_out = r["extra_out"]
   load, store = _masked_io()
   # Read outside pl.when: interpret mode only substitutes the program id at
   # the kernel's top level.
@@ -280,33 +342,34 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
                 for k in (LR, INV_BIAS1, INV_BIAS2, SCALE, CLIP))
 
   def leaf_update(i):
-    where, mask, index = _block(program, segments, i)
+    where, mask, index, row_mask = _block(program, segments, i)
     if config.remainder:
-      p_ = remainder.join(load(half[i].at[where], mask=mask, other=0),
-                          load(rem[i].at[where], mask=mask, other=0))
+      p_ = remainder.join(load(r["p"][i].at[where], mask=mask, other=0),
+                          load(r["rem"][i].at[where], mask=mask, other=0))
     else:
-      p_ = load(p[i].at[where], mask=mask, other=0)
+      p_ = load(r["p"][i].at[where], mask=mask, other=0)
 
     @pl.when(finite)
     def _update():
-      g_, mu_, nu_ = (load(r[i].at[where], mask=mask, other=0)
-                      for r in (g, mu, nu))
-      bits = (rounding.counter_bits(seed, segments.first_leaf + i,
+      g_ = load(r["g"][i].at[where], mask=mask, other=0)
+      mu_, nu_ = (_load_moment(config, r[k], i, where, mask, row_mask, load,
+                               k == "nu") for k in ("mu", "nu"))
+      bits = (rounding.counter_bits(seed, segments.leaf_id(i),
                                     _leaf_index(scalars_ref, segments, i,
                                                 index))
               if config.stochastic else None)
       out = adamw_elementwise(config, g_, p_, mu_, nu_,
                               jnp.bool_(segments.decays[i]), *hyper,
                               bits=bits)
+      for k, value in (("mu_out", out.mu), ("nu_out", out.nu)):
+        _store_moment(config, r[k], i, where, mask, row_mask, value, store,
+                      k == "nu_out")
       if config.remainder:
-        targets = (rem_out, mu_out, nu_out, half_out)
-        values = (remainder.split(out.master)[1],) + tuple(out[1:])
-      elif config.direct:
-        targets, values = (p_out, mu_out, nu_out), out[:3]
+        targets = (r["p_out"], r["half_out"])
+        values = (remainder.split(out.master)[1], out.extra)
       else:
-        targets = (p_out, mu_out, nu_out) + ((extra_out,) if write_extra
-                                             else ())
-        values = out
+        targets = (r["p_out"],) + ((extra_out,) if extra_out else ())
+        values = (out.master, out.extra)
       for target, value in zip(targets, values):
         store(target[i].at[where], value.astype(target[i].dtype), mask=mask)
 
@@ -326,24 +389,45 @@ def _update_kernel(config: AdamWConfig, segments: Segments, write_extra: bool,
 def _launch_update(config: AdamWConfig, segments: Segments, inputs, scalars,
                    *, write_extra: bool, interpret: bool):
   """One launch over ``inputs`` (lists of leaves: g, p, mu, nu; or g, half,
-  remainder, mu, nu). The state's leaves are updated in place."""
+  remainder, mu, nu; an 8-bit moment as two lists, codes and scales). The
+  state's leaves are updated in place."""
   n = len(inputs[0])
+  mu_q, nu_q = (segments.quant_blocks is not None and quantized.is_quantized(
+      group[0]) for group in inputs[-2:])
+  moments = []
+  for group, is_q in zip(inputs[-2:], (mu_q, nu_q)):
+    moments += ([[m.codes for m in group], [m.scales for m in group]]
+                if is_q else [group])
+  inputs = inputs[:-2] + moments
+  extra = write_extra and not (config.remainder or config.direct)
+  grouping = _Groups(config.remainder, config.direct, extra, mu_q, nu_q)
+  leading = 3 if config.remainder else 2      # g, p, [remainder]
   if config.remainder:
-    updated = inputs[2:] + inputs[1:2]     # remainder, mu, nu, half
+    updated = inputs[2:] + inputs[1:2]     # remainder, moments, half
   else:
-    updated = inputs[1:]                   # p, mu, nu
-  out_shape = [jax.ShapeDtypeStruct((x.size,), x.dtype)
-               for group in updated for x in group]
-  if write_extra and not (config.remainder or config.direct):
+    updated = inputs[1:2] + inputs[leading:]  # p, moments
+
+  def view(x, i):
+    """The kernel's view of a leaf operand: flat, or ``(rows, block)``
+    rows for 8-bit moments (scales stay one a row)."""
+    if segments.quant_blocks is None:
+      return x.reshape(-1)
+    block = segments.quant_blocks[i]
+    rows = segments.sizes[i] // block
+    return x.reshape(rows) if x.size == rows else x.reshape(rows, block)
+
+  out_shape = [jax.ShapeDtypeStruct(view(x, i).shape, x.dtype)
+               for group in updated for i, x in enumerate(group)]
+  if extra:
     extra_dtype = (jnp.float32 if config.half_dtype is None
                    else config.half_dtype)
-    out_shape += [jax.ShapeDtypeStruct((size,), extra_dtype)
-                  for size in segments.sizes]
+    out_shape += [jax.ShapeDtypeStruct(view(x, i).shape, extra_dtype)
+                  for i, x in enumerate(inputs[0])]
   position = {id(group): k for k, group in enumerate(inputs)}
   aliases = {1 + position[id(group)] * n + i: k * n + i
              for k, group in enumerate(updated) for i in range(n)}
   return pl.pallas_call(
-      functools.partial(_update_kernel, config, segments, write_extra),
+      functools.partial(_update_kernel, config, segments, grouping),
       out_shape=out_shape,
       grid=(segments.total_blocks,),
       in_specs=[pl.BlockSpec(scalars.shape, lambda i: (0,))]
@@ -353,7 +437,7 @@ def _launch_update(config: AdamWConfig, segments: Segments, inputs, scalars,
       interpret=interpret,
       compiler_params=_compiler_params(interpret),
       name="jmp_lab_multi_tensor_adamw",
-  )(scalars, *[x.reshape(-1) for group in inputs for x in group])
+  )(scalars, *[view(x, i) for group in inputs for i, x in enumerate(group)])
 
 
 def update(config: AdamWConfig, decays: Sequence[bool],
@@ -380,10 +464,12 @@ def update(config: AdamWConfig, decays: Sequence[bool],
   groups = [g, p] + ([remainders] if config.remainder else []) + [mu, nu]
   kinds = 3 if config.direct else (
       4 if (write_extra or config.remainder) else 3)
-  results: list[list[jax.Array]] = [[] for _ in range(kinds)]
-  for chunk in _chunks(len(g)):
-    segments = Segments(tuple(p[i].size for i in chunk),
-                        tuple(bool(decays[i]) for i in chunk), chunk.start)
+  results: list[dict] = [{} for _ in range(kinds)]
+  for chunk in _launches(mu, nu):
+    segments = Segments(
+        tuple(p[i].size for i in chunk),
+        tuple(bool(decays[i]) for i in chunk), leaf_ids=tuple(chunk),
+        quant_blocks=_quant_blocks(mu[chunk[0]], nu[chunk[0]], chunk, mu, nu))
     launch_scalars = scalars
     if index_maps is not None and config.stochastic:
       segments = dataclasses.replace(
@@ -395,16 +481,45 @@ def update(config: AdamWConfig, decays: Sequence[bool],
       slots = 1 << (LEAVES_PER_LAUNCH - 1).bit_length()  # a power of two
       launch_scalars = jnp.concatenate([scalars, jnp.pad(
           bases, (0, slots - bases.shape[0]))])
-    outs = _launch_update(config, segments,
-                          [[group[i] for i in chunk] for group in groups],
-                          launch_scalars, write_extra=write_extra,
-                          interpret=interpret)
+    outs = iter(_launch_update(
+        config, segments, [[group[i] for i in chunk] for group in groups],
+        launch_scalars, write_extra=write_extra, interpret=interpret))
     k = len(chunk)
     for kind in range(kinds):
-      results[kind] += [x.reshape(p[i].shape) for x, i in
-                        zip(outs[kind * k:(kind + 1) * k], chunk)]
-  return Outputs(results[0], results[1], results[2],
-                 results[3] if kinds == 4 else None)
+      like = mu if kind == 1 else (nu if kind == 2 else p)
+      if segments.quant_blocks is not None and quantized.is_quantized(
+          like[chunk[0]]):
+        codes, scales = [next(outs) for _ in range(k)], [
+            next(outs) for _ in range(k)]
+        for i, c, sc in zip(chunk, codes, scales):
+          results[kind][i] = quantized.QuantizedMoment(
+              c.reshape(like[i].codes.shape), sc.reshape(like[i].scales.shape))
+        continue
+      for i in chunk:
+        results[kind][i] = next(outs).reshape(p[i].shape)
+  ordered = [[r[i] for i in range(len(g))] for r in results]
+  return Outputs(ordered[0], ordered[1], ordered[2],
+                 ordered[3] if kinds == 4 else None)
+
+
+def _launches(mu, nu) -> list[list[int]]:
+  """The leaves of each launch: up to ``LEAVES_PER_LAUNCH``, leaves with
+  8-bit moments apart from the others (their kernel views differ)."""
+  by_kind: dict[tuple, list[int]] = {}
+  for i, (m, v) in enumerate(zip(mu, nu)):
+    key = (quantized.is_quantized(m), quantized.is_quantized(v))
+    by_kind.setdefault(key, []).append(i)
+  return [leaves[lo:lo + LEAVES_PER_LAUNCH] for leaves in by_kind.values()
+          for lo in range(0, len(leaves), LEAVES_PER_LAUNCH)]
+
+
+def _quant_blocks(first_mu, first_nu, chunk, mu, nu):
+  """Each leaf's block, when this launch's moments are 8-bit; else None."""
+  if not (quantized.is_quantized(first_mu)
+          or quantized.is_quantized(first_nu)):
+    return None
+  return tuple((mu[i] if quantized.is_quantized(mu[i]) else nu[i]).block
+               for i in chunk)
 
 
 def stats_fn(interpret: bool):

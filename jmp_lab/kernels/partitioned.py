@@ -38,7 +38,7 @@ from jax.experimental.custom_partitioning import (SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmp_lab.kernels import registry, rounding, stats
+from jmp_lab.kernels import quantized, registry, rounding, stats
 from jmp_lab.kernels.reference import Outputs
 
 
@@ -56,6 +56,9 @@ class StepPlan:
     remainders: whether the remainders are an operand.
     result_groups: 3 or 4 lists of leaves in the ``Outputs``.
     stochastic: stochastic rounding (the update needs the shards' places).
+    mu_quantized, nu_quantized: per leaf, whether its moment is 8-bit (a
+      ``QuantizedMoment``: codes like the leaf, and scales whose last axis
+      counts blocks).
   """
 
   run_stats: Callable[[Sequence[jax.Array], jax.Array], tuple]
@@ -65,6 +68,8 @@ class StepPlan:
   remainders: bool
   result_groups: int
   stochastic: bool
+  mu_quantized: tuple[bool, ...] = ()
+  nu_quantized: tuple[bool, ...] = ()
 
 
 def _step(plan: StepPlan, groups, shards, g, p, mu, nu, remainders, scale,
@@ -111,11 +116,20 @@ def _spec_axes(spec: P) -> tuple[str, ...]:
   return tuple(axes)
 
 
+def _like_moments(moments, named):
+  """``named`` (one sharding a leaf) shaped as the moment list: an 8-bit
+  moment's codes and scales both take its leaf's (their ranks agree; a
+  shard of the last axis holds whole blocks)."""
+  return [quantized.QuantizedMoment(n, n) if quantized.is_quantized(m) else n
+          for m, n in zip(moments, named)]
+
+
 def _partition(plan: StepPlan, mesh, arg_shapes, result_shape):
-  _, _, mu, _, remainders, scale, scalar_args = arg_shapes
-  # Each leaf as its first moment is sharded.
+  _, _, mu, nu, remainders, scale, scalar_args = arg_shapes
+  # Each leaf as its first moment (its codes, when 8-bit) is sharded.
   specs = [s.sharding.spec if isinstance(s.sharding, NamedSharding) else P()
-           for s in mu]
+           for s in (m.codes if quantized.is_quantized(m) else m
+                     for m in mu)]
   named = [NamedSharding(mesh, spec) for spec in specs]
   whole = lambda tree: jax.tree_util.tree_map(  # noqa: E731
       lambda _: NamedSharding(mesh, P()), tree)
@@ -123,11 +137,13 @@ def _partition(plan: StepPlan, mesh, arg_shapes, result_shape):
   for i, spec in enumerate(specs):
     by_axes.setdefault(_spec_axes(spec), []).append(i)
   groups = tuple((axes, tuple(leaves)) for axes, leaves in by_axes.items())
-  arg_shardings = (named, named, named, named,
+  arg_shardings = (named, named, _like_moments(mu, named),
+                   _like_moments(nu, named),
                    None if remainders is None else named,
                    whole(scale), whole(scalar_args))
   out, _ = result_shape
-  result_shardings = (Outputs(*[None if kind is None else named
+  result_shardings = (Outputs(*[None if kind is None else
+                                _like_moments(kind, named)
                                 for kind in out]),
                       NamedSharding(mesh, P()))
   shards = tuple((tuple(s.shape), spec) for s, spec in zip(mu, specs))
@@ -143,11 +159,28 @@ def _sharding_rule(plan: StepPlan, mesh, value_types, result_types
   n = plan.leaves
   ranks = [len(t.shape) for t in value_types]
   leaf = lambda i: tuple(f"l{i}d{d}" for d in range(ranks[i]))  # noqa: E731
-  leaf_operands = n * (5 if plan.remainders else 4)
-  operands = [leaf(k % n) for k in range(leaf_operands)]
+
+  def moment(i, is_quantized):
+    # codes as the leaf; scales as the leaf but their own last axis (blocks)
+    if not is_quantized:
+      return [leaf(i)]
+    return [leaf(i), leaf(i)[:-1] + (f"l{i}blocks",)]
+
+  def moments(flags):
+    flags = flags or (False,) * n
+    return [m for i in range(n) for m in moment(i, flags[i])]
+
+  every_leaf = [leaf(i) for i in range(n)]
+  # Operands: g, p, mu, nu, [remainders], then the scalars.
+  operands = every_leaf * 2 + moments(plan.mu_quantized) + moments(
+      plan.nu_quantized) + (every_leaf if plan.remainders else [])
+  leaf_operands = len(operands)
   scalars = [tuple(f"s{k}d{d}" for d in range(rank))
              for k, rank in enumerate(ranks[leaf_operands:])]
-  results = [leaf(k % n) for k in range(plan.result_groups * n)] + [()]
+  # Results: master (or remainders), mu, nu, [extra], the finite flag.
+  results = every_leaf + moments(plan.mu_quantized) + moments(
+      plan.nu_quantized) + (every_leaf if plan.result_groups == 4 else [])
+  results += [()]
   assert len(results) == len(result_types), (len(results), len(result_types))
   replicate = {f for mapping in scalars for f in mapping}
   # Shardy wants the special factors in the order the factors first appear.
@@ -203,6 +236,8 @@ def backend_tree_step(name: str, config, decays, g, p, mu, nu, remainders,
                                flags, write_extra=write_extra,
                                remainders=rem, index_maps=maps)),
       leaves=len(g), remainders=remainders is not None,
+      mu_quantized=tuple(map(quantized.is_quantized, mu)),
+      nu_quantized=tuple(map(quantized.is_quantized, nu)),
       result_groups=4 if (not config.direct and (write_extra
                                                  or config.remainder)) else 3,
       stochastic=config.stochastic)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab.kernels import quantized
 from jmp_lab.kernels import remainder as remainder_lib
 from jmp_lab.kernels.remainder import reachable_half
 from jmp_lab.kernels import rounding
@@ -64,6 +65,11 @@ class AdamWConfig:
   # stochastically (bf16) with jmp_lab.rounding.counter_bits.
   direct: bool = False
   stochastic: bool = False
+  # 8-bit moments (jmp_lab.kernels.quantized): "int8", "float8_e4m3fn" or
+  # None. Leaves whose moment is a QuantizedMoment are dequantized, updated
+  # and quantized again; the others' moments are plain arrays.
+  mu_quant: Optional[str] = None
+  nu_quant: Optional[str] = None
 
 
 class Outputs(NamedTuple):
@@ -160,6 +166,31 @@ def _element_indices(shape, index_map) -> jax.Array:
   return local.reshape(shape)
 
 
+def _moment_in(config: AdamWConfig, moment, second: bool, shaped):
+  """A leaf's moment as the elementwise step takes it: fp32 blocks
+  ``(..., blocks, block)`` for a quantized one, else as stored and
+  ``shaped`` as the leaf's other operands."""
+  if not quantized.is_quantized(moment):
+    return shaped(moment)
+  kind = config.nu_quant if second else config.mu_quant
+  return quantized.load(moment, kind, second)
+
+
+def _moment_out(config: AdamWConfig, value, like, second: bool):
+  """The new moment stored as ``like`` is (quantized, or its dtype)."""
+  if not quantized.is_quantized(like):
+    return value.astype(like.dtype)
+  kind = config.nu_quant if second else config.mu_quant
+  return quantized.store(value, kind, second)
+
+
+def _kept(finite, new, old):
+  """``new`` where the step is finite, else ``old`` (bit for bit, also for
+  a quantized moment's codes and scales)."""
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new,
+                                old)
+
+
 def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
                 write_extra: bool, remainders=None,
                 index_maps=None) -> Outputs:
@@ -172,8 +203,9 @@ def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
   ``counter_bits(flags[SEED], leaf number, element index)``; with
   ``index_maps`` (a ``(global shape, base)`` per leaf, when the leaves are
   shards) the index is the element's in the whole leaf
-  (:func:`jmp_lab.kernels.rounding.global_index`). Moments are stored in the
-  dtype they come in (fp32 or bf16) and computed in fp32.
+  (:func:`jmp_lab.kernels.rounding.global_index`). Moments are stored as
+  they come (fp32, bf16, or a :class:`~jmp_lab.kernels.quantized.
+  QuantizedMoment`) and computed in fp32.
   """
   finite = flags[FINITE] == 1
   leaves = []
@@ -185,25 +217,39 @@ def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
         _element_indices(p_.shape, None if index_maps is None
                          else index_maps[i]))
             if config.stochastic else None)
-    out = adamw_elementwise(config, g_, master, mu_, nu_, jnp.bool_(decay),
-                            hyper[LR], hyper[INV_BIAS1], hyper[INV_BIAS2],
-                            hyper[SCALE], hyper[CLIP], bits=bits)
+    # A quantized leaf runs in its blocks' shape, (..., blocks, block).
+    block = mu_.block if quantized.is_quantized(mu_) else (
+        nu_.block if quantized.is_quantized(nu_) else None)
+    shaped = ((lambda x: x) if block is None  # noqa: E731
+              else (lambda x: quantized.blocked(x, block)))
+    out = adamw_elementwise(
+        config, shaped(g_), shaped(master), _moment_in(config, mu_, False,
+                                                       shaped),
+        _moment_in(config, nu_, True, shaped), jnp.bool_(decay), hyper[LR],
+        hyper[INV_BIAS1], hyper[INV_BIAS2], hyper[SCALE], hyper[CLIP],
+        bits=None if bits is None else shaped(bits))
+    back = lambda x: x if x is None else x.reshape(p_.shape)  # noqa: E731
+    new_mu = _moment_out(config, out.mu if block is None or
+                         quantized.is_quantized(mu_) else back(out.mu),
+                         mu_, False)
+    new_nu = _moment_out(config, out.nu if block is None or
+                         quantized.is_quantized(nu_) else back(out.nu),
+                         nu_, True)
+    new_master, extra = back(out.master), back(out.extra)
     if config.remainder:
-      new = (remainder_lib.split(out.master)[1], out.mu.astype(mu_.dtype),
-             out.nu.astype(nu_.dtype), out.extra)
-      leaves.append([jnp.where(finite, a, b) for a, b in
+      new = (remainder_lib.split(new_master)[1], new_mu, new_nu, extra)
+      leaves.append([_kept(finite, a, b) for a, b in
                      zip(new, (remainders[i], mu_, nu_, p_))])
       continue
     if config.direct:
-      new = (out.master, out.mu.astype(mu_.dtype), out.nu.astype(nu_.dtype))
-      leaves.append([jnp.where(finite, a, b) for a, b in
+      new = (new_master, new_mu, new_nu)
+      leaves.append([_kept(finite, a, b) for a, b in
                      zip(new, (p_, mu_, nu_))] + [None])
       continue
     unchanged_extra = (jnp.zeros_like(p_) if config.half_dtype is None
                        else p_.astype(config.half_dtype))
-    new = (out.master, out.mu.astype(mu_.dtype), out.nu.astype(nu_.dtype),
-           out.extra)
-    leaves.append([jnp.where(finite, a, b) for a, b in
+    new = (new_master, new_mu, new_nu, extra)
+    leaves.append([_kept(finite, a, b) for a, b in
                    zip(new, (p_, mu_, nu_, unchanged_extra))])
   master, mu, nu, extra = (list(x) for x in zip(*leaves)) if leaves else (
       [], [], [], [])

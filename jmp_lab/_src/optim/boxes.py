@@ -30,6 +30,8 @@ import numpy as np
 from flax import nnx
 from flax.core import meta
 
+from jmp_lab.kernels import quantized
+
 
 def is_box(x: Any) -> bool:
   """A Flax partition box (any ``flax.core.meta.AxisMetadata``)."""
@@ -75,6 +77,12 @@ def _rewrapped(wrapper: Any, value: Any) -> Any:
   constructed outside a mesh, but it can be unflattened."""
   if not hasattr(value, "shape") or not _is_wrapper(wrapper):
     return value  # a hole: None, optax.masked's MaskedNode
+  if quantized.is_quantized(value):
+    # Its arrays each wrapped (the scales have the param's rank), the
+    # NamedTuple above them, as optax's states are: NNX rebuilds a
+    # Variable's value, and a NamedTuple inside one comes back a State.
+    return quantized.QuantizedMoment(*(_rewrapped(wrapper, v)
+                                       for v in value))
   rebuilt = jax.tree_util.tree_structure(wrapper).unflatten([value])
   return _as_stored(rebuilt) if is_variable(rebuilt) else rebuilt
 

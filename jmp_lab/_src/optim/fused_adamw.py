@@ -19,7 +19,7 @@ from jmp_lab._src.optim.updates import WritesParams
 from jmp_lab._src.optim.masters import Master
 from jmp_lab._src.optim.states import FusedAdamWState, ParamsSpec
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels import registry
+from jmp_lab.kernels import quantized, registry
 from jmp_lab.kernels.reference import AdamWConfig
 from jmp_lab._src.loss_scale import (LossScale, check_loss_scale,
                                 default_loss_scale, fresh_copy)
@@ -93,8 +93,12 @@ def fused_adamw(
       repeat, and a skipped step draws nothing.
     rounding_seed: the seed of the stochastic-rounding key.
     mu_dtype, nu_dtype: the dtypes Adam's moments are stored in (default
-      fp32; ``jnp.bfloat16`` saves 2 B/param each; tree layout). They are
-      computed in fp32 either way, as optax's ``mu_dtype``.
+      fp32; tree layout for the others). ``jnp.bfloat16`` saves 2 B/param
+      each; ``"int8"`` or ``"float8_e4m3fn"`` store 8-bit codes with an
+      fp32 scale per block of up to 256 elements along the last axis
+      (about 1.02 B/param each: :mod:`jmp_lab.kernels.quantized`; leaves
+      under 4,096 elements keep fp32 moments). They are computed in fp32
+      either way, as optax's ``mu_dtype``.
     shards: ZeRO-1 inside ``shard_map`` (``layout="flat"``, with
       ``axis_name`` an axis of that many devices). The flat buffers are
       padded to split into ``shards`` equal row ranges; shard the state's
@@ -168,6 +172,7 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
   config = AdamWConfig(
       b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
       half_dtype=policy.param_dtype if keeper.half_params else None,
+      mu_quant=quantized.kind_of(mu_dtype), nu_quant=quantized.kind_of(nu_dtype),
       **keeper.kernel_flags())
   return FusedSpec(
       policy=policy, loss_scale=loss_scale, learning_rate=learning_rate,
@@ -314,14 +319,18 @@ def _check_hyperparameters(learning_rate, b1, b2, eps, weight_decay,
 
 
 def _moment_dtype(dtype, name: str) -> np.dtype:
-  """fp32 when None; fp32 or bf16 otherwise."""
+  """fp32 when None; fp32, bf16, int8 or fp8 (e4m3) otherwise (the 8-bit
+  ones block-quantized: :mod:`jmp_lab.kernels.quantized`)."""
   if dtype is None:
     return np.dtype(jnp.float32)
+  kind = quantized.kind_of(dtype)
+  if kind is not None:
+    return np.dtype(jnp.int8 if kind == "int8" else jnp.float8_e4m3fn)
   try:
     parsed = np.dtype(jnp.dtype(dtype))
   except TypeError:
     parsed = None
   if parsed not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
-    raise ValueError(f"{name} must be float32 or bfloat16 (or None for "
-                     f"float32), got {dtype!r}")
+    raise ValueError(f"{name} must be float32, bfloat16, 'int8' or "
+                     f"'float8_e4m3fn' (or None for float32), got {dtype!r}")
   return parsed

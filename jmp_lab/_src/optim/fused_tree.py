@@ -14,7 +14,7 @@ from jmp_lab._src.optim import gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
 from jmp_lab._src.optim.states import FusedAdamWState
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels import partitioned, stats
+from jmp_lab.kernels import partitioned, quantized, stats
 
 
 def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
@@ -31,11 +31,23 @@ def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
       master_params=tree_of(master.copy_of) if master.fp32_copy else None,
       master_remainder=(tree_of(master.remainder_of)
                         if master.mode == "remainder" else None),
-      # zeros_like: a sharded param (NNX's eager sharding) gives moments
-      # sharded as it is, not replicated.
-      mu=tree_of(lambda x: jnp.zeros_like(x, spec.mu_dtype)),
-      nu=tree_of(lambda x: jnp.zeros_like(x, spec.nu_dtype)),
+      mu=tree_of(lambda x: zero_moment(x, spec.mu_dtype, second=False)),
+      nu=tree_of(lambda x: zero_moment(x, spec.nu_dtype, second=True)),
       layout=tree_layout, rounding_key=master.rounding_key(), **common)
+
+
+def zero_moment(param: jax.Array, dtype, *, second: bool) -> Any:
+  """A zero moment for ``param``: an array of ``dtype``, or for an 8-bit
+  dtype a :class:`~jmp_lab.kernels.quantized.QuantizedMoment` (fp32 where
+  the leaf is too small or no block divides it)."""
+  kind = quantized.kind_of(dtype)
+  if kind is None:
+    # zeros_like: a sharded param (NNX's eager sharding) gives moments
+    # sharded as it is, not replicated.
+    return jnp.zeros_like(param, dtype)
+  if not quantized.quantizable(param.shape):
+    return jnp.zeros_like(param, jnp.float32)
+  return quantized.zeros(param.shape, kind, second, like=param)
 
 
 def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,

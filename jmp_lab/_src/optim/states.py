@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from jmp_lab.kernels import remainder
+from jmp_lab.kernels.quantized import QuantizedMoment  # noqa: F401  (re-exported)
 from jmp_lab.kernels import pytrees
 from jmp_lab._src.optim import boxes
 from jmp_lab._src.policy import Policy

@@ -1,0 +1,311 @@
+"""8-bit Adam moments: the maps, both optimizers, every master, skipped
+steps, bytes a parameter, orbax, layouts and frameworks."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import jmp_lab
+from jmp_lab.kernels import quantized
+from jmp_lab.optimizer import quantized_adamw, scale_by_quantized_adam
+
+BF16 = "p=bf16,c=bf16,o=f32"
+KINDS = ["int8", "float8_e4m3fn"]
+
+
+def bits_equal(a, b) -> bool:
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(
+      np.asarray(x).dtype == np.asarray(y).dtype
+      and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+      for x, y in zip(la, lb))
+
+
+def model_params(seed=0, dtype=jnp.bfloat16):
+  """Quantizable leaves (block 256 and block 32), and small ones that keep
+  fp32 moments."""
+  rng = np.random.default_rng(seed)
+  shapes = {"w": (64, 512), "e": (64, 96), "b": (512,), "scale": (96,)}
+  return {k: jnp.asarray(rng.normal(size=v) * 0.05, dtype)
+          for k, v in shapes.items()}
+
+
+def grads_for(params, step, poison=False):
+  def leaf(x):
+    g = jnp.sin(x.astype(jnp.float32) * 40.0 + step) * 10.0 ** (
+        -(jnp.arange(x.size).reshape(x.shape) % 5))  # magnitudes over 1e-4
+    return (g.at[(0,) * x.ndim].set(jnp.inf) if poison else g).astype(x.dtype)
+  return jax.tree_util.tree_map(leaf, params)
+
+
+def run(tx, params, steps, poison_at=()):
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, i, poison):
+    grads = jax.lax.cond(poison, lambda: grads_for(params, i, True),
+                         lambda: grads_for(params, i))
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(steps):
+    params, state = step(params, state, i, i in poison_at)
+  return params, state
+
+
+# --- the maps ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_positive_second_moment_never_dequantizes_to_zero(kind):
+  """``rsqrt(nu)`` would blow the update up: 36 decades in one block (the
+  whole range of normal fp32 values; XLA flushes subnormals to zero)."""
+  nu = jnp.asarray(10.0 ** -np.linspace(0, 36, 256), jnp.float32)[None]
+  codes, scales = quantized.quantize(nu, kind, second=True)
+  back = quantized.dequantize(codes, scales, kind, second=True)
+  assert bool(jnp.all(back > 0))
+  # values under the smallest code are overstated to it, never lost
+  smallest = float(back.min())
+  assert bool(jnp.all(jnp.where(nu < smallest, back == smallest, True)))
+  # and a zero stays zero (a param with no gradient yet)
+  codes, scales = quantized.quantize(jnp.zeros((1, 256)), kind, second=True)
+  assert not bool(jnp.any(quantized.dequantize(codes, scales, kind, True)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("second", [False, True])
+def test_the_maps_keep_values_near_the_block_maximum_within_a_few_percent(
+    kind, second):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(16, 256)).astype(np.float32)
+  x = x * x if second else x
+  codes, scales = quantized.quantize(jnp.asarray(x), kind, second)
+  back = np.asarray(quantized.dequantize(codes, scales, kind, second))
+  big = np.abs(x) > 0.1 * np.abs(x).max(axis=1, keepdims=True)
+  rel = np.abs(back - x)[big] / np.abs(x)[big]
+  # int8's square law: 1/127 of the root's range; fp8: 3 mantissa bits
+  assert np.median(rel) < 0.05 and rel.max() < 0.2
+  assert np.all(np.sign(back[big]) == np.sign(x[big]))
+
+
+def test_leaves_too_small_or_without_a_block_keep_fp32_moments():
+  assert quantized.block_size((64, 512)) == 256
+  assert quantized.block_size((64, 96)) == 32
+  assert quantized.block_size((1000, 50257)) is None
+  assert not quantized.quantizable((96,))          # under 4,096 elements
+  assert not quantized.quantizable((1000, 50257))  # no block divides it
+  state = jmp_lab.fused_adamw(1e-3, policy=BF16, mu_dtype="int8",
+                              nu_dtype="int8").init(model_params())
+  assert isinstance(state.mu["w"], jmp_lab.state.QuantizedMoment)
+  assert state.mu["w"].scales.shape == (64, 2)
+  assert state.nu["e"].scales.shape == (64, 3)
+  assert state.mu["scale"].dtype == jnp.float32
+
+
+# --- bytes a parameter -------------------------------------------------------
+
+
+def bytes_per_param(tx, params) -> float:
+  """Params plus the optimizer state's arrays, per parameter."""
+  state = tx.init(params)
+  total = sum(x.nbytes for x in jax.tree_util.tree_leaves((params, state)))
+  return total / sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+@pytest.mark.parametrize("master,bound", [("none", 4.1), ("remainder", 6.1)])
+def test_adamw_with_8_bit_moments_stores_4_or_6_bytes_a_parameter(master,
+                                                                  bound):
+  """A GPT-2-block-shaped model (768-wide), bf16 params."""
+  rng = np.random.default_rng(0)
+  params = {k: jnp.asarray(rng.normal(size=s), jnp.bfloat16) for k, s in {
+      "attn": (768, 2304), "proj": (768, 768), "fc": (768, 3072),
+      "out": (3072, 768), "ln": (768,), "bias": (3072,)}.items()}
+  rounding = "stochastic" if master == "none" else "nearest"
+  for kind in KINDS:
+    tx = jmp_lab.fused_adamw(1e-3, policy=BF16, master=master,
+                             rounding=rounding, mu_dtype=kind, nu_dtype=kind)
+    measured = bytes_per_param(tx, params)
+    assert bound - 0.1 < measured <= bound, (kind, measured)
+  bf16 = jmp_lab.fused_adamw(1e-3, policy=BF16, master=master,
+                             rounding=rounding, mu_dtype=jnp.bfloat16,
+                             nu_dtype=jnp.bfloat16)
+  assert bytes_per_param(bf16, params) == pytest.approx(bound - 0.1 + 2,
+                                                        abs=0.01)
+
+
+# --- fused_adamw: every backend and master -----------------------------------
+
+
+# Each master with int8, and fp8 with one (interpret mode is slow on CPUs).
+KERNEL_CASES = [
+    ("int8", dict(master="float32")),
+    ("int8", dict(master="remainder")),
+    ("int8", dict(master="none", rounding="stochastic")),
+    ("float8_e4m3fn", dict(master="remainder")),
+]
+
+
+@pytest.mark.parametrize("kind,lean", KERNEL_CASES,
+                         ids=lambda x: x if isinstance(x, str) else x["master"])
+def test_the_pallas_kernel_quantizes_in_registers_as_the_reference(kind,
+                                                                    lean):
+  """The multi-tensor kernel (interpret mode) and XLA's reference agree:
+  one step bit for bit; after six, a code differs where two fusions
+  rounded an fp32 value a ulp apart across a quantization boundary."""
+  params = model_params()
+  outs = {}
+  for backend in ("reference", "interpret"):
+    tx = jmp_lab.fused_adamw(1e-2, policy=BF16, backend=backend,
+                             mu_dtype=kind, nu_dtype=kind, **lean)
+    outs[backend] = [run(tx, params, 1), run(tx, params, 6)]
+  assert bits_equal(outs["reference"][0], outs["interpret"][0])
+  (p_ref, s_ref), (p_int, s_int) = outs["reference"][1], outs["interpret"][1]
+  chex.assert_trees_all_close(
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p_ref),
+      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p_int),
+      atol=2e-3)
+  codes_ref = np.asarray(s_ref.mu["w"].codes, np.float32)
+  codes_int = np.asarray(s_int.mu["w"].codes, np.float32)
+  assert np.mean(codes_ref != codes_int) < 1e-3
+
+
+@pytest.mark.parametrize("backend,kind", [("reference", "int8"),
+                                          ("reference", "float8_e4m3fn"),
+                                          ("interpret", "int8")])
+def test_a_skipped_step_leaves_the_quantized_state_bit_identical(backend,
+                                                                  kind):
+  tx = jmp_lab.fused_adamw(1e-2, policy=BF16, backend=backend,
+                           master="remainder", mu_dtype=kind, nu_dtype=kind,
+                           loss_scale=jmp_lab.DynamicLossScale())
+  params, state = run(tx, model_params(), 3)
+  grads = grads_for(params, 3, poison=True)
+  scaled = jmp_lab.ScaledGradients(grads)
+  _, after = jax.jit(tx.update)(scaled, state, params)
+  assert not bool(after.last_step_applied)
+  assert bits_equal((after.mu, after.nu, after.master_remainder),
+                    (state.mu, state.nu, state.master_remainder))
+
+
+def test_8_bit_moments_need_the_tree_layout_and_known_dtypes():
+  with pytest.raises(ValueError, match="need layout='tree'"):
+    jmp_lab.fused_adamw(1e-3, policy=BF16, layout="flat", mu_dtype="int8")
+  with pytest.raises(ValueError, match=r"mu_dtype must be .*'int8'.*int4"):
+    jmp_lab.fused_adamw(1e-3, policy=BF16, mu_dtype="int4")
+  with pytest.raises(ValueError, match=r"nu_dtype must be 'int8'.*float16"):
+    scale_by_quantized_adam(nu_dtype=jnp.float16)
+
+
+# --- the optax transformation ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_adamw_tracks_optax_adamw(kind):
+  params = model_params(dtype=jnp.float32)
+  want, _ = run(optax.adamw(1e-2, weight_decay=0.1), params, 30)
+  got, state = run(quantized_adamw(1e-2, weight_decay=0.1, mu_dtype=kind,
+                                   nu_dtype=kind), params, 30)
+  moved = jax.tree_util.tree_map(lambda a, b: jnp.abs(a - b), want, params)
+  diff = jax.tree_util.tree_map(lambda a, b: jnp.abs(a - b), want, got)
+  for name in params:  # off by a few percent of how far Adam moved them
+    assert float(jnp.mean(diff[name])) < 0.1 * float(jnp.mean(moved[name]))
+  assert isinstance(state[0].mu["w"], jmp_lab.state.QuantizedMoment)
+
+
+def test_mixed_precision_skips_with_the_codes_untouched():
+  tx = jmp_lab.mixed_precision(quantized_adamw(1e-2), policy=BF16,
+                               loss_scale=jmp_lab.DynamicLossScale())
+  params, state = run(tx, model_params(), 3)
+  scaled = jmp_lab.ScaledGradients(grads_for(params, 3, poison=True))
+  updates, after = jax.jit(tx.update)(scaled, state, params)
+  assert int(after.skipped_steps) == 1
+  assert bits_equal(after.inner_state, state.inner_state)
+  assert not any(bool(jnp.any(u)) for u in jax.tree_util.tree_leaves(updates))
+
+
+# --- orbax, linen, NNX -------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["fused_adamw", "mixed_precision"])
+def test_8_bit_states_survive_an_orbax_round_trip_bit_for_bit(optimizer,
+                                                              tmp_path):
+  if optimizer == "fused_adamw":
+    tx = jmp_lab.fused_adamw(1e-2, policy=BF16, master="none",
+                             rounding="stochastic", mu_dtype="int8",
+                             nu_dtype="float8_e4m3fn")
+  else:
+    tx = jmp_lab.mixed_precision(quantized_adamw(1e-2), policy=BF16,
+                                 master="remainder")
+  params, state = run(tx, model_params(), 4)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", (params, state))
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt",
+                                    target=jax.eval_shape(lambda: (params,
+                                                                   state)))
+  assert bits_equal(restored, (params, state))
+  # and training goes on from the restored state exactly as from the live one
+  assert bits_equal(run_from(tx, *restored), run_from(tx, params, state))
+
+
+def run_from(tx, params, state):
+  grads = grads_for(params, 7)
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(256)(x))
+    return nn.Dense(8)(x)
+
+
+def test_a_linen_model_trains_with_8_bit_moments_through_make_train_step():
+  model = jmp_lab.linen.with_policy(MLP(), BF16)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 32)), jnp.float32)
+  y = jnp.sin(x[:, :8])
+  params = model.init(jax.random.key(0), x)["params"]
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=params, policy=BF16,
+      tx=jmp_lab.fused_adamw(3e-3, policy=BF16, master="remainder",
+                             mu_dtype="int8", nu_dtype="int8"))
+
+  def loss_fn(params, state, batch):
+    out = state.apply_fn({"params": params}, batch[0])
+    return jnp.mean((out - batch[1]) ** 2)
+
+  step = jmp_lab.make_train_step(loss_fn)
+  first = None
+  for _ in range(60):
+    state, metrics = step(state, (x, y))
+    first = float(metrics["loss"]) if first is None else first
+  assert float(metrics["loss"]) < 0.5 * first
+  assert isinstance(state.opt_state.mu["Dense_0"]["kernel"],
+                    jmp_lab.state.QuantizedMoment)
+
+
+def test_an_nnx_model_trains_with_8_bit_moments_in_flax_nnx_optimizer():
+  model = jmp_lab.nnx.with_policy(
+      nnx.Sequential(nnx.Linear(32, 256, rngs=nnx.Rngs(0)), nnx.relu,
+                     nnx.Linear(256, 8, rngs=nnx.Rngs(1))), "mixed_bfloat16")
+  optimizer = nnx.Optimizer(model, jmp_lab.mixed_precision(
+      quantized_adamw(3e-3, mu_dtype="float8_e4m3fn"),
+      policy="mixed_bfloat16"), wrt=nnx.Param)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 32)), jnp.float32)
+  y = jnp.sin(x[:, :8])
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(
+        lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(60)]
+  assert losses[-1] < 0.5 * losses[0]
