@@ -46,7 +46,22 @@ MODES = [
     ("fused: none, stochastic + bf16 mu, nu", True,
      dict(master="none", rounding="stochastic", mu_dtype="bfloat16",
           nu_dtype="bfloat16")),
+    # 8-bit moments (issue 46), block-quantized.
+    ("fused: remainder + int8 mu, nu", True,
+     dict(master="remainder", mu_dtype="int8", nu_dtype="int8")),
+    ("fused: remainder + fp8 mu, nu", True,
+     dict(master="remainder", mu_dtype="float8_e4m3fn",
+          nu_dtype="float8_e4m3fn")),
+    ("fused: none, stochastic + int8 mu, nu", True,
+     dict(master="none", rounding="stochastic", mu_dtype="int8",
+          nu_dtype="int8")),
 ]
+# The char transformer's rows that --eight-bit runs (the moments compared).
+EIGHT_BIT_MODES = ("fp32 master", "fused: fp32 master",
+                   "fused: remainder + bf16 mu, nu",
+                   "fused: remainder + int8 mu, nu",
+                   "fused: remainder + fp8 mu, nu",
+                   "fused: none, stochastic + int8 mu, nu")
 # At the small learning rate: the baseline and the modes without a master.
 SMALL_LR_MODES = ("fp32 master", "none, nearest", "none, stochastic",
                   "fused: none, stochastic + bf16 mu, nu")
@@ -124,11 +139,13 @@ def write_json(path: str, **tables) -> None:
     json.dump({name: plain(rows) for name, rows in tables.items()}, f)
 
 
-def sweep(run, lrs) -> list:
+def sweep(run, lrs, only=None) -> list:
   rows = []
   for lr in lrs:
     modes = MODES if lr == lrs[0] else [m for m in MODES
                                         if m[0] in SMALL_LR_MODES]
+    if only is not None:
+      modes = [m for m in modes if m[0] in only]
     base = None
     for name, fused, lean in modes:
       result = run(fused, lean, lr)
@@ -145,6 +162,9 @@ def main(argv=None):
   parser.add_argument("--digits-epochs", type=int, default=6)
   parser.add_argument("--digits-lrs", default="1e-3,1e-4")
   parser.add_argument("--plot", default=None, help="write the curves here")
+  parser.add_argument("--eight-bit", action="store_true",
+                      help="only the char transformer, at the first lr, "
+                      "with the moment dtypes compared (fp32, bf16, 8-bit)")
   parser.add_argument("--json", default=None,
                       help="write every result and curve here")
   args = parser.parse_args(argv)
@@ -153,7 +173,14 @@ def main(argv=None):
 
   print("char transformer:")
   char_rows = sweep(lambda f, lean, lr: char_run(f, lean, args.char_steps, lr),
-                    char_lrs)
+                    char_lrs[:1] if args.eight_bit else char_lrs,
+                    EIGHT_BIT_MODES if args.eight_bit else None)
+  if args.eight_bit:
+    print(table(f"char transformer: validation loss (nats/char) after "
+                f"{args.char_steps} steps", char_rows, with_accuracy=False))
+    if args.json:
+      write_json(args.json, char=char_rows)
+    return
   print("digits CNN:")
   data = digits_cnn.load_data()
   digits_rows = sweep(

@@ -76,6 +76,10 @@ class Block(nn.Module):
     return x + nn.Dropout(self.dropout, deterministic=not train)(h)
 
 
+# Block-quantized 8-bit moments (jmp_lab.kernels.quantized).
+EIGHT_BIT = ("int8", "float8_e4m3fn")
+
+
 class CharTransformer(nn.Module):
   vocab: int = 256
   width: int = 128
@@ -123,15 +127,21 @@ def make_optimizer(args, policy):
                                loss_scale=loss_scale, max_grad_norm=args.clip,
                                master=args.master, rounding=args.rounding,
                                mu_dtype=args.mu_dtype, nu_dtype=args.nu_dtype)
-  if args.nu_dtype:
+  eight_bit = {args.mu_dtype, args.nu_dtype} & set(EIGHT_BIT)
+  if eight_bit:
+    # 8-bit moments for optax chains: jmp_lab's quantized AdamW.
+    adamw = jmp_lab.optimizer.quantized_adamw(
+        schedule, weight_decay=0.01, mu_dtype=args.mu_dtype or "int8",
+        nu_dtype=args.nu_dtype or "int8")
+  elif args.nu_dtype:
     raise ValueError(
-        f"--nu-dtype {args.nu_dtype} needs --fused: optax.adamw has a "
-        f"mu_dtype but no nu_dtype (optax issue 1552)")
+        f"--nu-dtype {args.nu_dtype} needs --fused or an 8-bit dtype: "
+        f"optax.adamw has a mu_dtype but no nu_dtype (optax issue 1552)")
+  else:
+    adamw = optax.adamw(schedule, weight_decay=0.01, mu_dtype=args.mu_dtype)
   # The wrapper unscales first, so clip_by_global_norm sees true gradients.
   return jmp_lab.mixed_precision(
-      optax.chain(optax.clip_by_global_norm(args.clip),
-                  optax.adamw(schedule, weight_decay=0.01,
-                              mu_dtype=args.mu_dtype)),
+      optax.chain(optax.clip_by_global_norm(args.clip), adamw),
       policy=policy, loss_scale=loss_scale, master=args.master,
       rounding=args.rounding)
 
@@ -178,10 +188,14 @@ def make_parser(description: str, ckpt_dir: str) -> argparse.ArgumentParser:
   parser.add_argument("--rounding", default="nearest",
                       choices=["nearest", "stochastic"],
                       help="rounding of the params with --master none")
-  parser.add_argument("--mu-dtype", default=None, choices=["bfloat16"],
-                      help="dtype of Adam's first moment (optax mu_dtype)")
-  parser.add_argument("--nu-dtype", default=None, choices=["bfloat16"],
-                      help="dtype of Adam's second moment (--fused only)")
+  parser.add_argument("--mu-dtype", default=None,
+                      choices=["bfloat16", *EIGHT_BIT],
+                      help="dtype of Adam's first moment (8-bit: block-"
+                      "quantized)")
+  parser.add_argument("--nu-dtype", default=None,
+                      choices=["bfloat16", *EIGHT_BIT],
+                      help="dtype of Adam's second moment (bfloat16: --fused "
+                      "only)")
   parser.add_argument("--steps", type=int, default=300,
                       help="steps to train in this run; with --resume, steps "
                            "after the checkpoint's (a resumed run of 100 "
