@@ -307,8 +307,11 @@ def test_fused_remainder_trains_in_a_donated_train_state():
     (dict(master="remainder", layout="flat"), r"need layout='tree'"),
     (dict(master="none", layout="flat"), r"master='none'.*need layout='tree'"),
     (dict(rounding="stochastic"), r"rounding='stochastic' needs master='none'"),
-    (dict(mu_dtype=jnp.float16), r"mu_dtype must be float32 or bfloat16.*float16"),
-    (dict(nu_dtype="int8"), r"nu_dtype must be float32 or bfloat16.*'int8'"),
+    (dict(mu_dtype=jnp.float16),
+     r"mu_dtype must be float32, bfloat16, 'int8' or 'float8_e4m3fn'.*float16"),
+    # int8 is a moment dtype since issue 46 (block-quantized); int4 is not
+    (dict(nu_dtype="int4"),
+     r"nu_dtype must be float32, bfloat16, 'int8' or 'float8_e4m3fn'.*'int4'"),
 ])
 def test_fused_bad_master_modes_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
