@@ -329,5 +329,6 @@ def test_the_update_compiled_for_the_h100_moves_its_ideal_bytes_in_place(
   params = quantized_update.gpt2_params(1)
   report, copies = quantized_update.report(params, moment)
   assert copies == 0
+  # (the statistics pass's read of the gradients counted against it too)
   assert report.bytes_accessed <= 1.2 * quantized_update.ideal_bytes(
-      params, moment)
+      params, moment, with_stats=False)
