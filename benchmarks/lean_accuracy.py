@@ -67,7 +67,9 @@ SMALL_LR_MODES = ("fp32 master", "none, nearest", "none, stochastic",
                   "fused: none, stochastic + bf16 mu, nu")
 
 
-def char_run(fused: bool, lean: dict, steps: int, lr: float) -> dict:
+def char_run(fused: bool, lean: dict, steps: int, lr: float,
+             shape: tuple = ()) -> dict:
+  """``shape``: extra flags of the example (``--batch-size``, ...)."""
   flags = []
   for key, value in lean.items():
     flags += [f"--{key.replace('_', '-')}", value]
@@ -75,7 +77,7 @@ def char_run(fused: bool, lean: dict, steps: int, lr: float) -> dict:
     out = char_transformer.main(
         ["--policy", POLICY, "--steps", str(steps), "--lr", str(lr),
          "--ckpt-dir", ckpt, "--ckpt-every", str(10**9), "--no-progress",
-         "--sample-len", "0", "--eval-every", "20"]
+         "--sample-len", "0", "--eval-every", "20", *shape]
         + (["--fused"] if fused else []) + flags)
   curve = out["valid_curve"]
   if not curve or curve[-1][0] != out["step"]:
@@ -162,6 +164,8 @@ def main(argv=None):
   parser.add_argument("--digits-epochs", type=int, default=6)
   parser.add_argument("--digits-lrs", default="1e-3,1e-4")
   parser.add_argument("--plot", default=None, help="write the curves here")
+  parser.add_argument("--char-batch", type=int, default=32)
+  parser.add_argument("--char-seq-len", type=int, default=128)
   parser.add_argument("--eight-bit", action="store_true",
                       help="only the char transformer, at the first lr, "
                       "with the moment dtypes compared (fp32, bf16, 8-bit)")
@@ -172,7 +176,10 @@ def main(argv=None):
   digits_lrs = [float(x) for x in args.digits_lrs.split(",")]
 
   print("char transformer:")
-  char_rows = sweep(lambda f, lean, lr: char_run(f, lean, args.char_steps, lr),
+  shape = ("--batch-size", str(args.char_batch), "--seq-len",
+           str(args.char_seq_len))
+  char_rows = sweep(lambda f, lean, lr: char_run(f, lean, args.char_steps, lr,
+                                                 shape),
                     char_lrs[:1] if args.eight_bit else char_lrs,
                     EIGHT_BIT_MODES if args.eight_bit else None)
   if args.eight_bit:

@@ -58,6 +58,8 @@ NVLINK_BANDWIDTH = 450e9
 FITS_BYTES = 76 * 2**30
 
 _BF16_MOMENTS = dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+# Block-quantized 8-bit moments (jmp_lab.kernels.quantized).
+_INT8_MOMENTS = dict(mu_dtype="int8", nu_dtype="int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +85,17 @@ CONFIGS = (
            dict(master="remainder", **_BF16_MOMENTS)),
     Config("none-sr-m16v16", "p=bf16,c=bf16,o=f32",
            dict(master="none", rounding="stochastic", **_BF16_MOMENTS)),
+    Config("remainder-m8v8", "p=bf16,c=bf16,o=f32",
+           dict(master="remainder", **_INT8_MOMENTS)),
+    Config("none-sr-m8v8", "p=bf16,c=bf16,o=f32",
+           dict(master="none", rounding="stochastic", **_INT8_MOMENTS)),
     Config("fp8-current", "p=bf16,c=bf16,o=f32,matmul=fp8_current", {}),
     Config("fp8-delayed", "p=bf16,c=bf16,o=f32,matmul=fp8", {}),
 )
 
 #: The configurations the default run compiles (the fp8 ones on request).
-DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS if not c.name.startswith("fp8"))
+DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS if not c.name.startswith("fp8")
+                        and "m8v8" not in c.name)
 
 MESHES = ({"fsdp": 8}, {"fsdp": 4, "tensor": 2})
 

@@ -197,9 +197,33 @@ def test_a_skipped_step_leaves_the_quantized_state_bit_identical(backend,
                     (state.mu, state.nu, state.master_remainder))
 
 
-def test_8_bit_moments_need_the_tree_layout_and_known_dtypes():
-  with pytest.raises(ValueError, match="need layout='tree'"):
-    jmp_lab.fused_adamw(1e-3, policy=BF16, layout="flat", mu_dtype="int8")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_flat_layout_quantizes_a_row_a_block_as_the_reference(kind):
+  """``layout="flat"``: a row of 256 lanes is a block. The Pallas kernel
+  (interpret mode) and the reference agree bit for bit on a step, a skipped
+  step keeps the codes, and the buffers are 1 B + a scale a row."""
+  params = model_params()
+  outs = {}
+  for backend in ("reference", "interpret"):
+    tx = jmp_lab.fused_adamw(1e-2, policy=BF16, backend=backend,
+                             layout="flat", mu_dtype=kind, nu_dtype=kind)
+    outs[backend] = run(tx, params, 2, poison_at=(1,))
+  assert bits_equal(outs["reference"], outs["interpret"])
+  state = outs["reference"][1]
+  assert int(state.skipped_steps) == 1
+  rows = state.mu.codes.shape[0]
+  assert state.mu.codes.shape == (rows, 256) and state.mu.scales.shape == (
+      rows, 1)
+
+
+def test_8_bit_moments_are_refused_where_no_kernel_has_them():
+  with pytest.raises(ValueError, match="nu_dtype=int8 need layout='tree'"):
+    jmp_lab.fused_adamw(1e-3, policy=BF16, layout="flat", master="remainder",
+                        nu_dtype="int8")
+  if "mosaic" in jmp_lab.kernels.available_backends():
+    with pytest.raises(ValueError, match="no 'mosaic' kernel"):
+      jmp_lab.fused_adamw(1e-3, policy=BF16, layout="flat", backend="mosaic",
+                          mu_dtype="int8")
   with pytest.raises(ValueError, match=r"mu_dtype must be .*'int8'.*int4"):
     jmp_lab.fused_adamw(1e-3, policy=BF16, mu_dtype="int4")
   with pytest.raises(ValueError, match=r"nu_dtype must be 'int8'.*float16"):

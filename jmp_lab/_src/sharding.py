@@ -216,9 +216,8 @@ def _follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh,
     # Codes and scales split alike, the blocks' axis in whole blocks: ZeRO-1
     # is decided on the scales' shape (blocks, not elements).
     spec = param_spec(tuple(path), moment.shape)
-    if spec is None:
-      return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()),
-                                    moment)
+    if spec is None:  # the flat layout's buffers: rows split alike
+      return quantized.QuantizedMoment(*(one(path, x) for x in moment))
     if zero1 is not None:
       spec = _with_zero1(spec, tuple(np.shape(moment.scales)), mesh, zero1)
     return quantized.QuantizedMoment(NamedSharding(mesh, spec),

@@ -144,14 +144,26 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
   the old half copy, or a zero update).
   """
   decays = element_indices(p.shape, 0) < flags[DECAY_BOUNDARY]
-  out = adamw_elementwise(config, g, p, mu, nu, decays, hyper[LR],
-                          hyper[INV_BIAS1], hyper[INV_BIAS2], hyper[SCALE],
-                          hyper[CLIP])
+  # 8-bit moments: a block a row, so the rows' (rows, 1, 256) view.
+  rows = (lambda x: x) if not (quantized.is_quantized(mu) or  # noqa: E731
+                               quantized.is_quantized(nu)) else (
+      lambda x: x.reshape(x.shape[0], 1, -1))
+  out = adamw_elementwise(config, rows(g), rows(p),
+                          _moment_in(config, mu, False, rows),
+                          _moment_in(config, nu, True, rows), rows(decays),
+                          hyper[LR], hyper[INV_BIAS1], hyper[INV_BIAS2],
+                          hyper[SCALE], hyper[CLIP])
+  back = lambda x: x.reshape(p.shape)  # noqa: E731
+  new_mu = _moment_out(config, out.mu if quantized.is_quantized(mu)
+                       else back(out.mu), mu, False)
+  new_nu = _moment_out(config, out.nu if quantized.is_quantized(nu)
+                       else back(out.nu), nu, True)
   finite = flags[FINITE] == 1
   unchanged_extra = (jnp.zeros_like(p) if config.half_dtype is None
                      else p.astype(config.half_dtype))
-  return Outputs(*(jnp.where(finite, new, old) for new, old in
-                   zip(out, (p, mu, nu, unchanged_extra))))
+  return Outputs(*(_kept(finite, new, old) for new, old in
+                   zip((back(out.master), new_mu, new_nu, back(out.extra)),
+                       (p, mu, nu, unchanged_extra))))
 
 
 tree_grad_stats = stats.grad_stats

@@ -93,12 +93,15 @@ def fused_adamw(
       repeat, and a skipped step draws nothing.
     rounding_seed: the seed of the stochastic-rounding key.
     mu_dtype, nu_dtype: the dtypes Adam's moments are stored in (default
-      fp32; tree layout for the others). ``jnp.bfloat16`` saves 2 B/param
-      each; ``"int8"`` or ``"float8_e4m3fn"`` store 8-bit codes with an
-      fp32 scale per block of up to 256 elements along the last axis
-      (about 1.02 B/param each: :mod:`jmp_lab.kernels.quantized`; leaves
-      under 4,096 elements keep fp32 moments). They are computed in fp32
-      either way, as optax's ``mu_dtype``.
+      fp32). ``jnp.bfloat16`` saves 2 B/param each (tree layout);
+      ``"int8"`` or ``"float8_e4m3fn"`` store 8-bit codes with an fp32
+      scale per block (about 1.02 B/param each:
+      :mod:`jmp_lab.kernels.quantized`): in the tree layout, blocks of up
+      to 256 elements along each leaf's last axis, leaves under 4,096
+      elements keeping fp32 moments; in the flat layout, a row of the
+      buffers (256 elements, which may span leaves). They are computed in
+      fp32 either way, as optax's ``mu_dtype``; the Mosaic kernel has no
+      8-bit moments.
     shards: ZeRO-1 inside ``shard_map`` (``layout="flat"``, with
       ``axis_name`` an axis of that many devices). The flat buffers are
       padded to split into ``shards`` equal row ranges; shard the state's
@@ -114,8 +117,8 @@ def fused_adamw(
 
   Raises:
     ValueError: for an unknown backend, layout, master or rounding mode,
-      ``backend="mosaic"`` with ``layout="tree"``, a lean mode or bf16
-      moments with ``layout="flat"``, ``shards`` that is not an int >= 1 or
+      ``backend="mosaic"`` with ``layout="tree"`` or 8-bit moments, a lean
+      mode or bf16 moments with ``layout="flat"``, ``shards`` that is not an int >= 1 or
       lacks ``layout="flat"`` and an ``axis_name``, or an out-of-range
       hyperparameter.
 
@@ -164,11 +167,20 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
         f"{layout!r}, axis_name={axis_name!r}, backend={backend!r}")
   mu_dtype, nu_dtype = (_moment_dtype(d, name) for d, name in
                         ((mu_dtype, "mu_dtype"), (nu_dtype, "nu_dtype")))
-  if layout == "flat" and (master != "float32" or mu_dtype != jnp.float32
-                           or nu_dtype != jnp.float32):
+  flat_moments = (np.dtype(jnp.float32), np.dtype(jnp.int8),
+                  np.dtype(jnp.float8_e4m3fn))
+  if layout == "flat" and (master != "float32" or mu_dtype not in flat_moments
+                           or nu_dtype not in flat_moments):
     raise ValueError(
-        f"master={master!r}, mu_dtype and nu_dtype other than float32 need "
-        f"layout='tree'; the flat buffers are an fp32 master and moments")
+        f"master={master!r}, mu_dtype={mu_dtype.name}, nu_dtype="
+        f"{nu_dtype.name} need layout='tree'; the flat buffers are an fp32 "
+        f"master and fp32 or 8-bit moments")
+  if backend == "mosaic" and (quantized.kind_of(mu_dtype)
+                              or quantized.kind_of(nu_dtype)):
+    raise ValueError(
+        "8-bit moments (mu_dtype, nu_dtype 'int8' or 'float8_e4m3fn') have "
+        "no 'mosaic' kernel; use backend 'auto', 'triton', 'interpret' or "
+        "'reference'")
   config = AdamWConfig(
       b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
       half_dtype=policy.param_dtype if keeper.half_params else None,

@@ -14,7 +14,7 @@ from jmp_lab._src.optim import gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
 from jmp_lab._src.optim.states import FusedAdamWState, find_state
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels import registry, stats
+from jmp_lab.kernels import quantized, registry, stats
 
 
 def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
@@ -23,11 +23,21 @@ def init(spec: FusedSpec, params: Any, common: dict) -> FusedAdamWState:
                                     spec.policy.param_dtype, spec.shards)
   # Two separate buffers: one array for both moments would make a donated
   # state donate the same buffer twice.
-  zeros = lambda: jnp.zeros((buffers.rows, flat_layout.LANES), jnp.float32)  # noqa: E731
+  shape = (buffers.rows, flat_layout.LANES)
+
+  def zeros(dtype, second):
+    # 8-bit: a block is a row of 256 lanes, so ZeRO-1's row ranges never
+    # split one.
+    kind = quantized.kind_of(dtype)
+    if kind is None:
+      return jnp.zeros(shape, jnp.float32)
+    return quantized.zeros(shape, kind, second)
+
   return FusedAdamWState(
       master_params=(flat_layout.pack(buffers, params, jnp.float32)
                      if spec.master.fp32_copy else None),
-      mu=zeros(), nu=zeros(), layout=buffers, **common)
+      mu=zeros(spec.mu_dtype, False), nu=zeros(spec.nu_dtype, True),
+      layout=buffers, **common)
 
 
 def is_flat(layout: flat_layout.FlatLayout, params: Any) -> bool:
