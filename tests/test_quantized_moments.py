@@ -343,7 +343,7 @@ def test_an_nnx_model_trains_with_8_bit_moments_in_flax_nnx_optimizer():
 # --- compiled for the H100 ---------------------------------------------------
 
 
-@pytest.mark.parametrize("moment", ["bfloat16", "int8"])
+@pytest.mark.parametrize("moment", ["bfloat16", "int8", "float8_e4m3fn"])
 def test_the_update_compiled_for_the_h100_moves_its_ideal_bytes_in_place(
     moment):
   """One GPT-2-small layer plus its embeddings: the update moves at most
@@ -356,3 +356,21 @@ def test_the_update_compiled_for_the_h100_moves_its_ideal_bytes_in_place(
   # (the statistics pass's read of the gradients counted against it too)
   assert report.bytes_accessed <= 1.2 * quantized_update.ideal_bytes(
       params, moment, with_stats=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_flat_kernel_with_8_bit_moments_compiles_for_the_h100(kind):
+  """The flat layout's Triton kernel, compiled for sm_90a: in place (no
+  moment copied), no register spills (``compiled_report`` fails on one)."""
+  from jmp_lab.diagnostics import compiled_report  # pylint: disable=import-outside-toplevel
+  params = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_params())
+  tx = jmp_lab.fused_adamw(1e-3, policy=BF16, layout="flat",
+                           backend="triton", mu_dtype=kind, nu_dtype=kind)
+  state = jax.eval_shape(tx.init, params)
+  report = compiled_report(lambda g, p, s: tx.update.new_params(g, s, p),
+                           params, params, state, donate_argnums=(1, 2))
+  assert [k.name for k in report.pallas_kernels] == ["jmp_lab_fused_adamw"]
+  assert " copy(" not in "\n".join(
+      line for line in report.hlo_text.splitlines()
+      if "s8[" in line or "u8[" in line or "f8e4m3fn[" in line)

@@ -305,8 +305,10 @@ def _load_moment(config, refs, i, where, mask, row_mask, load, second):
   kind = config.nu_quant if second else config.mu_quant
   if len(refs) == 1:
     return load(refs[0][i].at[where], mask=mask, other=0)
-  codes = load(refs[0][i].at[where], mask=mask, other=0)
-  scales = load(refs[1][i].at[where], mask=row_mask, other=0)
+  # (A float zero for fp8 codes: Triton cannot cast an integer fill to fp8.)
+  fill = 0 if jnp.issubdtype(refs[0][i].dtype, jnp.integer) else 0.0
+  codes = load(refs[0][i].at[where], mask=mask, other=fill)
+  scales = load(refs[1][i].at[where], mask=row_mask, other=0.0)
   return quantized.dequantize(codes, scales, kind, second)
 
 
