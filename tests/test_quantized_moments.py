@@ -374,3 +374,30 @@ def test_the_flat_kernel_with_8_bit_moments_compiles_for_the_h100(kind):
   assert " copy(" not in "\n".join(
       line for line in report.hlo_text.splitlines()
       if "s8[" in line or "u8[" in line or "f8e4m3fn[" in line)
+
+
+def test_jmp_lab_nnx_optimizer_trains_fused_8_bit_moments_laid_out_as_params():
+  """``jmp_lab.nnx.Optimizer`` with ``fused_adamw`` 8-bit moments under
+  NNX's eager sharding (``jax.set_mesh``): ``nnx_optimizer_shardings`` lays
+  each codes and scales array out as its param, and it trains (``"auto"``
+  runs the reference for arrays sharded in their type: tracing the kernel
+  there failed, with fp32 moments too)."""
+  mesh = jax.make_mesh((2,), ("fsdp",))
+  with jax.set_mesh(mesh):
+    model = jmp_lab.nnx.with_policy(nnx.Sequential(
+        nnx.Linear(32, 256, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), ("fsdp", None))),
+        nnx.relu, nnx.Linear(256, 8, rngs=nnx.Rngs(1))), BF16)
+    optimizer = jmp_lab.nnx.Optimizer(model, jmp_lab.fused_adamw(
+        3e-3, policy=BF16, master="remainder", mu_dtype="int8",
+        nu_dtype="float8_e4m3fn"), wrt=nnx.Param)
+  shardings = jmp_lab.sharding.nnx_optimizer_shardings(model, optimizer, mesh)
+  mu = shardings["opt_state"]["mu"]["layers"][0]["kernel"]
+  assert mu.codes.spec[0] == "fsdp" and mu.scales.spec == mu.codes.spec
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 32)), jnp.float32)
+  y = jnp.sin(x[:, :8])
+  step = jmp_lab.nnx.make_train_step(
+      lambda m, batch: jnp.mean((m(batch[0]) - batch[1]) ** 2))
+  with jax.set_mesh(mesh):
+    losses = [float(step(model, optimizer, (x, y))["loss"]) for _ in range(60)]
+  assert losses[-1] < 0.5 * losses[0]

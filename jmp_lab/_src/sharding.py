@@ -201,8 +201,27 @@ def _follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh,
         return spec
     return None
 
+  def quantized_part(path, shape) -> Optional[P]:
+    """An 8-bit moment's codes or scales (a ``QuantizedMoment``, or the
+    State NNX makes of one) take their param's spec, with ZeRO-1 decided
+    on the blocks' shape, so both split alike and in whole blocks."""
+    if not path or _key_name(path[-1]) not in quantized.QuantizedMoment._fields:
+      return None
+    for start in range(len(path)):
+      param_shape, spec = by_path.get(tuple(path[start:-1]), (None, None))
+      block = quantized.block_size(param_shape) if param_shape else None
+      if block and len(param_shape) == len(shape) and (
+          param_shape[:-1] == shape[:-1]):
+        blocks_shape = param_shape[:-1] + (param_shape[-1] // block,)
+        return spec if zero1 is None else _with_zero1(spec, blocks_shape,
+                                                       mesh, zero1)
+    return None
+
   def one(path, x):
     shape = tuple(np.shape(x))
+    spec = quantized_part(tuple(path), shape)
+    if spec is not None:
+      return NamedSharding(mesh, spec)
     spec = param_spec(tuple(path), shape)
     if spec is not None:
       if zero1 is not None:
@@ -212,21 +231,12 @@ def _follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh,
       return NamedSharding(mesh, P())
     return NamedSharding(mesh, _split_spec(shape, mesh.shape[zero1], zero1))
 
-  def quantized_moment(path, moment):
-    # Codes and scales split alike, the blocks' axis in whole blocks: ZeRO-1
-    # is decided on the scales' shape (blocks, not elements).
-    spec = param_spec(tuple(path), moment.shape)
-    if spec is None:  # the flat layout's buffers: rows split alike
-      return quantized.QuantizedMoment(*(one(path, x) for x in moment))
-    if zero1 is not None:
-      spec = _with_zero1(spec, tuple(np.shape(moment.scales)), mesh, zero1)
-    return quantized.QuantizedMoment(NamedSharding(mesh, spec),
-                                     NamedSharding(mesh, spec))
+  return jax.tree_util.tree_map_with_path(one, opt_state)
 
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: (quantized_moment(path, x) if quantized.is_quantized(x)
-                       else one(path, x)),
-      opt_state, is_leaf=quantized.is_quantized)
+
+def _key_name(key: Any) -> Any:
+  """The name in a path entry (a dict key, an attribute)."""
+  return getattr(key, "name", getattr(key, "key", None))
 
 
 def _has_flat_buffers(opt_state: Any) -> bool:

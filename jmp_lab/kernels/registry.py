@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import jax
 
 from jmp_lab import _compat as compat
+from jmp_lab.kernels import mesh as mesh_lib
 from jmp_lab.kernels import platform
 
 logger = logging.getLogger("jmp_lab")
@@ -108,7 +109,17 @@ def for_cuda(layout: str = "flat") -> str:
 
 def _on_cuda_else_reference(name: str, layout: str, run: Callable, *args):
   """``run(backend, *args)`` with ``name``, ``"auto"`` resolved by the
-  platform the step is compiled for."""
+  platform the step is compiled for.
+
+  ``"auto"`` with arrays sharded in their type (a mesh with explicit axes,
+  as NNX's eager sharding under ``jax.set_mesh`` makes them) runs the
+  reference, which XLA partitions: a Pallas ref cannot be sliced along a
+  sharded axis, so the kernel could not even be traced there."""
+  if name == "auto" and any(mesh_lib.explicitly_sharded(x)
+                            for x in jax.tree_util.tree_leaves(args)):
+    logger.info("jmp_lab %s update: the reference, for arrays sharded in "
+                "their type", layout)
+    return run(BACKENDS["reference"], *args)
   if name != "auto":
     return run(BACKENDS[name], *args)
   chosen = BACKENDS[for_cuda(layout)]
