@@ -161,14 +161,14 @@ KERNEL_CASES = [
 def test_the_pallas_kernel_quantizes_in_registers_as_the_reference(kind,
                                                                     lean):
   """The multi-tensor kernel (interpret mode) and XLA's reference agree:
-  one step bit for bit; after six, a code differs where two fusions
+  one step bit for bit; after four, a code differs where two fusions
   rounded an fp32 value a ulp apart across a quantization boundary."""
   params = model_params()
   outs = {}
   for backend in ("reference", "interpret"):
     tx = jmp_lab.fused_adamw(1e-2, policy=BF16, backend=backend,
                              mu_dtype=kind, nu_dtype=kind, **lean)
-    outs[backend] = [run(tx, params, 1), run(tx, params, 6)]
+    outs[backend] = [run(tx, params, 1), run(tx, params, 4)]
   assert bits_equal(outs["reference"][0], outs["interpret"][0])
   (p_ref, s_ref), (p_int, s_int) = outs["reference"][1], outs["interpret"][1]
   chex.assert_trees_all_close(
