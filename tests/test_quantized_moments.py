@@ -160,24 +160,31 @@ KERNEL_CASES = [
                          ids=lambda x: x if isinstance(x, str) else x["master"])
 def test_the_pallas_kernel_quantizes_in_registers_as_the_reference(kind,
                                                                     lean):
-  """The multi-tensor kernel (interpret mode) and XLA's reference agree:
-  one step bit for bit; after four, a code differs where two fusions
-  rounded an fp32 value a ulp apart across a quantization boundary."""
+  """The multi-tensor kernel (interpret mode) and XLA's reference agree, but
+  for a code here and there: where two fusions round an fp32 value a ulp
+  apart (an FMA contracted in one and not the other) across a quantization
+  boundary, the codes differ by one."""
   params = model_params()
   outs = {}
   for backend in ("reference", "interpret"):
     tx = jmp_lab.fused_adamw(1e-2, policy=BF16, backend=backend,
                              mu_dtype=kind, nu_dtype=kind, **lean)
-    outs[backend] = [run(tx, params, 1), run(tx, params, 4)]
-  assert bits_equal(outs["reference"][0], outs["interpret"][0])
-  (p_ref, s_ref), (p_int, s_int) = outs["reference"][1], outs["interpret"][1]
-  chex.assert_trees_all_close(
-      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p_ref),
-      jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p_int),
-      atol=2e-3)
-  codes_ref = np.asarray(s_ref.mu["w"].codes, np.float32)
-  codes_int = np.asarray(s_int.mu["w"].codes, np.float32)
-  assert np.mean(codes_ref != codes_int) < 1e-3
+    outs[backend] = run(tx, params, 4)
+  assert_backends_agree(outs["reference"], outs["interpret"])
+
+
+def assert_backends_agree(a, b):
+  """Params within a bf16 step or two; under 0.1% of codes apart."""
+  (p_a, s_a), (p_b, s_b) = a, b
+  f32 = lambda t: jax.tree_util.tree_map(  # noqa: E731
+      lambda x: jnp.asarray(x, jnp.float32), t)
+  chex.assert_trees_all_close(f32(p_a), f32(p_b), atol=2e-3)
+  for m_a, m_b in zip(jax.tree_util.tree_leaves((s_a.mu, s_a.nu)),
+                      jax.tree_util.tree_leaves((s_b.mu, s_b.nu))):
+    assert m_a.dtype == m_b.dtype
+    if m_a.dtype.itemsize == 1:  # codes
+      apart = np.asarray(m_a, np.float32) != np.asarray(m_b, np.float32)
+      assert np.mean(apart) < 1e-3
 
 
 @pytest.mark.parametrize("backend,kind", [("reference", "int8"),
@@ -200,15 +207,15 @@ def test_a_skipped_step_leaves_the_quantized_state_bit_identical(backend,
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_flat_layout_quantizes_a_row_a_block_as_the_reference(kind):
   """``layout="flat"``: a row of 256 lanes is a block. The Pallas kernel
-  (interpret mode) and the reference agree bit for bit on a step, a skipped
-  step keeps the codes, and the buffers are 1 B + a scale a row."""
+  (interpret mode) and the reference agree (as above), a skipped step
+  counts, and the buffers are 1 B + a scale a row."""
   params = model_params()
   outs = {}
   for backend in ("reference", "interpret"):
     tx = jmp_lab.fused_adamw(1e-2, policy=BF16, backend=backend,
                              layout="flat", mu_dtype=kind, nu_dtype=kind)
-    outs[backend] = run(tx, params, 2, poison_at=(1,))
-  assert bits_equal(outs["reference"], outs["interpret"])
+    outs[backend] = run(tx, params, 3, poison_at=(1,))
+  assert_backends_agree(outs["reference"], outs["interpret"])
   state = outs["reference"][1]
   assert int(state.skipped_steps) == 1
   rows = state.mu.codes.shape[0]
