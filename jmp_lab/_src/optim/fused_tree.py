@@ -14,6 +14,7 @@ from jmp_lab._src.optim import gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
 from jmp_lab._src.optim.states import FusedAdamWState
 from jmp_lab.kernels import layout as flat_layout
+from jmp_lab.kernels import mesh as mesh_lib
 from jmp_lab.kernels import partitioned, quantized, stats
 
 
@@ -88,12 +89,16 @@ def step(spec: FusedSpec, grads: Any, state: FusedAdamWState, params: Any,
             jnp.stack(flags), finite)
 
   # One op XLA can partition leaf by leaf (ZeRO-1 under jit); inside
-  # shard_map the plain program.
+  # shard_map, or for arrays sharded in their type (explicit mesh axes, where
+  # "auto" runs the reference, which XLA partitions itself), the plain
+  # program.
+  explicit = any(mesh_lib.explicitly_sharded(x) for x in p)
   out, finite = partitioned.backend_tree_step(
       spec.tree_backend, config, tree_layout.trainable_decays, g, p,
       tree_layout.leaves(state.mu), tree_layout.leaves(state.nu), remainders,
       scale, scalars, (state.count, scale, state.rounding_key, extra_flags),
-      write_extra=write_extra, partitionable=spec.axis_name is None)
+      write_extra=write_extra,
+      partitionable=spec.axis_name is None and not explicit)
   mu, nu = tree_layout.tree(out.mu), tree_layout.tree(out.nu)
   if config.remainder:  # outputs: remainders, mu, nu, params
     return out, spec.next_state(state, finite, None, mu, nu,
