@@ -337,6 +337,22 @@ def test_the_maxtext_style_example_trains_on_8_devices(tmp_path):
   assert out["losses"][-1] < out["losses"][0] - 0.5
 
 
+def tree_equal(a, b) -> bool:
+  """Whether two trees hold equal arrays, leaf by leaf."""
+  return jax.tree_util.tree_all(jax.tree_util.tree_map(
+      lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+
+
+def sharded_update(tx, specs, mesh, state_layout, state, grads, params):
+  """``tx.update`` jitted with the state and the params laid out on
+  ``mesh`` (``specs``: a PartitionSpec per param)."""
+  put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, specs[k]))  # noqa: E731
+                      for k, v in tree.items()}
+  update = jax.jit(tx.update, out_shardings=(
+      {k: NamedSharding(mesh, specs[k]) for k in specs}, state_layout))
+  return update(put(grads), jax.device_put(state, state_layout), put(params))
+
+
 @pytest.mark.eight_devices
 @eight_devices
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
@@ -365,9 +381,6 @@ def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
   state = tx.init(params)
   expected = tx.update(grads, state, params)
 
-  def put(tree):
-    return {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
-            for k, v in tree.items()}
   state_layout = jax.tree_util.tree_map(
       lambda x: NamedSharding(mesh, P()), state)
   state_layout = state_layout._replace(
@@ -375,12 +388,7 @@ def test_every_master_mode_updates_shards_as_one_device_updates_the_leaves(
       nu={k: NamedSharding(mesh, specs[k]) for k in specs},
       master_remainder=(None if state.master_remainder is None else
                         {k: NamedSharding(mesh, specs[k]) for k in specs}))
-  sharded_state = jax.device_put(state, state_layout)
-  update = jax.jit(tx.update, out_shardings=(
-      {k: NamedSharding(mesh, specs[k]) for k in specs}, state_layout))
-  got = update(put(grads), sharded_state, put(params))
-  tree_equal = lambda a, b: jax.tree_util.tree_all(jax.tree_util.tree_map(  # noqa: E731
-      lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+  got = sharded_update(tx, specs, mesh, state_layout, state, grads, params)
   assert tree_equal(got[0], expected[0])
   assert tree_equal(got[1].mu, expected[1].mu)
   assert tree_equal(got[1].nu, expected[1].nu)
@@ -421,14 +429,7 @@ def test_8_bit_moments_update_shards_as_one_device_updates_the_leaves(backend):
       params_shardings={k: NamedSharding(mesh, v) for k, v in specs.items()}
   ).opt_state
   assert state_layout.mu["w"].scales.spec == P("fsdp", "tensor")
-  sharded_state = jax.device_put(state, state_layout)
-  put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, specs[k]))  # noqa: E731
-                      for k, v in tree.items()}
-  update = jax.jit(tx.update, out_shardings=(
-      {k: NamedSharding(mesh, specs[k]) for k in specs}, state_layout))
-  got = update(put(grads), sharded_state, put(params))
-  tree_equal = lambda a, b: jax.tree_util.tree_all(jax.tree_util.tree_map(  # noqa: E731
-      lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+  got = sharded_update(tx, specs, mesh, state_layout, state, grads, params)
   assert tree_equal(got[0], expected[0])
   assert tree_equal((got[1].mu, got[1].nu, got[1].master_remainder),
                     (expected[1].mu, expected[1].nu,
