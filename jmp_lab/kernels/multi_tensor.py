@@ -302,7 +302,7 @@ class _Groups:
 
 def _load_moment(config, refs, i, where, mask, row_mask, load, second):
   """A leaf's moment in fp32 (an 8-bit one dequantized in registers)."""
-  kind = config.nu_quant if second else config.mu_quant
+  kind = config.quant_kind(second)
   if len(refs) == 1:
     return load(refs[0][i].at[where], mask=mask, other=0)
   # (A float zero for fp8 codes: Triton cannot cast an integer fill to fp8.)
@@ -318,7 +318,7 @@ def _store_moment(config, refs, i, where, mask, row_mask, value, store,
   if len(refs) == 1:
     store(refs[0][i].at[where], value.astype(refs[0][i].dtype), mask=mask)
     return
-  kind = config.nu_quant if second else config.mu_quant
+  kind = config.quant_kind(second)
   codes, scales = quantized.quantize(value, kind, second)
   store(refs[0][i].at[where], codes, mask=mask)
   store(refs[1][i].at[where], scales, mask=row_mask)

@@ -70,7 +70,7 @@ def _load_moment(config, refs, second):
   dequantized in registers."""
   if len(refs) == 1:
     return refs[0][...]
-  kind = config.nu_quant if second else config.mu_quant
+  kind = config.quant_kind(second)
   return quantized.dequantize(refs[0][...], refs[1][...], kind, second)
 
 
@@ -78,7 +78,7 @@ def _store_moment(config, refs, value, second):
   if len(refs) == 1:
     refs[0][...] = value
     return
-  kind = config.nu_quant if second else config.mu_quant
+  kind = config.quant_kind(second)
   codes, scales = quantized.quantize(value, kind, second)
   refs[0][...] = codes
   refs[1][...] = scales

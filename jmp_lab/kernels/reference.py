@@ -71,6 +71,10 @@ class AdamWConfig:
   mu_quant: Optional[str] = None
   nu_quant: Optional[str] = None
 
+  def quant_kind(self, second: bool) -> Optional[str]:
+    """The 8-bit kind of the second (``second``) or first moment."""
+    return self.nu_quant if second else self.mu_quant
+
 
 class Outputs(NamedTuple):
   master: jax.Array   # new fp32 master (new params when half_dtype is None,
@@ -154,10 +158,8 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags) -> Outputs:
                           hyper[LR], hyper[INV_BIAS1], hyper[INV_BIAS2],
                           hyper[SCALE], hyper[CLIP])
   back = lambda x: x.reshape(p.shape)  # noqa: E731
-  new_mu = _moment_out(config, out.mu if quantized.is_quantized(mu)
-                       else back(out.mu), mu, False)
-  new_nu = _moment_out(config, out.nu if quantized.is_quantized(nu)
-                       else back(out.nu), nu, True)
+  new_mu = _moment_out(config, out.mu, mu, False, back)
+  new_nu = _moment_out(config, out.nu, nu, True, back)
   finite = flags[FINITE] == 1
   unchanged_extra = (jnp.zeros_like(p) if config.half_dtype is None
                      else p.astype(config.half_dtype))
@@ -184,16 +186,15 @@ def _moment_in(config: AdamWConfig, moment, second: bool, shaped):
   ``shaped`` as the leaf's other operands."""
   if not quantized.is_quantized(moment):
     return shaped(moment)
-  kind = config.nu_quant if second else config.mu_quant
-  return quantized.load(moment, kind, second)
+  return quantized.load(moment, config.quant_kind(second), second)
 
 
-def _moment_out(config: AdamWConfig, value, like, second: bool):
-  """The new moment stored as ``like`` is (quantized, or its dtype)."""
+def _moment_out(config: AdamWConfig, value, like, second: bool, back):
+  """The new moment stored as ``like`` is: quantized from its blocks, or
+  ``back`` in the leaf's shape in its dtype."""
   if not quantized.is_quantized(like):
-    return value.astype(like.dtype)
-  kind = config.nu_quant if second else config.mu_quant
-  return quantized.store(value, kind, second)
+    return back(value).astype(like.dtype)
+  return quantized.store(value, config.quant_kind(second), second)
 
 
 def _kept(finite, new, old):
@@ -241,12 +242,8 @@ def tree_update(config: AdamWConfig, decays, g, p, mu, nu, hyper, flags, *,
         hyper[INV_BIAS1], hyper[INV_BIAS2], hyper[SCALE], hyper[CLIP],
         bits=None if bits is None else shaped(bits))
     back = lambda x: x if x is None else x.reshape(p_.shape)  # noqa: E731
-    new_mu = _moment_out(config, out.mu if block is None or
-                         quantized.is_quantized(mu_) else back(out.mu),
-                         mu_, False)
-    new_nu = _moment_out(config, out.nu if block is None or
-                         quantized.is_quantized(nu_) else back(out.nu),
-                         nu_, True)
+    new_mu = _moment_out(config, out.mu, mu_, False, back)
+    new_nu = _moment_out(config, out.nu, nu_, True, back)
     new_master, extra = back(out.master), back(out.extra)
     if config.remainder:
       new = (remainder_lib.split(new_master)[1], new_mu, new_nu, extra)
