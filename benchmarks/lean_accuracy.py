@@ -68,7 +68,7 @@ SMALL_LR_MODES = ("fp32 master", "none, nearest", "none, stochastic",
 
 
 def char_run(fused: bool, lean: dict, steps: int, lr: float,
-             shape: tuple = ()) -> dict:
+             shape: tuple = (), seed: int = 0, eval_every: int = 20) -> dict:
   """``shape``: extra flags of the example (``--batch-size``, ...)."""
   flags = []
   for key, value in lean.items():
@@ -77,13 +77,27 @@ def char_run(fused: bool, lean: dict, steps: int, lr: float,
     out = char_transformer.main(
         ["--policy", POLICY, "--steps", str(steps), "--lr", str(lr),
          "--ckpt-dir", ckpt, "--ckpt-every", str(10**9), "--no-progress",
-         "--sample-len", "0", "--eval-every", "20", *shape]
+         "--sample-len", "0", "--eval-every", str(eval_every),
+         "--seed", str(seed), *shape]
         + (["--fused"] if fused else []) + flags)
   curve = out["valid_curve"]
   if not curve or curve[-1][0] != out["step"]:
     curve = curve + [(out["step"], out["valid_loss"])]
   steps_, losses = zip(*curve)
   return {"loss": out["valid_loss"], "curve": (steps_, losses)}
+
+
+def over_seeds(run, seeds) -> dict:
+  """One mode run once a seed: the mean final loss, each seed's, and the mean
+  curve. With one seed it is that run."""
+  results = [run(seed) for seed in seeds]
+  if len(results) == 1:
+    return results[0]
+  losses = [r["loss"] for r in results]
+  steps_ = results[0]["curve"][0]
+  return {"loss": float(np.mean(losses)), "seed_losses": losses,
+          "curve": (steps_, tuple(np.mean([r["curve"][1] for r in results],
+                                          axis=0)))}
 
 
 def digits_run(fused: bool, lean: dict, epochs: int, lr: float, data) -> dict:
@@ -97,11 +111,17 @@ def digits_run(fused: bool, lean: dict, epochs: int, lr: float, data) -> dict:
 
 
 def table(title: str, rows, with_accuracy: bool) -> str:
-  head = "| lr | mode | loss | vs fp32 master |" + (
-      " test accuracy |" if with_accuracy else "")
+  seeded = any("seed_losses" in result for _, _, result, _ in rows)
+  head = ("| lr | mode | loss | vs fp32 master |"
+          + (" each seed | spread (max - min) |" if seeded else "")
+          + (" test accuracy |" if with_accuracy else ""))
   lines = [title, "", head, "|" + "---|" * (head.count("|") - 1)]
   for lr, name, result, rel in rows:
     line = f"| {lr:g} | {name} | {result['loss']:.4f} | {rel:+.2%} |"
+    if seeded:
+      each = result["seed_losses"]
+      line += (f" {', '.join(f'{x:.4f}' for x in each)} |"
+               f" {(max(each) - min(each)) / result['loss']:.2%} |")
     if with_accuracy:
       line += f" {100 * result['accuracy']:.2f}% |"
     lines.append(line)
@@ -134,6 +154,7 @@ def write_json(path: str, **tables) -> None:
   def plain(rows):
     return [{"lr": lr, "mode": name, "rel": rel, "loss": result["loss"],
              "accuracy": result.get("accuracy"),
+             "seed_losses": result.get("seed_losses"),
              "curve": [np.asarray(c, np.float64).tolist()
                        for c in result["curve"]]}
             for lr, name, result, rel in rows]
@@ -171,17 +192,39 @@ def main(argv=None):
                       "with the moment dtypes compared (fp32, bf16, 8-bit)")
   parser.add_argument("--json", default=None,
                       help="write every result and curve here")
+  parser.add_argument("--seeds", default="0",
+                      help="char transformer init/dropout seeds, comma "
+                      "separated; a row is their mean (with each seed's loss)")
+  parser.add_argument("--valid-windows", type=int, default=16,
+                      help="held-out windows the char transformer's "
+                      "validation loss averages over")
+  parser.add_argument("--eval-every", type=int, default=20,
+                      help="char transformer steps between validation points "
+                      "of the curves")
+  parser.add_argument("--modes", default=None,
+                      help="with --eight-bit: the rows to run, ';' separated "
+                      "(default: all of EIGHT_BIT_MODES); the first of them in "
+                      "MODES is the baseline")
   args = parser.parse_args(argv)
+  seeds = [int(x) for x in args.seeds.split(",")]
+  eight_bit_modes = EIGHT_BIT_MODES
+  if args.modes is not None:
+    eight_bit_modes = tuple(m.strip() for m in args.modes.split(";"))
+    unknown = [m for m in eight_bit_modes if m not in EIGHT_BIT_MODES]
+    if unknown:
+      parser.error(f"--modes: unknown {unknown}; choose from {EIGHT_BIT_MODES}")
   char_lrs = [float(x) for x in args.char_lrs.split(",")]
   digits_lrs = [float(x) for x in args.digits_lrs.split(",")]
 
   print("char transformer:")
   shape = ("--batch-size", str(args.char_batch), "--seq-len",
-           str(args.char_seq_len))
-  char_rows = sweep(lambda f, lean, lr: char_run(f, lean, args.char_steps, lr,
-                                                 shape),
+           str(args.char_seq_len), "--valid-windows", str(args.valid_windows))
+  char_rows = sweep(lambda f, lean, lr: over_seeds(
+                        lambda seed: char_run(f, lean, args.char_steps, lr,
+                                              shape, seed, args.eval_every),
+                        seeds),
                     char_lrs[:1] if args.eight_bit else char_lrs,
-                    EIGHT_BIT_MODES if args.eight_bit else None)
+                    eight_bit_modes if args.eight_bit else None)
   if args.eight_bit:
     print(table(f"char transformer: validation loss (nats/char) after "
                 f"{args.char_steps} steps", char_rows, with_accuracy=False))

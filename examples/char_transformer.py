@@ -246,10 +246,15 @@ def checked_run_config(args, policy, resuming: bool) -> dict:
   return config
 
 
-def validation_batch(valid_tokens: np.ndarray, seq_len: int) -> np.ndarray:
-  """16 fixed windows of the held-out text (inputs and next tokens)."""
+def validation_batch(valid_tokens: np.ndarray, seq_len: int,
+                     windows: int = 16) -> np.ndarray:
+  """``windows`` fixed windows of the held-out text (inputs and next tokens).
+
+  The first 16 are the same for any ``windows``; more of them make the
+  validation loss a steadier figure to compare runs by."""
   window = seq_len + 1
-  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window, 16)
+  starts = np.random.default_rng(123).integers(0, len(valid_tokens) - window,
+                                               windows)
   return np.stack([valid_tokens[s:s + window] for s in starts])
 
 
@@ -258,7 +263,12 @@ def main(argv=None):
   parser.add_argument("--eval-every", type=int, default=0,
                       help="also record the validation loss every N steps "
                            "(returned as valid_curve; 0: at the end only)")
+  parser.add_argument("--valid-windows", type=int, default=16,
+                      help="held-out windows of --seq-len bytes the "
+                           "validation loss averages over")
   args = parser.parse_args(argv)
+  if args.valid_windows < 1:
+    parser.error(f"--valid-windows must be at least 1, got {args.valid_windows}")
 
   policy = jmp_lab.get_policy(args.policy)
   tokens = load_tokens(args.data)
@@ -294,7 +304,7 @@ def main(argv=None):
 
   step_fn = jmp_lab.make_train_step(loss_fn)
   window = args.seq_len + 1  # inputs and the next token
-  valid = validation_batch(valid_tokens, args.seq_len)
+  valid = validation_batch(valid_tokens, args.seq_len, args.valid_windows)
   valid_loss_of = jax.jit(lambda state: model.apply(
       {"params": state.params, **state.model_state}, valid[:, :-1],
       targets=valid[:, 1:]).mean())
