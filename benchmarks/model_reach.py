@@ -220,16 +220,31 @@ def compiled(case: Case, target: str) -> dict[str, Any]:
   return {"gemms": len(report.gemms), "f32_gemms": len(f32)}
 
 
-def train(case: Case, steps: int) -> float:
+def train(case: Case, steps: int, step=None) -> float:
   """The mean training loss over the last quarter of ``steps`` steps (the
-  batches are the same for every policy: the data seeds are fixed)."""
-  step = jax.jit(case.step)
+  batches are the same for every policy: the data seeds are fixed).
+  ``step``: ``jax.jit(case.step)`` already made (and compiled)."""
+  step = jax.jit(case.step) if step is None else step
   state, losses = case.state, []
   for _ in range(steps):
     state, metrics = step(state, next(case.batches))
     losses.append(metrics["loss"])
   tail = max(1, steps // 4)
   return float(np.mean(jax.device_get(losses[-tail:])))
+
+
+def train_on_seeds(make_case: Callable[..., Case], policy: str, steps: int,
+                   seeds: int) -> float:
+  """:func:`train`'s loss averaged over data seeds ``0 .. seeds - 1``. A
+  case's seed chooses its batches only (the model's init is fixed), so one
+  model and one compiled step serve every seed: a case made per seed would
+  bring a new ``apply_fn`` and compile the step again."""
+  case = make_case(policy)
+  step = jax.jit(case.step)
+  return float(np.mean([
+      train(dataclasses.replace(case, batches=make_case(policy, seed=seed)
+                                .batches), steps, step)
+      for seed in range(seeds)]))
 
 
 def main(argv=None) -> list[dict[str, Any]]:
@@ -255,10 +270,9 @@ def main(argv=None) -> list[dict[str, Any]]:
     if args.target:
       row.update(compiled(case, args.target))
     if args.steps:
-      row["loss"], row["fp32_loss"] = (float(np.mean([
-          train(CASES[name](policy, seed=seed), args.steps)
-          for seed in range(args.seeds)])) for policy in (args.policy,
-                                                          "float32"))
+      row["loss"], row["fp32_loss"] = (
+          train_on_seeds(CASES[name], policy, args.steps, args.seeds)
+          for policy in (args.policy, "float32"))
     rows.append(row)
     print(_row_text(row, args), flush=True)
   print()

@@ -128,8 +128,7 @@ def test_fp8_reaches_layers_with_their_own_float32_dtype(name, policy):
     ("gemma", 60, 1), ("equinox", 60, 1)])
 def test_loss_within_2_percent_of_fp32_on_the_same_data(name, steps, seeds):
   def loss(policy):
-    return np.mean([mr.train(mr.CASES[name](policy, seed=seed), steps)
-                    for seed in range(seeds)])
+    return mr.train_on_seeds(mr.CASES[name], policy, steps, seeds)
 
   assert abs(loss("mixed_bfloat16") / loss("float32") - 1) < 0.02
 
