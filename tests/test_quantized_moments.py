@@ -408,3 +408,45 @@ def test_jmp_lab_nnx_optimizer_trains_fused_8_bit_moments_laid_out_as_params():
   with jax.set_mesh(mesh):
     losses = [float(step(model, optimizer, (x, y))["loss"]) for _ in range(60)]
   assert losses[-1] < 0.5 * losses[0]
+
+
+def test_a_last_axis_split_that_cuts_blocks_is_refused_or_gathered():
+  """Tensor parallelism over a param's last axis into shards that are not
+  whole blocks (160 wide, blocks of 32: 80 a device): ``state_shardings``
+  refuses it by name, with the counts of shards that fit; the update jitted
+  on such a layout warns, gathers that axis, and gives the one-device
+  update. A split into whole blocks passes. (Before: the layout took the
+  param's spec, and each device would have quantized half-blocks against
+  scales it does not hold.)"""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))
+  tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16,o=f32",
+                           master="remainder", mu_dtype="int8",
+                           nu_dtype="int8", backend="interpret",
+                           loss_scale=jmp_lab.NoOpLossScale())
+  rng = np.random.default_rng(0)
+  params = {"cut": jnp.asarray(rng.normal(size=(32, 160)), jnp.bfloat16),
+            "whole": jnp.asarray(rng.normal(size=(16, 512)), jnp.bfloat16)}
+  grads = jax.tree_util.tree_map(lambda p: p * 1e-3, params)
+  specs = {k: P(None, "tensor") for k in params}
+  state = jmp_lab.TrainState.create(apply_fn=lambda *a: None, params=params,
+                                    tx=tx, policy="p=bf16,c=bf16,o=f32")
+  with pytest.raises(ValueError, match=(
+      r"param \['cut'\]: .*blocks of 32 along the last axis \(160 wide\)"
+      r".*2 shards of 80.*whole blocks \(5\)")):
+    jmp_lab.sharding.state_shardings(state, mesh, axis_name=None,
+                                     params_shardings=specs)
+  layout = jmp_lab.sharding.state_shardings(
+      state.replace(params={"whole": params["whole"]},
+                    opt_state=tx.init({"whole": params["whole"]})),
+      mesh, axis_name=None, params_shardings={"whole": specs["whole"]})
+  assert layout.opt_state.mu["whole"].codes.spec == P(None, "tensor")
+
+  put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, specs[k]))  # noqa: E731
+                      for k, v in tree.items()}
+  opt_state = tx.init(params)
+  expected = tx.update(grads, opt_state, params)
+  with pytest.warns(UserWarning, match=r"blocks of 32.*2 shards of 80.*"
+                    r"gathers that axis"):
+    got = jax.jit(tx.update)(put(grads), opt_state, put(params))
+  chex.assert_trees_all_equal(got, expected)

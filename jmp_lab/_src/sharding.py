@@ -212,6 +212,11 @@ def _follow_params(opt_state: Any, params: Any, shardings: Any, mesh: Mesh,
       block = quantized.block_size(param_shape) if param_shape else None
       if block and len(param_shape) == len(shape) and (
           param_shape[:-1] == shape[:-1]):
+        cut = quantized.blocks_cut(
+            "param " + jax.tree_util.keystr(tuple(path[start:-1])),
+            param_shape, block, spec, mesh)
+        if cut:
+          raise ValueError(cut)
         blocks_shape = param_shape[:-1] + (param_shape[-1] // block,)
         return spec if zero1 is None else _with_zero1(spec, blocks_shape,
                                                        mesh, zero1)

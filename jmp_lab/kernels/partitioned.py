@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -124,12 +125,29 @@ def _like_moments(moments, named):
           for m, n in zip(moments, named)]
 
 
+def _in_whole_blocks(i: int, spec: P, moments, mesh) -> P:
+  """``spec``, or ``spec`` with the last axis whole where its shards would
+  cut an 8-bit moment's blocks in two (the partitioner then gathers that
+  axis for the update, and reshards the results as asked): slower, never
+  wrong. ``state_shardings`` refuses such a layout outright."""
+  for m in filter(quantized.is_quantized, moments):
+    cut = quantized.blocks_cut(f"leaf {i} of the update",
+                               tuple(m.codes.shape), m.block, spec, mesh)
+    if cut:
+      warnings.warn(cut + " The update gathers that axis instead.",
+                    stacklevel=2)
+      return P(*spec[:len(m.codes.shape) - 1], None)
+  return spec
+
+
 def _partition(plan: StepPlan, mesh, arg_shapes, result_shape):
   _, _, mu, nu, remainders, scale, scalar_args = arg_shapes
   # Each leaf as its first moment (its codes, when 8-bit) is sharded.
   specs = [s.sharding.spec if isinstance(s.sharding, NamedSharding) else P()
            for s in (m.codes if quantized.is_quantized(m) else m
                      for m in mu)]
+  specs = [_in_whole_blocks(i, spec, moments, mesh)
+           for i, (spec, *moments) in enumerate(zip(specs, mu, nu))]
   named = [NamedSharding(mesh, spec) for spec in specs]
   whole = lambda tree: jax.tree_util.tree_map(  # noqa: E731
       lambda _: NamedSharding(mesh, P()), tree)

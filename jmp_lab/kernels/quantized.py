@@ -105,6 +105,31 @@ def block_size(shape: tuple[int, ...]) -> int | None:
   return next((b for b in BLOCK_SIZES if shape[-1] % b == 0), None)
 
 
+def blocks_cut(name: str, shape: tuple[int, ...], block: int, spec: Any,
+               mesh: Any) -> str | None:
+  """Why a ``PartitionSpec`` that splits a quantized leaf's last axis
+  (blocks of ``block``) cuts blocks in two, or None where every shard holds
+  whole blocks. Each device quantizes its own shard, so a block split
+  between two devices would get two scales where the state holds one.
+  ``name``: the leaf, as the message names it."""
+  entry = spec[len(shape) - 1] if len(spec) >= len(shape) else None
+  axes = () if entry is None else (
+      entry if isinstance(entry, tuple) else (entry,))
+  shards, width = math.prod(mesh.shape[a] for a in axes), shape[-1]
+  if shards <= 1 or (width % shards == 0 and (width // shards) % block == 0):
+    return None
+  blocks = width // block
+  whole = [n for n in range(2, blocks + 1) if blocks % n == 0][:6]
+  return (
+      f"{name}: its 8-bit moments are quantized in blocks of {block} along "
+      f"the last axis ({width} wide), but the sharding {spec} splits that "
+      f"axis into {shards} shards of {width / shards:g}, which would cut "
+      f"blocks in two. Split the last axis into a number of shards that "
+      f"leaves whole blocks ({', '.join(map(str, whole)) or 'none but 1'}), "
+      f"shard another axis, or keep 16-bit moments "
+      f"(mu_dtype/nu_dtype=\"bfloat16\") for this model.")
+
+
 def quantizable(shape: tuple[int, ...]) -> bool:
   """Whether a leaf of ``shape`` gets 8-bit moments (else fp32)."""
   return math.prod(shape) >= MIN_ELEMENTS and block_size(shape) is not None
