@@ -963,6 +963,56 @@ def test_boxed_params_train_on_one_device(optimizer):
                               _as_f32(runs["unboxed"]), atol=2e-2)
 
 
+# The optimizer row 5 named, the other optimizer, and the flat layout (the
+# other master modes go through the same flow in the test above).
+@pytest.mark.parametrize("optimizer", ["fused_adamw", "mixed_precision",
+                                       "fused_adamw:flat"])
+def test_flax_lm1b_setup_trains_through_make_train_step(optimizer):
+  """Flax's lm1b example as it sets up (``examples/lm1b/utils.py``,
+  ``setup_initial_state``, copied from MaxText): the state's logical specs
+  from ``jax.eval_shape``, ``jax.jit(init, out_shardings=...)`` under the
+  mesh and rules, then every ``LogicallyPartitioned`` of the whole state
+  unboxed by ``tree_map``, and the step jitted with those shardings as its
+  state's layout; here with ``jmp_lab.TrainState`` and ``make_train_step``
+  on one device (issue 45, row 5). Two steps equal the same steps on a
+  state that was never boxed."""
+  model = jmp_lab.linen.with_policy(GPT(layers=1), FLOW_POLICY)
+  tx = flow_tx(optimizer)
+
+  def init_train_state(key):
+    # lm1b's init_train_state: a jitted model.init, then the TrainState
+    variables = jax.jit(model.init)(key, jnp.ones((8, 16), jnp.int32))
+    return jmp_lab.TrainState.create(apply_fn=model.apply,
+                                     params=variables["params"], tx=tx,
+                                     policy=FLOW_POLICY)
+
+  axes = {"data": 1, "fsdp": 1, "tensor": 1}
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), tuple(axes))
+  rules = rules_for(axes)
+  abstract = jax.eval_shape(init_train_state, jax.random.key(0))
+  logical = nn.get_partition_spec(abstract)
+  with mesh, nn.logical_axis_rules(rules):
+    shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
+    state = jax.jit(init_train_state, in_shardings=None,
+                    out_shardings=shardings)(jax.random.key(0))
+  state = jax.tree_util.tree_map(  # lm1b's unbox_logicallypartioned_trainstate
+      lambda x: x.unbox() if isinstance(x, nn.LogicallyPartitioned) else x,
+      state, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  batch = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
+  step = jmp_lab.make_train_step(
+      loss_fn, state_sharding=shardings,
+      batch_sharding=NamedSharding(mesh, P(("data", "fsdp"))), donate=False)
+  plain = nn.unbox(init_train_state(jax.random.key(0)))
+  plain_step = jmp_lab.make_train_step(loss_fn, donate=False)
+  with mesh, nn.logical_axis_rules(rules):
+    for _ in range(2):
+      state, metrics = step(state, batch)
+      plain, _ = plain_step(plain, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  chex.assert_trees_all_close(_as_f32(nn.unbox(state.params)),
+                              _as_f32(nn.unbox(plain.params)))
+
+
 def _is_box(x) -> bool:
   return isinstance(x, nn.meta.AxisMetadata)
 
