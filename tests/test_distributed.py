@@ -16,8 +16,8 @@ def run(tmp_path, processes, devices_per_process, *extra):
   out = tmp_path / f"{processes}x{devices_per_process}.json"
   # The processes set their own device count; keep only the LLVM level.
   env = dict(os.environ, XLA_FLAGS=LLVM_LEVEL_FLAG)
-  # Timeouts guard against a hang only (about 2 minutes alone; CI's two
-  # lanes share two cores).
+  # Timeouts guard against a hang only (about 2 minutes on an idle 2-core
+  # machine, several on a busy one).
   subprocess.run(
       [sys.executable, str(ROOT / "examples" / "distributed.py"),
        "--processes", str(processes),

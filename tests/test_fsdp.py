@@ -446,8 +446,8 @@ def test_8_bit_moments_update_shards_as_one_device_updates_the_leaves(backend):
 def test_the_8_device_tests_pass():
   """Runs this file's ``eight_devices`` tests on 8 CPU devices."""
   env = dict(os.environ, JMP_LAB_TEST_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
-  # The timeout only guards against a hang: about 10 minutes alone, twice
-  # that while CI's other lane shares the two cores.
+  # The timeout only guards against a hang: about 10 minutes on an idle
+  # 2-core machine, over 20 on a busy one.
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
        "-m", "eight_devices", str(pathlib.Path(__file__))],
