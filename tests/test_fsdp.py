@@ -963,6 +963,30 @@ def test_boxed_params_train_on_one_device(optimizer):
                               _as_f32(runs["unboxed"]), atol=2e-2)
 
 
+@pytest.mark.parametrize("model_name", sorted(FLOW_MODELS))
+def test_boxed_params_kept_as_the_flat_buffer(model_name):
+  """Boxed params (logical and mesh-named) given to ``TrainState.create``
+  with ``flat_params=True``: the buffer holds their values, and two steps
+  equal the same steps on the params unboxed (the packer was handed the
+  boxes: "ravel requires ndarray ... LogicallyPartitioned")."""
+  model = jmp_lab.linen.with_policy(FLOW_MODELS[model_name](), FLOW_POLICY)
+  params = model.init(jax.random.key(0), jnp.zeros((8, 16), jnp.int32))[
+      "params"]
+  batch = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
+  step = jmp_lab.make_train_step(loss_fn, donate=False)
+  runs = {}
+  for name, given in (("boxed", params), ("unboxed", nn.unbox(params))):
+    state = jmp_lab.TrainState.create(
+        apply_fn=model.apply, params=given, tx=flow_tx("fused_adamw:flat"),
+        policy=FLOW_POLICY, flat_params=True)
+    for _ in range(2):
+      state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    runs[name] = state.params_tree
+  chex.assert_trees_all_equal_structs(runs["boxed"], nn.unbox(params))
+  chex.assert_trees_all_close(_as_f32(runs["boxed"]), _as_f32(runs["unboxed"]))
+
+
 # The optimizer row 5 named, the other optimizer, and the flat layout (the
 # other master modes go through the same flow in the test above).
 @pytest.mark.parametrize("optimizer", ["fused_adamw", "mixed_precision",

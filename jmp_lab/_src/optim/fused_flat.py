@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jmp_lab import _checks
 from jmp_lab.kernels import pytrees
-from jmp_lab._src.optim import gate
+from jmp_lab._src.optim import boxes, gate
 from jmp_lab._src.optim.fused_spec import FusedSpec
 from jmp_lab._src.optim.states import FusedAdamWState, find_state
 from jmp_lab.kernels import layout as flat_layout
@@ -190,6 +190,10 @@ def flat_params(opt_state: Any, params: Any) -> jax.Array:
     (dtype(bfloat16), (2, 3))
   """
   state = _fused_state(opt_state)
+  # A flat buffer holds values only: Flax's partition boxes (and NNX's
+  # Variables) around the params are read through, as the optimizers read
+  # them, rather than handed to the packer (jnp.ravel refuses a box).
+  params = boxes.values_of(params)
   state.params_spec.check(params)
   return flat_layout.pack(state.layout, params, state.layout.param_dtype)
 
