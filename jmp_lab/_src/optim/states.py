@@ -155,7 +155,13 @@ class FusedAdamWState(NamedTuple):
       return _joined_master(params, self.master_remainder, other="none")
     if self.master_params is None:
       return None
-    return self.layout.master_tree(self.master_params)
+    tree = self.layout.master_tree(self.master_params)
+    if params is None:
+      return tree
+    # The flat buffer holds values only; its tree view is wrapped as the
+    # params are (Flax's boxes, NNX Variables), as the tree layout's stored
+    # master is.
+    return boxes.boxed_like(params, tree)
 
 
 State = Union[MixedPrecisionState, FusedAdamWState]
