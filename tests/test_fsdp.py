@@ -1119,6 +1119,13 @@ def test_flax_and_maxtext_layout_flows_shard_the_state_as_the_params(
     for _ in range(2):
       boxed = flax_step(boxed, batch)
   _check_state_split_as_params(boxed)
+  # the fp32 master reads back boxed as the params, split as finely
+  master = jmp_lab.master_params(boxed.opt_state, boxed.params)
+  if master is not None:  # none with master="none"
+    assert _boxes_of(master) == _boxes_of(boxed.params)
+    for leaf, param in zip(jax.tree_util.tree_leaves(nn.unbox(master)),
+                           jax.tree_util.tree_leaves(nn.unbox(boxed.params))):
+      assert leaf.dtype == jnp.float32 and _shards(leaf) >= _shards(param)
   # MaxText's: created boxed, laid out by its specs, unboxed; jmp_lab's
   # TrainState and step
   init = init_fn(model, flow_tx(optimizer), FLOW_POLICY)
