@@ -158,10 +158,10 @@ class FusedAdamWState(NamedTuple):
     tree = self.layout.master_tree(self.master_params)
     if params is None:
       return tree
-    # The flat buffer holds values only; its tree view is wrapped as the
-    # params are (Flax's boxes, NNX Variables), as the tree layout's stored
-    # master is.
-    return boxes.boxed_like(params, tree)
+    # Wrapped as the params are (Flax's boxes, NNX Variables): the flat
+    # buffer's tree view holds values only, while the tree layout's stored
+    # master is wrapped already (read through, so it is wrapped once).
+    return boxes.boxed_like(params, boxes.values_of(tree))
 
 
 State = Union[MixedPrecisionState, FusedAdamWState]
