@@ -82,8 +82,7 @@ class TrainState(flax.struct.PyTreeNode):
     writes the new params in place -- no packing, unpacking or
     ``apply_updates`` pass. Integer params are not kept in that mode.
     Params boxed by Flax (``nn.with_logical_partitioning``) are read
-    through: the buffer holds their values, and is laid out by
-    :func:`jmp_lab.sharding.state_shardings` rather than by the boxes.
+    through: the buffer holds their values and carries no boxes.
 
     ``rngs`` holds a key per random stream the model draws in training, as
     Flax's ``apply(..., rngs=...)`` takes them (``{"dropout":
