@@ -109,6 +109,25 @@ def mosaic_load(plgpu: Any, ref: Any, layout: Any) -> Any:
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
+def mosaic_tiling(tiles: Sequence[tuple[int, ...]]) -> Any:
+  """A Mosaic GPU ``Tiling`` for ``plgpu.Layout.TILED`` (jax 0.10 to 0.12
+  keep it in ``jax.experimental.mosaic.gpu.fragmented_array`` only)."""
+  from jax.experimental.mosaic.gpu import fragmented_array  # GPU extra
+  return fragmented_array.Tiling(tuple(tiles))
+
+
+def mosaic_interpret_params() -> Any:
+  """Parameters that run a ``plgpu.kernel`` under Pallas' Mosaic GPU
+  interpreter on the CPU. jax 0.12 exports ``plgpu.InterpretGPUParams``;
+  jax 0.10 has the same class under ``jax._src`` only."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  if params is None:
+    from jax._src.pallas.mosaic_gpu.interpret import params as interpret
+    params = interpret.InterpretGPUParams
+  return params()
+
+
 def lowering_for(mesh: Any):
   """A context in which a computation for ``mesh``'s GPUs is traced and
   lowered as for them, on a machine without a GPU.

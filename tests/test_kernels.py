@@ -11,7 +11,7 @@ import pytest
 
 from jmp_lab import _compat, kernels
 from jmp_lab.kernels import layout as flat_layout
-from jmp_lab.kernels import multi_tensor, pallas_triton, reference
+from jmp_lab.kernels import multi_tensor, pallas_triton, quantized, reference
 from jmp_lab.kernels.reference import AdamWConfig
 
 from cuda_compile import require_cuda_plugin
@@ -217,6 +217,105 @@ def test_mosaic_kernel_lowers_for_cuda(keep_master):
   args = kernel_inputs(300_000, jnp.bfloat16, key=4) + hyper_and_flags(True, 10)
   text = lowered_for_cuda(lambda *a: mosaic.fused_update(config, *a), *args)
   assert "mosaic_gpu" in text
+
+
+def _quantized_rows(x, kind, second):
+  """A flat buffer's moment stored 8-bit, a row a block, as fused_adamw's
+  flat layout keeps it."""
+  return quantized.store(quantized.blocked(x, flat_layout.LANES), kind, second)
+
+
+def _mosaic_run():
+  """On a Hopper GPU the compiled kernel; elsewhere Pallas' Mosaic GPU
+  interpreter on the CPU (the same steps; see ``mosaic.fused_update``)."""
+  device = jax.devices()[0]
+  compiled = (device.platform == "gpu"
+              and float(getattr(device, "compute_capability", "0")) >= 9.0)
+  return {"interpret": not compiled}
+
+
+@pytest.mark.parametrize("mu_kind, nu_kind", [
+    ("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn"), ("int8", None),
+    (None, None)])
+@pytest.mark.parametrize("finite", [True, False])
+def test_mosaic_kernel_quantizes_a_row_a_block_as_the_reference(
+    mu_kind, nu_kind, finite):
+  """The Mosaic GPU flat kernel with 8-bit moments (and, ``None``, the fp32
+  moments of its first version) against the reference: the codes as the
+  reference's, scales and master within the Mosaic kernel's ulps; a skipped
+  step leaves every array bit for bit. Before this kernel ``backend="mosaic"``
+  refused 8-bit moments."""
+  from jmp_lab.kernels import mosaic  # pylint: disable=import-outside-toplevel
+  config = AdamWConfig(0.9, 0.999, 1e-8, 0.01, np.dtype(jnp.bfloat16),
+                       mu_quant=mu_kind, nu_quant=nu_kind)
+  g, p, mu, nu = kernel_inputs(70_000, jnp.bfloat16, key=11)
+  mu = mu if mu_kind is None else _quantized_rows(mu, mu_kind, False)
+  nu = nu if nu_kind is None else _quantized_rows(nu, nu_kind, True)
+  hyper, flags = hyper_and_flags(finite, boundary=30_000)
+  want = jax.jit(lambda *a: reference.fused_update(config, *a))(
+      g, p, mu, nu, hyper, flags)
+  got = mosaic.fused_update(config, g, p, mu, nu, hyper, flags, **_mosaic_run())
+  chex.assert_trees_all_equal_structs(got, want)
+  chex.assert_trees_all_equal_dtypes(got, want)
+  if not finite:
+    chex.assert_trees_all_equal((got.master, got.mu, got.nu), (p, mu, nu))
+    chex.assert_trees_all_equal(got.extra, p.astype(jnp.bfloat16))
+    return
+  # As the fp32 kernel's moments: within two ulps of their operands (the
+  # old moment), where b1 * mu + (1 - b1) * g is contracted differently.
+  for x, w, old, kind in ((got.mu, want.mu, mu, mu_kind),
+                          (got.nu, want.nu, nu, nu_kind)):
+    if kind is None:
+      x, w, old = (np.asarray(v) for v in (x, w, old))
+      assert np.all(np.abs(x - w) <= 2 * np.spacing(np.maximum(np.abs(old),
+                                                                np.abs(w))))
+      continue
+    codes_x, codes_w = (np.asarray(c.codes).astype(np.float32) for c in (x, w))
+    # A code may round the other way where the scale differs in its last bit.
+    assert np.mean(codes_x == codes_w) > 0.999
+    assert np.all(np.abs(codes_x - codes_w) <= (1 if kind == "int8" else 32))
+    scales_x, scales_w, scales_old = (np.asarray(v.scales)
+                                      for v in (x, w, old))
+    # A second moment's scale is a square root: its two ulps, plus those of
+    # Mosaic's x * rsqrt(x) (at most two more).
+    assert np.all(np.abs(scales_x - scales_w) <= 4 * np.spacing(
+        np.maximum(scales_old, scales_w)))
+    assert float(np.min(scales_w[: 30_000 // flat_layout.LANES])) > 0
+  scale = np.maximum(np.abs(np.asarray(p)), np.abs(np.asarray(want.master)))
+  master_ulps = np.abs(np.asarray(got.master) - np.asarray(want.master)) / np.spacing(scale)
+  assert master_ulps.max() <= BACKEND_MAX_ULPS["mosaic"], master_ulps.max()
+  assert float(jnp.max(jnp.abs(got.master - p))) > 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "float8_e4m3fn"])
+def test_mosaic_kernel_with_8_bit_moments_compiles_for_sm90a_without_spills(kind):
+  """Compiled for the H100: no register spills (``compiled_report`` fails on
+  one), and the kernel moves what the update needs: g, p, both moments' codes
+  and scales read, p, codes, scales and the bf16 copy written."""
+  require_cuda_plugin()
+  from jmp_lab.diagnostics import compiled_report  # pylint: disable=import-outside-toplevel
+  from jmp_lab.kernels import mosaic  # pylint: disable=import-outside-toplevel
+  rows = 132 * 8 * 4
+  config = AdamWConfig(0.9, 0.999, 1e-8, 1e-4, np.dtype(jnp.bfloat16),
+                       mu_quant=kind, nu_quant=kind)
+  moment = lambda second: quantized.QuantizedMoment(  # noqa: E731
+      jax.ShapeDtypeStruct((rows, 256), quantized.zeros(
+          (1, 256), kind, second).codes.dtype),
+      jax.ShapeDtypeStruct((rows, 1), jnp.float32))
+  args = (jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16),
+          jax.ShapeDtypeStruct((rows, 256), jnp.float32), moment(False),
+          moment(True), jax.ShapeDtypeStruct((5,), jnp.float32),
+          jax.ShapeDtypeStruct((2,), jnp.int32))
+  report = compiled_report(lambda *a: mosaic.fused_update(config, *a), *args,
+                           donate_argnums=(1, 2, 3), fail_on_spill=True)
+  (kernel,) = report.pallas_kernels
+  assert kernel.backend == "mosaic" and kernel.spill_bytes == 0
+  # measured (jax 0.10.2): 176 registers for int8, 128 for fp8
+  assert kernel.registers <= 255
+  elements = rows * 256
+  # g 2 + p 4 + codes 2 + scales read; p 4 + codes 2 + scales + bf16 2 written
+  ideal = elements * 16 + 4 * rows * 4
+  assert ideal <= report.custom_call_bytes <= 1.01 * ideal
 
 
 def test_mosaic_sqrt_keeps_zero_and_is_close():

@@ -14,6 +14,9 @@ copies the old values through, so the outputs still equal the inputs.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -21,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jmp_lab import _compat as compat
 from jmp_lab.kernels import layout as flat_layout
+from jmp_lab.kernels import quantized
 from jmp_lab.kernels.reference import (CLIP, INV_BIAS1, INV_BIAS2, DECAY_BOUNDARY, FINITE,
                                        LR, SCALE, AdamWConfig, Outputs,
                                        adamw_elementwise)
@@ -48,9 +52,76 @@ def sqrt_via_rsqrt(x):
                    0.0)
 
 
+def row_block_layout(block_rows: int, lanes: int):
+  """Registers in which each row of a ``(block_rows, lanes)`` block lies in
+  one warp: a warpgroup's four warps take ``block_rows / 4`` rows each, a
+  row's ``lanes`` elements spread over the warp's 32 threads in runs of
+  ``lanes / 32``. A per-row maximum (an 8-bit moment's block scale: a row is
+  a block in the flat layout) is then a reduction inside a thread and across
+  one warp's lanes, with no shared memory. ``plgpu.Layout.WG_STRIDED``
+  reduces only over a whole array.
+  """
+  tiling = compat.mosaic_tiling(((block_rows, lanes),
+                                 (block_rows // 4, lanes), (lanes // 32,)))
+  return plgpu.Layout.TILED(tiling, warp_dims=(-5,), lane_dims=(-2,),
+                            vector_dim=-1)
+
+
+class _Moment(NamedTuple):
+  """How one moment travels: ``kind`` None for an fp32 (or bf16) array, else
+  its 8-bit kind; its per-row scales are read and written in global memory
+  directly (a block's eight scales are 32 bytes, under the 128 a pipelined
+  copy needs)."""
+
+  kind: str | None
+  second: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registers:
+  """How a block moves between memory and registers in ``layout``: the
+  compiled kernel names the layout at every step; the interpreter knows no
+  register layouts (and has no ``plgpu.load``), so there they are left out
+  and a ref is read with ``ref[...]``."""
+
+  layout: Any
+  shape: tuple[int, int]
+  interpret: bool
+
+  def read(self, ref):
+    return ref[...] if self.interpret else load(ref, self.layout)
+
+  def read_scales(self, ref):
+    """A block's per-row scales (``(rows,)``, one row a warp's)."""
+    return ref[...] if self.interpret else load(ref, self.layout.reduce(1))
+
+  def iota(self, axis: int):
+    if self.interpret:
+      return jax.lax.broadcasted_iota(jnp.int32, self.shape, axis)
+    return plgpu.broadcasted_iota(jnp.int32, self.shape, axis,
+                                  layout=self.layout)
+
+  def per_element(self, per_row):
+    """Per-row values broadcast along each row."""
+    wide = jax.lax.broadcast_in_dim(per_row, self.shape, (0,))
+    return wide if self.interpret else plgpu.layout_cast(wide, self.layout)
+
+
 def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
-                 max_concurrent_steps: int = 2) -> Outputs:
-  """Runs the kernel over ``(rows, LANES)`` buffers; see ``reference``."""
+                 max_concurrent_steps: int = 2,
+                 interpret: bool = False) -> Outputs:
+  """Runs the kernel over ``(rows, LANES)`` buffers; see ``reference``.
+
+  An 8-bit moment (a :class:`~jmp_lab.kernels.quantized.QuantizedMoment` of
+  the buffer, a scale a row) is read as codes and scales, dequantized in
+  registers, updated and quantized again (``jmp_lab.kernels.quantized``'s
+  maps), so no fp32 copy of it is ever in memory.
+
+  ``interpret``: run under Pallas' Mosaic GPU interpreter (on the CPU, for
+  tests). The interpreter has no ``plgpu.load``, so there the registers are
+  read with a plain ``ref[...]``; everything else is the compiled kernel's
+  program.
+  """
   rows, lanes = p.shape
   block_rows = flat_layout.BLOCK_ROWS
   programs = flat_layout.num_programs(rows * lanes)
@@ -59,13 +130,26 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
     raise ValueError(
         f"{blocks} blocks do not split evenly over {programs} programs; "
         f"build buffers with jmp_lab.kernels.layout")
-  # Every register array must share one layout, or Mosaic cannot combine
-  # bf16 gradients with f32 moments.
-  regs = plgpu.Layout.WG_STRIDED((block_rows, lanes), vec_size=2)
+  moments = tuple(_Moment(config.quant_kind(second) if quantized.is_quantized(m)
+                          else None, second)
+                  for m, second in ((mu, False), (nu, True)))
+  if any(m.kind for m in moments):
+    regs = row_block_layout(block_rows, lanes)
+  else:
+    # Every register array must share one layout, or Mosaic cannot combine
+    # bf16 gradients with f32 moments. (This kernel ran on an H200 with it.)
+    regs = plgpu.Layout.WG_STRIDED((block_rows, lanes), vec_size=2)
+  access = _Registers(regs, (block_rows, lanes), interpret)
+  read, read_scales, iota, per_element = (
+      access.read, access.read_scales, access.iota, access.per_element)
   extra_dtype = jnp.float32 if config.half_dtype is None else config.half_dtype
 
-  def body(hyper_ref, flags_ref, g_ref, p_ref, mu_ref, nu_ref,
-           p_out, mu_out, nu_out, extra_out):
+  def body(hyper_ref, flags_ref, g_ref, p_ref, *refs):
+    it = iter(refs)
+    moment_in = [(next(it), next(it) if m.kind else None) for m in moments]
+    p_out = next(it)
+    moment_out = [(next(it), next(it) if m.kind else None) for m in moments]
+    extra_out = next(it)
     program = jax.lax.axis_index("program")
     finite = flags_ref[FINITE] == 1
     boundary = flags_ref[DECAY_BOUNDARY]
@@ -74,51 +158,104 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
 
     def step(indices, g_s, p_s, mu_s, nu_s, p_o, mu_o, nu_o, extra_o):
       (i,) = indices
-      p_val, mu_val, nu_val = (load(ref, regs) for ref in (p_s, mu_s, nu_s))
+      row0 = (i * programs + program) * block_rows
+      block = pl.ds(row0, block_rows)
+      p_val = read(p_s)
+      # A moment as stored: its array (fp32 values or 8-bit codes), and an
+      # 8-bit moment's scales (global memory, this block's rows).
+      stored = [(read(main), None if scales is None else read_scales(
+          scales.at[block])) for main, (_, scales) in zip((mu_s, nu_s),
+                                                           moment_in)]
+
+      def values(moment, raw):
+        main, scales = raw
+        if moment.kind is None:
+          return main
+        return quantized.dequantize(main, scales, moment.kind, moment.second,
+                                    broadcast=per_element)
+
+      def write(moment, out_main, out_scales, value):
+        if moment.kind is None:
+          out_main[...] = value
+          return
+        codes, scales = quantized.quantize(value, moment.kind, moment.second,
+                                           broadcast=per_element,
+                                           sqrt=sqrt_via_rsqrt)
+        out_main[...] = codes
+        out_scales.at[block][...] = scales
 
       @pl.when(finite)
       def _update():
-        row0 = (i * programs + program) * block_rows
-        index = (plgpu.broadcasted_iota(jnp.int32, (block_rows, lanes), 0,
-                                        layout=regs) + row0) * lanes + \
-            plgpu.broadcasted_iota(jnp.int32, (block_rows, lanes), 1,
-                                   layout=regs)
-        out = adamw_elementwise(config, load(g_s, regs), p_val, mu_val, nu_val,
+        index = (iota(0) + row0) * lanes + iota(1)
+        mu_val, nu_val = (values(m, raw) for m, raw in zip(moments, stored))
+        out = adamw_elementwise(config, read(g_s), p_val, mu_val, nu_val,
                                 index < boundary, lr, inv_bias1, inv_bias2, scale,
                                 clip,
                                 sqrt=sqrt_via_rsqrt)
         p_o[...] = out.master
-        mu_o[...] = out.mu
-        nu_o[...] = out.nu
+        for m, main, (_, out_scales), value in zip(
+            moments, (mu_o, nu_o), moment_out, (out.mu, out.nu)):
+          write(m, main, out_scales, value)
         extra_o[...] = out.extra
 
       @pl.when(jnp.logical_not(finite))
       def _skip():
         p_o[...] = p_val
-        mu_o[...] = mu_val
-        nu_o[...] = nu_val
+        for main, (_, out_scales), (old, old_scales) in zip(
+            (mu_o, nu_o), moment_out, stored):
+          main[...] = old
+          if out_scales is not None:
+            out_scales.at[block][...] = old_scales
         extra_o[...] = (jnp.zeros_like(p_val) if config.half_dtype is None
                         else p_val.astype(config.half_dtype))
 
+    streamed = (g_ref, p_ref, *(main for main, _ in moment_in), p_out,
+                *(main for main, _ in moment_out), extra_out)
+    if interpret:
+      # The interpreter cannot run emit_pipeline's predicated copies out:
+      # the same steps on the blocks in global memory, one after another.
+      def one_block(i, carry):
+        block = pl.ds((i * programs + program) * block_rows, block_rows)
+        step((i,), *(ref.at[block] for ref in streamed))
+        return carry
+      jax.lax.fori_loop(0, blocks // programs, one_block, 0)
+      return
     spec = plgpu.BlockSpec((block_rows, lanes),
                            lambda i: (i * programs + program, 0))
     plgpu.emit_pipeline(
         step, grid=(blocks // programs,), in_specs=[spec] * 4,
         out_specs=[spec] * 4, max_concurrent_steps=max_concurrent_steps,
-    )(g_ref, p_ref, mu_ref, nu_ref, p_out, mu_out, nu_out, extra_out)
+    )(*streamed)
 
-  out_type = (jax.ShapeDtypeStruct(p.shape, jnp.float32),) * 3 + (
-      jax.ShapeDtypeStruct(p.shape, extra_dtype),)
-  outs = plgpu.kernel(body, out_type=out_type, grid=(programs,),
-                      grid_names=("program",),
-                      compiler_params=COMPILER_PARAMS)(hyper, flags, g, p,
-                                                       mu, nu)
-  return Outputs(*outs)
+  def parts(moment, array):
+    """A moment's operands: the array, or an 8-bit moment's codes and its
+    scales as one per row."""
+    if moment.kind is None:
+      return (array,)
+    return array.codes, array.scales.reshape(rows)
+
+  moment_operands = [x for m, a in zip(moments, (mu, nu)) for x in parts(m, a)]
+  out_type = ((jax.ShapeDtypeStruct(p.shape, jnp.float32),)
+              + tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)
+                      for x in moment_operands)
+              + (jax.ShapeDtypeStruct(p.shape, extra_dtype),))
+  new_p, *new_moments, extra = plgpu.kernel(
+      body, out_type=out_type, grid=(programs,), grid_names=("program",),
+      compiler_params=COMPILER_PARAMS,
+      interpret=compat.mosaic_interpret_params() if interpret else None,
+  )(hyper, flags, g, p, *moment_operands)
+  it = iter(new_moments)
+  new_mu, new_nu = (
+      next(it) if m.kind is None else quantized.QuantizedMoment(
+          next(it), next(it).reshape(a.scales.shape))
+      for m, a in zip(moments, (mu, nu)))
+  return Outputs(new_p, new_mu, new_nu, extra)
 
 
 __all__ = [
     "COMPILER_PARAMS",
     "fused_update",
     "load",
+    "row_block_layout",
     "sqrt_via_rsqrt",
 ]

@@ -153,29 +153,35 @@ def _code_dtype(kind: str, second: bool):
   return _FP8
 
 
+def _per_element(per_block: jax.Array) -> jax.Array:
+  return per_block[..., None]
+
+
 def blocked(x: jax.Array, block: int) -> jax.Array:
   """``x`` as ``(..., blocks, block)`` (a free reshape)."""
   return x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
 
 
 def dequantize(codes: jax.Array, scales: jax.Array, kind: str,
-               second: bool) -> jax.Array:
+               second: bool, broadcast=None) -> jax.Array:
   """fp32 values from ``codes`` (``(..., block)``) and their block's
   ``scales`` (``(...)``)."""
-  scale = scales[..., None]
+  scale = (broadcast or _per_element)(scales)
+  # Widened first: Mosaic GPU computes on 16- and 32-bit values only.
+  q = codes.astype(jnp.float32)
   if kind == "int8":
     # root = S * u**4 (u = |q| / 127 or q / 255); nu = root**2, mu = root.
-    u = codes.astype(jnp.float32) * (1 / 255 if second else 1 / 127)
+    u = q * (1 / 255 if second else 1 / 127)
     u2 = u * u
     root = scale * (u2 * u2)
     if second:
       return root * root
-    return jnp.where(codes < 0, -root, root)
-  root = scale * (codes.astype(jnp.float32) * (1 / _FP8_MAX))
+    return jnp.where(q < 0, -root, root)
+  root = scale * (q * (1 / _FP8_MAX))
   return root * root if second else root
 
 
-def quantize(x: jax.Array, kind: str, second: bool
+def quantize(x: jax.Array, kind: str, second: bool, broadcast=None, sqrt=jnp.sqrt
              ) -> tuple[jax.Array, jax.Array]:
   """``(codes, scales)`` of fp32 ``x`` (``(..., block)``): each block
   scaled by its largest magnitude (of ``sqrt(x)`` for the second moment).
@@ -183,14 +189,16 @@ def quantize(x: jax.Array, kind: str, second: bool
   A non-zero second moment gets a non-zero code. Only the operations a
   Pallas kernel lowers (square roots, a floor, a max), so the kernels
   quantize in registers."""
-  root = jnp.sqrt(x) if second else x
+  root = sqrt(x) if second else x
   magnitude = jnp.abs(root)
   scale = jnp.max(magnitude, axis=-1)
   inverse = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1), 0)
-  unit = magnitude * inverse[..., None]     # in [0, 1]
+  unit = magnitude * (broadcast or _per_element)(inverse)     # in [0, 1]
   if kind == "int8":
     levels = 255.0 if second else 127.0
-    code = jnp.floor(levels * jnp.sqrt(jnp.sqrt(unit)) + 0.5)
+    # Rounded half up; a truncating cast of a non-negative value is its
+    # floor (Mosaic GPU lowers the cast, not floor).
+    code = (levels * sqrt(sqrt(unit)) + 0.5).astype(jnp.int32)
     if second:
       code = jnp.where(x > 0, jnp.maximum(code, 1), 0)
       return code.astype(jnp.uint8), scale

@@ -100,8 +100,8 @@ def fused_adamw(
       to 256 elements along each leaf's last axis, leaves under 4,096
       elements keeping fp32 moments; in the flat layout, a row of the
       buffers (256 elements, which may span leaves). They are computed in
-      fp32 either way, as optax's ``mu_dtype``; the Mosaic kernel has no
-      8-bit moments.
+      fp32 either way, as optax's ``mu_dtype``; every kernel (Triton,
+      Mosaic GPU) dequantizes and quantizes them in registers.
     shards: ZeRO-1 inside ``shard_map`` (``layout="flat"``, with
       ``axis_name`` an axis of that many devices). The flat buffers are
       padded to split into ``shards`` equal row ranges; shard the state's
@@ -117,7 +117,7 @@ def fused_adamw(
 
   Raises:
     ValueError: for an unknown backend, layout, master or rounding mode,
-      ``backend="mosaic"`` with ``layout="tree"`` or 8-bit moments, a lean
+      ``backend="mosaic"`` with ``layout="tree"``, a lean
       mode or bf16 moments with ``layout="flat"``, ``shards`` that is not an int >= 1 or
       lacks ``layout="flat"`` and an ``axis_name``, or an out-of-range
       hyperparameter.
@@ -175,12 +175,6 @@ def _spec(learning_rate, b1, b2, eps, weight_decay, policy, loss_scale, mask,
         f"master={master!r}, mu_dtype={mu_dtype.name}, nu_dtype="
         f"{nu_dtype.name} need layout='tree'; the flat buffers are an fp32 "
         f"master and fp32 or 8-bit moments")
-  if backend == "mosaic" and (quantized.kind_of(mu_dtype)
-                              or quantized.kind_of(nu_dtype)):
-    raise ValueError(
-        "8-bit moments (mu_dtype, nu_dtype 'int8' or 'float8_e4m3fn') have "
-        "no 'mosaic' kernel; use backend 'auto', 'triton', 'interpret' or "
-        "'reference'")
   config = AdamWConfig(
       b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
       half_dtype=policy.param_dtype if keeper.half_params else None,
