@@ -52,26 +52,29 @@ def sqrt_via_rsqrt(x):
                    0.0)
 
 
-def row_block_layout(block_rows: int, lanes: int):
+def row_block_layout(block_rows: int, lanes: int, vector: int = 4):
   """Registers in which each row of a ``(block_rows, lanes)`` block lies in
-  one warp: a warpgroup's four warps take ``block_rows / 4`` rows each, a
-  row's ``lanes`` elements spread over the warp's 32 threads in runs of
-  ``lanes / 32``. A per-row maximum (an 8-bit moment's block scale: a row is
-  a block in the flat layout) is then a reduction inside a thread and across
-  one warp's lanes, with no shared memory. ``plgpu.Layout.WG_STRIDED``
-  reduces only over a whole array.
+  one warp: a warpgroup's four warps take ``block_rows / 4`` rows each, and
+  a row's ``lanes`` elements spread over the warp's 32 threads in runs of
+  ``vector`` (four: 16 bytes of fp32, the widest transfer that stays inside
+  shared memory's 16-byte tiles; jax 0.12 refuses wider). A per-row maximum
+  (an 8-bit moment's block scale: a row is a block in the flat layout) is
+  then a reduction inside a thread and across one warp's lanes, with no
+  shared memory. ``plgpu.Layout.WG_STRIDED`` reduces only over a whole
+  array.
   """
   tiling = compat.mosaic_tiling(((block_rows, lanes),
-                                 (block_rows // 4, lanes), (lanes // 32,)))
-  return plgpu.Layout.TILED(tiling, warp_dims=(-5,), lane_dims=(-2,),
+                                 (block_rows // 4, lanes), (32 * vector,),
+                                 (vector,)))
+  return plgpu.Layout.TILED(tiling, warp_dims=(-6,), lane_dims=(-2,),
                             vector_dim=-1)
 
 
 class _Moment(NamedTuple):
   """How one moment travels: ``kind`` None for an fp32 (or bf16) array, else
-  its 8-bit kind; its per-row scales are read and written in global memory
-  directly (a block's eight scales are 32 bytes, under the 128 a pipelined
-  copy needs)."""
+  its 8-bit kind. Its per-row scales stay in global memory, read and
+  written as scalars (``_Registers``): a block's eight scales are 32 bytes,
+  under the 128 a pipelined copy moves."""
 
   kind: str | None
   second: bool
@@ -91,9 +94,29 @@ class _Registers:
   def read(self, ref):
     return ref[...] if self.interpret else load(ref, self.layout)
 
-  def read_scales(self, ref):
-    """A block's per-row scales (``(rows,)``, one row a warp's)."""
-    return ref[...] if self.interpret else load(ref, self.layout.reduce(1))
+  def scales_per_element(self, ref, row0):
+    """The block's per-row scales (rows ``row0 ...`` of ``ref``, in global
+    memory) broadcast along each row. Read as scalars: a warp's two scales
+    are 8 bytes, and jax 0.12 refuses a vector transfer from global memory
+    that covers less than a 32-byte sector."""
+    rows = self.iota(0)
+    wide = self.in_layout(jnp.zeros(self.shape, jnp.float32))
+    for r in range(self.shape[0]):
+      wide = jnp.where(rows == r, ref[row0 + r], wide)
+    return wide
+
+  def write_scales(self, ref, row0, per_row):
+    """Writes a block's per-row scales (non-negative; one row a warp's) to
+    rows ``row0 ...`` of ``ref`` as scalars (see ``scales_per_element``):
+    each taken out of the per-row array by a masked maximum."""
+    rows = (jax.lax.broadcasted_iota(jnp.int32, per_row.shape, 0)
+            if self.interpret else plgpu.broadcasted_iota(
+                jnp.int32, per_row.shape, 0, layout=self.layout.reduce(1)))
+    for r in range(self.shape[0]):
+      ref[row0 + r] = jnp.max(jnp.where(rows == r, per_row, 0.0), axis=0)
+
+  def in_layout(self, x):
+    return x if self.interpret else plgpu.layout_cast(x, self.layout)
 
   def iota(self, axis: int):
     if self.interpret:
@@ -103,8 +126,7 @@ class _Registers:
 
   def per_element(self, per_row):
     """Per-row values broadcast along each row."""
-    wide = jax.lax.broadcast_in_dim(per_row, self.shape, (0,))
-    return wide if self.interpret else plgpu.layout_cast(wide, self.layout)
+    return self.in_layout(jax.lax.broadcast_in_dim(per_row, self.shape, (0,)))
 
 
 def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
@@ -140,8 +162,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
     # bf16 gradients with f32 moments. (This kernel ran on an H200 with it.)
     regs = plgpu.Layout.WG_STRIDED((block_rows, lanes), vec_size=2)
   access = _Registers(regs, (block_rows, lanes), interpret)
-  read, read_scales, iota, per_element = (
-      access.read, access.read_scales, access.iota, access.per_element)
+  read, iota = access.read, access.iota
   extra_dtype = jnp.float32 if config.half_dtype is None else config.half_dtype
 
   def body(hyper_ref, flags_ref, g_ref, p_ref, *refs):
@@ -159,30 +180,29 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
     def step(indices, g_s, p_s, mu_s, nu_s, p_o, mu_o, nu_o, extra_o):
       (i,) = indices
       row0 = (i * programs + program) * block_rows
-      block = pl.ds(row0, block_rows)
       p_val = read(p_s)
       # A moment as stored: its array (fp32 values or 8-bit codes), and an
-      # 8-bit moment's scales (global memory, this block's rows).
-      stored = [(read(main), None if scales is None else read_scales(
-          scales.at[block])) for main, (_, scales) in zip((mu_s, nu_s),
-                                                           moment_in)]
+      # 8-bit moment's scales (a ref in global memory; see _Registers).
+      stored = [(read(main), scales)
+                for main, (_, scales) in zip((mu_s, nu_s), moment_in)]
 
       def values(moment, raw):
         main, scales = raw
         if moment.kind is None:
           return main
-        return quantized.dequantize(main, scales, moment.kind, moment.second,
-                                    broadcast=per_element)
+        return quantized.dequantize(
+            main, access.scales_per_element(scales, row0), moment.kind,
+            moment.second, broadcast=lambda per_element: per_element)
 
       def write(moment, out_main, out_scales, value):
         if moment.kind is None:
           out_main[...] = value
           return
         codes, scales = quantized.quantize(value, moment.kind, moment.second,
-                                           broadcast=per_element,
+                                           broadcast=access.per_element,
                                            sqrt=sqrt_via_rsqrt)
         out_main[...] = codes
-        out_scales.at[block][...] = scales
+        access.write_scales(out_scales, row0, scales)
 
       @pl.when(finite)
       def _update():
@@ -205,7 +225,8 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
             (mu_o, nu_o), moment_out, stored):
           main[...] = old
           if out_scales is not None:
-            out_scales.at[block][...] = old_scales
+            for r in range(block_rows):
+              out_scales[row0 + r] = old_scales[row0 + r]
         extra_o[...] = (jnp.zeros_like(p_val) if config.half_dtype is None
                         else p_val.astype(config.half_dtype))
 
