@@ -11,6 +11,13 @@ and how many ``copy`` instructions of a moment leaf the compiled module holds
 (the kernel updates the moments in place; a copy is a failed alias).
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/quantized_update.py
+
+``--flat-kernels`` instead compiles the flat layout's update kernel alone
+(``jmp_lab.kernels.fused_update`` on ``(rows, 256)`` buffers, fp32 master,
+bf16 gradients and params; a row a block for 8-bit moments) for each GPU
+backend, and prints its registers, spills and bytes per element against the
+ideal: g, master and both moments read; master, both moments and the bf16
+params written.
 """
 
 from __future__ import annotations
@@ -74,11 +81,59 @@ def report(params, moment: str):
   return rep, copies
 
 
+def flat_kernel(backend: str, moment: str, rows: int):
+  """The flat update kernel compiled for the H100: (registers, spill bytes,
+  custom-call bytes per element, ideal bytes per element)."""
+  from jmp_lab.kernels import quantized  # pylint: disable=import-outside-toplevel
+  from jmp_lab.kernels.reference import AdamWConfig  # pylint: disable=import-outside-toplevel
+  kind = quantized.kind_of(moment)
+  config = AdamWConfig(0.9, 0.999, 1e-8, 1e-4, np.dtype(jnp.bfloat16),
+                       mu_quant=kind, nu_quant=kind)
+  sds = jax.ShapeDtypeStruct
+
+  def moment_arg(second):
+    if kind is None:
+      return sds((rows, 256), jnp.float32)
+    codes = quantized.zeros((1, 256), kind, second).codes.dtype
+    return quantized.QuantizedMoment(sds((rows, 256), codes),
+                                     sds((rows, 1), jnp.float32))
+
+  args = (sds((rows, 256), jnp.bfloat16), sds((rows, 256), jnp.float32),
+          moment_arg(False), moment_arg(True), sds((5,), jnp.float32),
+          sds((2,), jnp.int32))
+  rep = compiled_report(
+      lambda *a: jmp_lab.kernels.fused_update(backend, config, *a), *args,
+      donate_argnums=(1, 2, 3))
+  (kernel,) = rep.pallas_kernels
+  m = MOMENT_BYTES[moment]
+  ideal = 2 + 4 + 2 * m + 4 + 2 * m + 2
+  return kernel.registers, kernel.spill_bytes, rep.custom_call_bytes / (
+      rows * 256), ideal
+
+
+def main_flat_kernels(moments, rows: int = 132 * 8 * 4):
+  print(f"jax {jax.__version__}, the flat update kernel on ({rows}, 256) "
+        "buffers, compiled for h100")
+  print("| backend | moments | registers | spill bytes | B/element | ideal "
+        "B/element | ratio |")
+  print("|---|---|---|---|---|---|---|")
+  for backend in ("triton", "mosaic"):
+    for moment in moments:
+      registers, spills, moved, ideal = flat_kernel(backend, moment, rows)
+      print(f"| {backend} | {moment} | {registers} | {spills} | {moved:.2f} "
+            f"| {ideal:.2f} | {moved / ideal:.3f} |", flush=True)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, default=12)
   parser.add_argument("--moments", default="float32,bfloat16,int8")
+  parser.add_argument("--flat-kernels", action="store_true",
+                      help="the flat layout's kernel alone, per backend")
   args = parser.parse_args(argv)
+  if args.flat_kernels:
+    main_flat_kernels([m for m in args.moments.split(",") if m != "bfloat16"])
+    return
   params = gpt2_params(args.layers)
   n = sum(p.size for p in jax.tree_util.tree_leaves(params))
   print(f"jax {jax.__version__}, {n / 1e6:.1f}M params, compiled for h100")

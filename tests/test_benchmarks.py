@@ -56,6 +56,19 @@ def test_multi_tensor_compile_benchmark_small(capsys):
     assert row in out, out
 
 
+def test_flat_kernels_benchmark_small(capsys):
+  """benchmarks/quantized_update.py --flat-kernels, on small buffers: both
+  GPU backends compile the 8-bit flat kernel at its ideal bytes."""
+  require_cuda_plugin()
+  from benchmarks import quantized_update  # pylint: disable=import-outside-toplevel
+  quantized_update.main_flat_kernels(["int8"], rows=132 * 8)
+  out = capsys.readouterr().out
+  for backend in ("triton", "mosaic"):
+    row = next(line for line in out.splitlines()
+               if line.startswith(f"| {backend} | int8 |"))
+    assert row.endswith("| 1.000 |"), row
+
+
 def test_gpu_script_runs_jax_and_torch_in_processes_of_their_own(tmp_path):
   """jax's allocator keeps what it once held: torch gets a process of its own,
   and jax allocates on demand up to 95% of the card."""
