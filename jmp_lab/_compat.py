@@ -109,6 +109,20 @@ def mosaic_load(plgpu: Any, ref: Any, layout: Any) -> Any:
   return plgpu.load(ref, layout=layout, optimized=False)
 
 
+@contextlib.contextmanager
+def without_persistent_cache():
+  """A context in which jax neither reads nor writes its persistent
+  compilation cache. An executable compiled for a GPU without one (an
+  abstract topology) is written there but cannot be read back ("PjRtCompiler
+  must be constructed with a Client"), so each later compile warns and
+  compiles anyway. jax 0.10 to 0.12 keep the switch
+  (``jax_enable_compilation_cache``) as a context manager under
+  ``jax._src.config`` only."""
+  from jax._src import config as jax_config
+  with jax_config.enable_compilation_cache(False):
+    yield
+
+
 def mosaic_tiling(tiles: Sequence[tuple[int, ...]]) -> Any:
   """A Mosaic GPU ``Tiling`` for ``plgpu.Layout.TILED`` (jax 0.10 to 0.12
   keep it in ``jax.experimental.mosaic.gpu.fragmented_array`` only)."""

@@ -127,6 +127,27 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
     compiled.gpu_mesh("h100")
 
 
+def test_compiles_for_a_gpu_leave_the_persistent_cache_alone(tmp_path):
+  """With jax's persistent compilation cache on (as many users have it), a
+  compile for an H100 without a GPU writes nothing there: an executable for
+  an abstract GPU cannot be read back, and a second compile of the same
+  program warned "Error reading persistent compilation cache entry" before."""
+  require_cuda_plugin()
+  import warnings  # pylint: disable=import-outside-toplevel
+  h = jax.ShapeDtypeStruct((96, 96), jnp.bfloat16)
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      for _ in range(2):
+        compiled.compile_for_gpu(lambda a, b: (a @ b) * 3, h, h)
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)
+  assert not [w for w in caught if "compilation cache" in str(w.message)]
+  assert not list(tmp_path.iterdir())
+
+
 # --- the gpu-compile extra stays quiet without a GPU ---------------------------
 
 QUIET_RUN = """

@@ -254,8 +254,10 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
   # Pallas' Triton lowering asks which GPU it compiles for (jax 0.12), also
   # from inside XLA's compile (a custom_partitioning callback lowers its
   # kernels while XLA partitions the program).
+  # Not through the persistent compilation cache: see
+  # compat.without_persistent_cache.
   with (mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext(),
-        compat.lowering_for(mesh)):
+        compat.lowering_for(mesh), compat.without_persistent_cache()):
     lowered = jitted.trace(*specs).lower()
     try:
       return lowered.compile(compiler_options=options)
