@@ -118,6 +118,34 @@ class _Registers:
   def in_layout(self, x):
     return x if self.interpret else plgpu.layout_cast(x, self.layout)
 
+  def moment_values(self, moment: "_Moment", stored, row0):
+    """A moment's fp32 values from what is stored: the array itself, or an
+    8-bit moment's codes dequantized with its scales."""
+    main, scales = stored
+    if moment.kind is None:
+      return main
+    return quantized.dequantize(
+        main, self.scales_per_element(scales, row0), moment.kind,
+        moment.second, broadcast=lambda per_element: per_element)
+
+  def write_moment(self, moment: "_Moment", out_main, out_scales, value,
+                   row0):
+    """Stores a moment's new fp32 values: as they are, or quantized (codes
+    in ``out_main``, the block's scales in ``out_scales``)."""
+    if moment.kind is None:
+      out_main[...] = value
+      return
+    codes, scales = quantized.quantize(value, moment.kind, moment.second,
+                                       broadcast=self.per_element,
+                                       sqrt=sqrt_via_rsqrt)
+    out_main[...] = codes
+    self.write_scales(out_scales, row0, scales)
+
+  def copy_scales(self, ref, out_ref, row0):
+    """A skipped step's scales, copied through unchanged."""
+    for r in range(self.shape[0]):
+      out_ref[row0 + r] = ref[row0 + r]
+
   def iota(self, axis: int):
     if self.interpret:
       return jax.lax.broadcasted_iota(jnp.int32, self.shape, axis)
@@ -186,28 +214,11 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
       stored = [(read(main), scales)
                 for main, (_, scales) in zip((mu_s, nu_s), moment_in)]
 
-      def values(moment, raw):
-        main, scales = raw
-        if moment.kind is None:
-          return main
-        return quantized.dequantize(
-            main, access.scales_per_element(scales, row0), moment.kind,
-            moment.second, broadcast=lambda per_element: per_element)
-
-      def write(moment, out_main, out_scales, value):
-        if moment.kind is None:
-          out_main[...] = value
-          return
-        codes, scales = quantized.quantize(value, moment.kind, moment.second,
-                                           broadcast=access.per_element,
-                                           sqrt=sqrt_via_rsqrt)
-        out_main[...] = codes
-        access.write_scales(out_scales, row0, scales)
-
       @pl.when(finite)
       def _update():
         index = (iota(0) + row0) * lanes + iota(1)
-        mu_val, nu_val = (values(m, raw) for m, raw in zip(moments, stored))
+        mu_val, nu_val = (access.moment_values(m, raw, row0)
+                          for m, raw in zip(moments, stored))
         out = adamw_elementwise(config, read(g_s), p_val, mu_val, nu_val,
                                 index < boundary, lr, inv_bias1, inv_bias2, scale,
                                 clip,
@@ -215,7 +226,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
         p_o[...] = out.master
         for m, main, (_, out_scales), value in zip(
             moments, (mu_o, nu_o), moment_out, (out.mu, out.nu)):
-          write(m, main, out_scales, value)
+          access.write_moment(m, main, out_scales, value, row0)
         extra_o[...] = out.extra
 
       @pl.when(jnp.logical_not(finite))
@@ -225,8 +236,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
             (mu_o, nu_o), moment_out, stored):
           main[...] = old
           if out_scales is not None:
-            for r in range(block_rows):
-              out_scales[row0 + r] = old_scales[row0 + r]
+            access.copy_scales(old_scales, out_scales, row0)
         extra_o[...] = (jnp.zeros_like(p_val) if config.half_dtype is None
                         else p_val.astype(config.half_dtype))
 
@@ -248,14 +258,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
         out_specs=[spec] * 4, max_concurrent_steps=max_concurrent_steps,
     )(*streamed)
 
-  def parts(moment, array):
-    """A moment's operands: the array, or an 8-bit moment's codes and its
-    scales as one per row."""
-    if moment.kind is None:
-      return (array,)
-    return array.codes, array.scales.reshape(rows)
-
-  moment_operands = [x for m, a in zip(moments, (mu, nu)) for x in parts(m, a)]
+  moment_operands = _moment_operands(moments, (mu, nu), rows)
   out_type = ((jax.ShapeDtypeStruct(p.shape, jnp.float32),)
               + tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)
                       for x in moment_operands)
@@ -265,12 +268,26 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
       compiler_params=COMPILER_PARAMS,
       interpret=compat.mosaic_interpret_params() if interpret else None,
   )(hyper, flags, g, p, *moment_operands)
-  it = iter(new_moments)
-  new_mu, new_nu = (
-      next(it) if m.kind is None else quantized.QuantizedMoment(
-          next(it), next(it).reshape(a.scales.shape))
-      for m, a in zip(moments, (mu, nu)))
+  new_mu, new_nu = _moments_from(moments, new_moments, (mu, nu))
   return Outputs(new_p, new_mu, new_nu, extra)
+
+
+def _moment_operands(moments, arrays, rows: int) -> list:
+  """The kernel's operands for the moments: an array, or an 8-bit moment's
+  codes and its scales as one a row."""
+  operands = []
+  for moment, array in zip(moments, arrays):
+    operands += ([array] if moment.kind is None
+                 else [array.codes, array.scales.reshape(rows)])
+  return operands
+
+
+def _moments_from(moments, outputs, like) -> tuple:
+  """The new moments from the kernel's outputs, shaped as ``like``."""
+  it = iter(outputs)
+  return tuple(next(it) if moment.kind is None else quantized.QuantizedMoment(
+      next(it), next(it).reshape(old.scales.shape))
+               for moment, old in zip(moments, like))
 
 
 __all__ = [
