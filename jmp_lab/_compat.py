@@ -111,15 +111,17 @@ def mosaic_load(plgpu: Any, ref: Any, layout: Any) -> Any:
 
 @contextlib.contextmanager
 def without_persistent_cache():
-  """A context in which jax neither reads nor writes its persistent
-  compilation cache. An executable compiled for a GPU without one (an
-  abstract topology) is written there but cannot be read back ("PjRtCompiler
-  must be constructed with a Client"), so each later compile warns and
-  compiles anyway. jax 0.10 to 0.12 keep the switch
-  (``jax_enable_compilation_cache``) as a context manager under
-  ``jax._src.config`` only."""
+  """A context in which jax writes nothing to its persistent compilation
+  cache. An executable compiled for a GPU without one (an abstract topology)
+  would be written there but cannot be read back ("PjRtCompiler must be
+  constructed with a Client"), so each later compile would warn and compile
+  anyway. jax decides once per process whether the cache is on, so turning
+  ``jax_enable_compilation_cache`` off here would either do nothing or keep
+  it off for the rest of the process; the minimum compile time to cache is
+  read at every write instead. jax 0.10 to 0.12 keep it as a context manager
+  under ``jax._src.config`` only."""
   from jax._src import config as jax_config
-  with jax_config.enable_compilation_cache(False):
+  with jax_config.persistent_cache_min_compile_time_secs(float("inf")):
     yield
 
 

@@ -25,23 +25,22 @@ LLVM_LEVEL_FLAG = ("" if os.environ.get("JMP_LAB_TEST_LLVM_O3")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
                            + LLVM_LEVEL_FLAG).strip()
 
-# CI time: one persistent compilation cache for the whole run. Many tests
+# CI time: a persistent compilation cache for each test process. Many tests
 # build the same small programs from fresh functions (a step per test, the
-# un-jitted half of chex.variants running op by op), and the two xdist
-# workers and the test subprocesses build them again; jax finds them in the
-# cache by their HLO instead of compiling (a subset of ten test files: 384 s
-# -> 357 s, 2026-11-29). The controller makes the directory before it starts
-# the workers, which, like every subprocess, inherit it, and removes it at
-# the end (pytest_unconfigure). JMP_LAB_TEST_NO_XLA_CACHE=1 turns it off; a
+# un-jitted half of chex.variants running op by op); jax finds them in the
+# cache by their HLO instead of compiling them again (tests/test_training.py:
+# 92 s -> 85 s; ten test files on two workers: 384 s -> 366 s, 2026-11-29). One directory a
+# process, set in jax's config rather than the environment, so no two
+# processes (xdist workers, the test subprocesses) share one: jax writes an
+# entry without a lock, and a process reading it half-written would warn,
+# which tests that turn warnings into errors would fail on. Removed at the
+# end (pytest_unconfigure). JMP_LAB_TEST_NO_XLA_CACHE=1 turns it off; a
 # JAX_COMPILATION_CACHE_DIR of your own is used as it is.
 _XLA_CACHE_MADE_HERE = None
 if ("JAX_COMPILATION_CACHE_DIR" not in os.environ
     and not os.environ.get("JMP_LAB_TEST_NO_XLA_CACHE")):
   import tempfile  # noqa: E402
   _XLA_CACHE_MADE_HERE = tempfile.mkdtemp(prefix="jmp_lab_test_xla_cache_")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE_MADE_HERE
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import chex  # noqa: E402
 import hypothesis  # noqa: E402
@@ -49,6 +48,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+if _XLA_CACHE_MADE_HERE is not None:
+  jax.config.update("jax_compilation_cache_dir", _XLA_CACHE_MADE_HERE)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # 2 CPU devices; tests/test_fsdp.py starts a process with 8.
 chex.set_n_cpu_devices(int(os.environ.get("JMP_LAB_TEST_CPU_DEVICES", "2")))
@@ -174,8 +178,7 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_unconfigure(config):
-  """Removes the compilation cache this process made (the controller's, under
-  xdist: the workers only inherit it)."""
+  """Removes the compilation cache this process made."""
   del config
   if _XLA_CACHE_MADE_HERE is not None:
     import shutil  # pylint: disable=import-outside-toplevel

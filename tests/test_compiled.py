@@ -127,25 +127,45 @@ def test_missing_plugin_says_what_to_install(monkeypatch):
     compiled.gpu_mesh("h100")
 
 
+PERSISTENT_CACHE_RUN = """
+import os, warnings
+import jax, jax.numpy as jnp, jmp_lab
+warnings.simplefilter("always")
+cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+jax.jit(lambda x: x * 2 + 1)(jnp.arange(5.0)).block_until_ready()  # CPU first
+cpu_entries = len(os.listdir(cache))
+h = jax.ShapeDtypeStruct((96, 96), jnp.bfloat16)
+with warnings.catch_warnings(record=True) as caught:
+  for _ in range(2):
+    jmp_lab.diagnostics.compile_for_gpu(lambda a, b: (a @ b) * 3, h, h)
+jax.jit(lambda x: x * 5 - 2)(jnp.arange(5.0)).block_until_ready()  # CPU again
+print("RESULT", cpu_entries, len(os.listdir(cache)),
+      sum("compilation cache" in str(w.message) for w in caught))
+"""
+
+
 def test_compiles_for_a_gpu_leave_the_persistent_cache_alone(tmp_path):
   """With jax's persistent compilation cache on (as many users have it), a
-  compile for an H100 without a GPU writes nothing there: an executable for
-  an abstract GPU cannot be read back, and a second compile of the same
-  program warned "Error reading persistent compilation cache entry" before."""
+  compile for an H100 without a GPU writes nothing there, and the cache
+  keeps working for CPU programs: an executable for an abstract GPU cannot
+  be read back, and a second compile of the same program warned "Error
+  reading persistent compilation cache entry" before. (In a process of its
+  own: jax turns the cache on or off once per process, at its first
+  compile.)"""
   require_cuda_plugin()
-  import warnings  # pylint: disable=import-outside-toplevel
-  h = jax.ShapeDtypeStruct((96, 96), jnp.bfloat16)
-  before = jax.config.jax_compilation_cache_dir
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-  try:
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
-      for _ in range(2):
-        compiled.compile_for_gpu(lambda a, b: (a @ b) * 3, h, h)
-  finally:
-    jax.config.update("jax_compilation_cache_dir", before)
-  assert not [w for w in caught if "compilation cache" in str(w.message)]
-  assert not list(tmp_path.iterdir())
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  run = subprocess.run([sys.executable, "-c", PERSISTENT_CACHE_RUN],
+                       capture_output=True, text=True, env=env, timeout=600,
+                       check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  line = next(l for l in run.stdout.splitlines() if l.startswith("RESULT"))
+  cpu_entries, entries, warned = map(int, line.split()[1:])
+  assert cpu_entries >= 1          # the cache is on for CPU programs
+  assert warned == 0
+  assert entries == cpu_entries + 1  # the second CPU program, no GPU one
 
 
 # --- the gpu-compile extra stays quiet without a GPU ---------------------------

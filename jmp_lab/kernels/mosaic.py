@@ -7,9 +7,13 @@ persistent grid of one program per SM, each streaming its share of
 blocks in flight (``max_concurrent_steps``) to hide memory latency.
 
 ``plgpu.kernel`` takes no ``input_output_aliases``, so unlike the Triton
-kernel this one writes fresh output buffers (the bytes moved are the same; with
-a donated state XLA frees the old ones right after). On a non-finite step it
-copies the old values through, so the outputs still equal the inputs.
+kernel this one writes fresh output buffers. The kernel itself moves the same
+bytes, but in a step that donates the state XLA copies each fresh output into
+its donated buffer. On a non-finite step it copies the old values through, so
+the outputs still equal the inputs.
+
+8-bit moments (a block a row) are dequantized, updated and quantized again in
+registers laid out by :func:`row_block_layout`.
 """
 
 from __future__ import annotations
@@ -180,8 +184,7 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
     raise ValueError(
         f"{blocks} blocks do not split evenly over {programs} programs; "
         f"build buffers with jmp_lab.kernels.layout")
-  moments = tuple(_Moment(config.quant_kind(second) if quantized.is_quantized(m)
-                          else None, second)
+  moments = tuple(_moment_of(config, m, second)
                   for m, second in ((mu, False), (nu, True)))
   if any(m.kind for m in moments):
     regs = row_block_layout(block_rows, lanes)
@@ -270,6 +273,17 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
   )(hyper, flags, g, p, *moment_operands)
   new_mu, new_nu = _moments_from(moments, new_moments, (mu, nu))
   return Outputs(new_p, new_mu, new_nu, extra)
+
+
+def _moment_of(config: AdamWConfig, moment, second: bool) -> _Moment:
+  kind = config.quant_kind(second)
+  if quantized.is_quantized(moment) != (kind is not None):
+    name = "nu" if second else "mu"
+    raise ValueError(
+        f"{name} is {'an 8-bit' if kind is None else 'not an 8-bit'} moment "
+        f"but config.{name}_quant is {kind!r}; build both from the same "
+        f"fused_adamw settings")
+  return _Moment(kind, second)
 
 
 def _moment_operands(moments, arrays, rows: int) -> list:

@@ -165,7 +165,11 @@ def blocked(x: jax.Array, block: int) -> jax.Array:
 def dequantize(codes: jax.Array, scales: jax.Array, kind: str,
                second: bool, broadcast=None) -> jax.Array:
   """fp32 values from ``codes`` (``(..., block)``) and their block's
-  ``scales`` (``(...)``)."""
+  ``scales`` (``(...)``).
+
+  ``broadcast`` spreads the scales over their blocks' elements (default
+  ``scales[..., None]``); a kernel passes its own where the register layout
+  must be named (Mosaic GPU)."""
   scale = (broadcast or _per_element)(scales)
   # Widened first: Mosaic GPU computes on 16- and 32-bit values only.
   q = codes.astype(jnp.float32)
@@ -187,8 +191,10 @@ def quantize(x: jax.Array, kind: str, second: bool, broadcast=None, sqrt=jnp.sqr
   scaled by its largest magnitude (of ``sqrt(x)`` for the second moment).
 
   A non-zero second moment gets a non-zero code. Only the operations a
-  Pallas kernel lowers (square roots, a floor, a max), so the kernels
-  quantize in registers."""
+  Pallas kernel lowers (square roots, a max, a cast), so the kernels
+  quantize in registers. ``broadcast`` as in :func:`dequantize`; ``sqrt``
+  the square root to use (Mosaic GPU lowers ``rsqrt`` only and passes
+  ``x * rsqrt(x)``)."""
   root = sqrt(x) if second else x
   magnitude = jnp.abs(root)
   scale = jnp.max(magnitude, axis=-1)
