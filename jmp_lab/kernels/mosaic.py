@@ -172,9 +172,11 @@ def fused_update(config: AdamWConfig, g, p, mu, nu, hyper, flags, *,
   maps), so no fp32 copy of it is ever in memory.
 
   ``interpret``: run under Pallas' Mosaic GPU interpreter (on the CPU, for
-  tests). The interpreter has no ``plgpu.load``, so there the registers are
-  read with a plain ``ref[...]``; everything else is the compiled kernel's
-  program.
+  tests). The interpreter has no ``plgpu.load``, layout casts or
+  predicated copies out of ``emit_pipeline``, so there the registers are
+  read with a plain ``ref[...]``, no layout is named, and the steps walk the
+  blocks in global memory in a loop (no shared memory or steps in flight);
+  the steps' arithmetic is the compiled kernel's.
   """
   rows, lanes = p.shape
   block_rows = flat_layout.BLOCK_ROWS
