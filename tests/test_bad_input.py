@@ -409,3 +409,27 @@ def test_bad_input_is_refused_clearly(thunk, error, patterns):
   # A message of our own, not one from inside jax.
   assert not re.search(r"incompatible shapes|cannot reshape|iteration over a "
                        r"0-d|Dict key mismatch", message)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_a_gpu_backend_compiled_for_the_cpu_is_refused_by_name(backend):
+  """Pallas said only ``Only interpret mode is supported on CPU backend``,
+  from inside ``pallas_call``; now the error names the backend, the
+  platform and what to pass instead, and the state is left as it was."""
+  from jmp_lab.kernels import registry
+  if backend not in registry.available():
+    pytest.skip(f"this jax cannot import the {backend} backend")
+  params = {"w": jnp.ones((64, 64), jnp.bfloat16)}
+  tx = jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16,o=f32",
+                           backend=backend, layout="flat")
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  with pytest.raises(ValueError, match=(
+      rf"fused backend '{backend}' runs its Pallas kernel on an NVIDIA GPU "
+      r"only, and this step is being compiled for 'cpu'; pass "
+      r"backend='auto' .* 'reference', or 'interpret'")):
+    jax.jit(tx.update)(grads, state, params)
+  # Fine where it is asked for: interpret mode runs the same kernel here.
+  interpret = jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16,o=f32",
+                                  backend="interpret", layout="flat")
+  jax.jit(interpret.update)(grads, interpret.init(params), params)

@@ -1293,3 +1293,31 @@ def test_a_state_built_from_nnx_variables_takes_their_values(optimizer):
       x, nnx.Variable)) == jax.tree_util.tree_structure(
           state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   assert any(bool(jnp.any(u != 0)) for u in jax.tree_util.tree_leaves(updates))
+
+
+@pytest.mark.model_compile
+def test_compiled_for_8_h100s_mixed_precision_layers_grow_by_their_arithmetic():
+  """``mixed_precision(adamw)`` with fp32 params on fsdp=8: each added layer
+  adds to the step's temporaries no more than its fp32 gradient shard and
+  its saved bf16 carry (one sequence of 4096 x 4096). The fp32 layer stack
+  entered the layer loop as it was stored, so XLA held a transposed fp32
+  copy of it and built its gradients as a second fp32 stack: 187.5 MiB a
+  layer against these 116.5 (15.16 GiB a device on 32 layers, now 13.25;
+  benchmarks/RESULTS.md)."""
+  sys.path.insert(0, str(ROOT))
+  from benchmarks import llama7b  # pylint: disable=import-outside-toplevel
+  config = next(c for c in llama7b.CONFIGS if c.name == "mixed_bfloat16")
+  temps = {}
+  for layers in (4, 8):
+    model = dataclasses.replace(llama7b.fsdp_llama.LLAMA_7B, layers=layers)
+    step = llama7b.compile_step(config, {"fsdp": 8}, model=model)
+    temps[layers] = step.report.memory["temp"]
+  llama = llama7b.fsdp_llama.LLAMA_7B
+  per_layer_params = sum(
+      int(np.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(
+          step.state.params) if "layers" in jax.tree_util.keystr(path)) // 8
+  gradient_shard = per_layer_params * 4 // 8
+  carry = llama.seq_len * llama.width * 2
+  per_layer = (temps[8] - temps[4]) / 4
+  assert per_layer <= (gradient_shard + carry) * 1.02, (
+      per_layer / 2**20, (gradient_shard + carry) / 2**20)

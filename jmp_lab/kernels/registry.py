@@ -120,6 +120,8 @@ def _on_cuda_else_reference(name: str, layout: str, run: Callable, *args):
     logger.info("jmp_lab %s update: the reference, for arrays sharded in "
                 "their type", layout)
     return run(BACKENDS["reference"], *args)
+  if name in GPU_ONLY:
+    return _on_cuda_only(BACKENDS[name], run, *args)
   if name != "auto":
     return run(BACKENDS[name], *args)
   chosen = BACKENDS[for_cuda(layout)]
@@ -128,6 +130,60 @@ def _on_cuda_else_reference(name: str, layout: str, run: Callable, *args):
   return jax.lax.platform_dependent(
       *args, cuda=lambda *a: run(chosen, *a),
       default=lambda *a: run(BACKENDS["reference"], *a))
+
+
+# Backends whose kernels only an NVIDIA GPU runs: named explicitly, a step
+# compiled for another platform is refused with jmp_lab's own error.
+GPU_ONLY = ("triton", "mosaic")
+
+
+def _refusal_message(backend: str, platform_name: str) -> str:
+  return (f"fused backend {backend!r} runs its Pallas kernel on an NVIDIA "
+          f"GPU only, and this step is being compiled for "
+          f"{platform_name!r}; pass backend='auto' (the kernel on a GPU, "
+          f"XLA's reference update elsewhere), 'reference', or 'interpret' "
+          f"(the Pallas kernel interpreted on the CPU, for tests)")
+
+
+def _refuse_lowering(ctx, *args, backend, out_avals):
+  del args, out_avals
+  platforms = getattr(ctx.module_context, "platforms", None) or ("this",)
+  raise ValueError(_refusal_message(backend, ", ".join(platforms)))
+
+
+def _refused_primitive():
+  """A primitive that stands for a GPU-only kernel on other platforms: it
+  traces (its outputs' types are the kernel's), and lowering it raises
+  :func:`_refusal_message`'s error."""
+  from jax.extend import core as jex_core
+  from jax.interpreters import mlir
+  primitive = jex_core.Primitive("jmp_lab_gpu_only_backend")
+  primitive.multiple_results = True
+  primitive.def_abstract_eval(lambda *args, backend, out_avals: out_avals)
+  mlir.register_lowering(primitive, _refuse_lowering)
+  return primitive
+
+
+_REFUSED = []
+
+
+def _on_cuda_only(backend: Backend, run: Callable, *args):
+  """``run(backend, *args)`` where the step is compiled for CUDA; compiled
+  for any other platform, a ValueError that names the backend, the
+  platform and what to pass instead (Pallas' own is an internal one)."""
+  kernel = lambda *a: run(backend, *a)  # noqa: E731
+  traced = jax.make_jaxpr(kernel, return_shape=True)(*args)
+  out_avals, shapes = tuple(traced[0].out_avals), traced[1]
+
+  def refused(*a):
+    if not _REFUSED:
+      _REFUSED.append(_refused_primitive())
+    outs = _REFUSED[0].bind(*jax.tree_util.tree_leaves(a),
+                            backend=backend.name, out_avals=out_avals)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(shapes), outs)
+
+  return jax.lax.platform_dependent(*args, cuda=kernel, default=refused)
 
 
 def _quieted(backend: Backend) -> Backend:

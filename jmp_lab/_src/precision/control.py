@@ -25,11 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import _compat as compat
-from jmp_lab._src.precision import observers, scopes, table, tracing
+from jmp_lab._src.precision import (hoisting, observers, scopes, table,
+                                    tracing)
 from jmp_lab._src.precision.ops import MATMUL_OPS
 from jmp_lab._src.precision.values import (Op, Role, as_written, aval, bind,
                                            dtype_of,
-                                           is_array, is_floating, restore,
+                                           is_array, is_floating, is_half,
+                                           restore,
                                            role_of_result, roles_by_dtype,
                                            written_dtype)
 
@@ -272,6 +274,7 @@ def scan(op: Op) -> tuple[list, list]:
                             op.roles[nconsts + ncarry:])
   context = op.context.inside(op.path)
   body = tracing.open_jaxpr(params["jaxpr"])
+  xs = _hoisted_casts(body, nconsts + ncarry, xs, xroles, context)
   x_avals = [aval(x).update(shape=aval(x).shape[1:]) for x in xs]
   carry = [(aval(x), (dtype_of(x), r)) for x, r in zip(init, iroles)]
   carry, _ = _stable_carry(body, [aval(c) for c in consts], carry, x_avals,
@@ -292,6 +295,25 @@ def scan(op: Op) -> tuple[list, list]:
                            reverse=params["reverse"], unroll=params["unroll"])
   return list(final) + list(ys), [r for _, (_, r) in carry] + box["roles"][
       ncarry:]
+
+
+def _hoisted_casts(body, first: int, xs: list, roles: list,
+                   context) -> list:
+  """The stacked inputs that only half GEMMs read in the body (layers'
+  kernels), cast to that dtype before the loop: the same values, half
+  the bytes in the loop's copies and its stacked gradients
+  (:mod:`.hoisting`)."""
+  jaxpr, consts = body
+  hoisted = []
+  for i, (x, role) in enumerate(zip(xs, roles)):
+    dtype = dtype_of(x)
+    if role == Role.STORED and is_floating(dtype) and not is_half(dtype):
+      half = hoisting.half_gemm_operand(jaxpr, consts, first + i,
+                                        context.rules, context.base)
+      if half is not None:
+        x = jax.lax.convert_element_type(x, half)
+    hoisted.append(x)
+  return hoisted
 
 
 def while_loop(op: Op) -> tuple[list, list]:

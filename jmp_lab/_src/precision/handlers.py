@@ -62,6 +62,8 @@ def convert(op: Op) -> tuple[list, list]:
   dtype; values built from integers stay fp32; a front end's cast
   (:func:`~.scopes.policy_cast_scope`) is a decision and is kept."""
   (x,), (role,) = op.invals, op.roles
+  if scopes.is_agreement_cast(op.path):
+    return [x], [role]  # only there to type-check the trace (agreement.py)
   source = op.eqn.invars[0].aval.dtype
   new = np.dtype(op.eqn.params["new_dtype"]) if _is_numpy(
       op.eqn.params["new_dtype"]) else None
@@ -127,6 +129,32 @@ def compute(op: Op) -> tuple[list, list]:
                 for o in outs]
 
 
+def into_destination(op: Op) -> tuple[list, list]:
+  """A write into a buffer (``dynamic_update_slice``, ``scatter``): the
+  written value takes the buffer's dtype, as torch.autocast's in-place
+  copies do, so a float32 cache stays float32 whatever dtype the policy
+  computed its new entries in. The result is the buffer: a stored buffer
+  stays a stored value (read in the dtype each use computes in)."""
+  buffer, value_index = op.invals[0], _WRITTEN_VALUE[op.name]
+  dtype = dtype_of(buffer, op.eqn.invars[0])
+  if not is_floating(dtype):
+    return as_written(op)
+  args = list(op.invals)
+  args[value_index] = cast(args[value_index], dtype)
+  try:
+    outs = bind(op.eqn, args)
+  except (TypeError, ValueError):
+    return as_written(op)
+  return outs, [op.roles[0]]
+
+
+# Which input a write's new values are (the buffer is input 0).
+_WRITTEN_VALUE = {"dynamic_update_slice": 1, "scatter": 2, "scatter-add": 2,
+                  "scatter_add": 2, "scatter-sub": 2, "scatter_sub": 2,
+                  "scatter-mul": 2, "scatter_mul": 2, "scatter-min": 2,
+                  "scatter_min": 2, "scatter-max": 2, "scatter_max": 2}
+
+
 def fp32(op: Op) -> tuple[list, list]:
   """An fp32 op: its inputs read in fp32 (half ones cast up), an fp32
   result (a stored one from stored inputs alone)."""
@@ -163,6 +191,7 @@ _FIRST_ORDER: dict[str, Handler] = {
     **{name: matmul for name in MATMUL_OPS},
     "convert_element_type": convert,
     "iota": from_integers,
+    **{name: into_destination for name in _WRITTEN_VALUE},
 }
 
 

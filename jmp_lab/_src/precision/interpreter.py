@@ -30,7 +30,7 @@ from jax.extend import source_info_util as _source_info
 
 from jmp_lab import _compat as compat
 from jmp_lab._nesting import Nesting
-from jmp_lab._src.precision import observers, scopes, table
+from jmp_lab._src.precision import agreement, observers, scopes, table
 from jmp_lab._src.precision.ops import COMPUTE_OPS
 from jmp_lab._src.precision.tracing import trace
 from jmp_lab._src.precision.values import (Context, Op, Role, aval, cast,
@@ -69,7 +69,7 @@ def apply_rules(fn: Callable[..., Any], rules: Any, *,
       call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
       # A trace starts with an empty name stack: the rules' scope is opened
       # inside it, so the code traced finds it (current_compute_dtype).
-      with _TRACING.enter(), _rules_scope(rules):
+      with _TRACING.enter(), _rules_scope(rules), agreement.agreeing():
         out = fn(*call_args, **call_kwargs)
       out_leaves, out_tree = jax.tree_util.tree_flatten(out)
       outputs["tree"], outputs["leaves"] = out_tree, out_leaves
@@ -95,6 +95,18 @@ def apply_rules(fn: Callable[..., Any], rules: Any, *,
                           for x in outputs["leaves"]])
 
   return wrapped
+
+
+def outputs_in(tree: Any, dtype: Any) -> Any:
+  """The floating arrays of ``tree`` cast to ``dtype`` (None: unchanged),
+  NNX objects passed on. A front end casts its model's outputs where it
+  traces them; this holds where the interpreter chose another dtype (an op
+  whose inputs had to agree, :mod:`.agreement`)."""
+  if dtype is None:
+    return tree
+  return jax.tree_util.tree_map(
+      lambda x: cast(x, dtype) if is_array(x) and is_floating(dtype_of(x))
+      else x, tree, is_leaf=is_nnx_object)
 
 
 def _rules_scope(rules: Any):
@@ -186,7 +198,8 @@ def pulled_into_fp32(jaxpr, fp32_ops: frozenset) -> set[int]:
   return pulled
 
 
-__all__ = ["apply_rules", "evaluate", "is_tracing", "pulled_into_fp32"]
+__all__ = ["apply_rules", "evaluate", "is_tracing", "outputs_in",
+           "pulled_into_fp32"]
 
 
 # ---------------------------------------------------------------------------
@@ -205,14 +218,17 @@ def holds_nnx_objects(tree: Any) -> bool:
       tree, is_leaf=is_nnx_object))
 
 
-def call_under_rules(fn: Callable, args: tuple, kwargs: dict, rules) -> Any:
+def call_under_rules(fn: Callable, args: tuple, kwargs: dict, rules,
+                     output_dtype: Any = None) -> Any:
   """``fn(*args, **kwargs)`` under the engine's ``rules``, NNX objects
   among the arguments included.
 
   The engine traces a pure function, so the module graphs (and any NNX
   object among the arguments, such as an ``nnx.Rngs``) are split, merged
   inside, and their new state (batch statistics, RNG counts) put back
-  after: the pattern of NNX's own transforms.
+  after: the pattern of NNX's own transforms. Floating outputs (not the
+  state put back) are cast to ``output_dtype`` (None: as the rules made
+  them).
   """
   nodes = [x for x in jax.tree_util.tree_leaves((args, kwargs),
                                                 is_leaf=is_nnx_object)
@@ -231,6 +247,7 @@ def call_under_rules(fn: Callable, args: tuple, kwargs: dict, rules) -> Any:
     return fn(*call_args, **call_kwargs), nnx.state(merged)
 
   out, new_state = apply_rules(pure, rules)(state, arrays)
+  out = outputs_in(out, output_dtype)
   changed = _changed_variables(state, new_state)
   if changed is None:  # the call made new variables: put back everything
     nnx.update(tuple(nodes), new_state)

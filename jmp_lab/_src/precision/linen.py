@@ -28,7 +28,9 @@ from jmp_lab._src.numerics import fp8_state
 from jmp_lab.kernels import pytrees
 from jmp_lab._src.precision import linen_layers, scopes
 from jmp_lab._src.precision import rules as rules_lib
-from jmp_lab._src.precision.interpreter import apply_rules, is_tracing
+from jmp_lab._src.precision import agreement
+from jmp_lab._src.precision.interpreter import (apply_rules, is_tracing,
+                                                outputs_in)
 from jmp_lab._src.precision.plan import Decision, Plan
 from jmp_lab._src.precision.rules import make_rules
 from jmp_lab._src.numerics.attention import attention_fn
@@ -55,7 +57,9 @@ class PolicyModule:
     forward pass init makes is not re-evaluated under the op rules: only
     the variables come back, and flax's initializers keep their values bit
     for bit."""
-    with nn.intercept_methods(_Interceptor(self)):
+    # The forward pass is traced with the casts the policy makes, so ops
+    # whose inputs must share a dtype need them agreed here too.
+    with nn.intercept_methods(_Interceptor(self)), agreement.agreeing():
       variables = dict(self.module.init(rngs, *args, method=method, **kwargs))
     if "params" in variables:
       variables["params"] = self.policy.cast_to_param(variables["params"])
@@ -64,9 +68,18 @@ class PolicyModule:
   def apply(self, variables: Mapping[str, Any], *args, rngs=None,
             mutable=False, method=None, **kwargs) -> Any:
     """``module.apply`` under the policy; same arguments and results."""
-    return self._run(self.module.apply)(dict(variables), *args, rngs=rngs,
-                                        mutable=mutable, method=method,
-                                        **kwargs)
+    result = self._run(self.module.apply)(dict(variables), *args, rngs=rngs,
+                                          mutable=mutable, method=method,
+                                          **kwargs)
+    # The model's outputs in its output dtype where the interpreter chose
+    # another for them (interpreter.outputs_in); the mutated variables keep
+    # theirs.
+    output = self.plan.output_dtype(self.plan.decide([("", self.module)]),
+                                    True)
+    if mutable is False:
+      return outputs_in(result, output)
+    out, mutated = result
+    return outputs_in(out, output), mutated
 
   def __call__(self, variables, *args, **kwargs):
     return self.apply(variables, *args, **kwargs)

@@ -157,12 +157,13 @@ def _cast_arrays(tree: Any, dtype: Optional[np.dtype]) -> Any:
 
 
 def _under_rules(module: nnx.Module, method: str, compute: np.dtype,
-                 args: tuple, kwargs: dict) -> Any:
+                 args: tuple, kwargs: dict,
+                 output: Optional[np.dtype]) -> Any:
   """``module.<method>(*args, **kwargs)`` under the engine, in
-  ``compute``."""
+  ``compute``, its floating outputs in ``output`` (None: as they come)."""
   return interpreter.call_under_rules(
       lambda m, *a, **k: getattr(m, method)(*a, **k), (module, *args), kwargs,
-      make_rules(compute))
+      make_rules(compute), output_dtype=output)
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,7 +184,7 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
   def __call__(self, *args, **kwargs):
     _police_new_state(self, compute, cache_dtype)
     if not is_tracing():  # the outermost policed call: it runs the engine
-      return _under_rules(self, "__call__", compute, args, kwargs)
+      return _under_rules(self, "__call__", compute, args, kwargs, output)
     args, kwargs = _cast_arrays((args, kwargs), compute if cast_inputs
                                 else None)
     bias, bias_inside = None, False
@@ -227,7 +228,8 @@ def _attend_method(base: type, compute: np.dtype, cast_inputs: bool,
 
   def attend(self, query, *args, **kwargs):
     if not is_tracing():
-      return _under_rules(self, "attend", gemm_dtype, (query, *args), kwargs)
+      return _under_rules(self, "attend", gemm_dtype, (query, *args), kwargs,
+                          output)
     query = _cast_arrays(query, gemm_dtype if cast_inputs else None)
     with scopes.scope(gemm_dtype), _MODULE_CALLS.enter():
       if reduced is not None and base.attend is nnx.Embed.attend:

@@ -21,6 +21,7 @@ from jax.extend import source_info_util as _source_info
 
 PREFIX = "jmp_lab:"
 _CAST = PREFIX + "cast"
+_AGREE = PREFIX + "agree"
 _ISLAND = PREFIX + "island:"
 _REDUCE = PREFIX + "reduce:"
 HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -107,6 +108,13 @@ def policy_cast_scope() -> contextlib.AbstractContextManager:
   return jax.named_scope(_CAST)
 
 
+def agreement_cast_scope() -> contextlib.AbstractContextManager:
+  """Casts traced inside only make a traced program type-check (an op whose
+  inputs must share a dtype, given one the policy changed): the interpreter
+  drops them and lets the op's own rule choose its dtypes."""
+  return jax.named_scope(_AGREE)
+
+
 def scope_names(name_stack: Any) -> tuple[str, ...]:
   """The named scopes of a jax name stack, outermost first."""
   stack = getattr(name_stack, "stack", None)
@@ -117,7 +125,8 @@ def scope_names(name_stack: Any) -> tuple[str, ...]:
 
 def marker_region(name: str) -> Optional[Region]:
   """The region a scope name sets, or None for a scope that is not one."""
-  if not name.startswith(PREFIX) or name == _CAST or name.startswith(_REDUCE):
+  if (not name.startswith(PREFIX) or name in (_CAST, _AGREE)
+      or name.startswith(_REDUCE)):
     return None
   if name.startswith(_ISLAND):
     return Region.island(name[len(_ISLAND):])
@@ -135,6 +144,10 @@ def innermost_region(path: tuple[str, ...]) -> Optional[Region]:
 
 def is_policy_cast(path: tuple[str, ...]) -> bool:
   return _CAST in path
+
+
+def is_agreement_cast(path: tuple[str, ...]) -> bool:
+  return _AGREE in path
 
 
 def user_path(path: tuple[str, ...]) -> str:
