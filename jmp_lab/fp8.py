@@ -87,12 +87,12 @@ from jmp_lab._src.numerics.fp8_matmul import (current_dot_general,
                                               delayed_dot_general,
                                               delayed_einsum, dot_general,
                                               einsum, operands_in)
-from jmp_lab._src.numerics.fp8_quantize import (quantize_operands,
+from jmp_lab._src.numerics.fp8_quantize import (observed_finite,
+                                                quantize_operands,
                                                 quantize_output_gradient)
 from jmp_lab._src.numerics.fp8_state import (delayed_scale, init_meta,
-                                             next_meta, observed_finite,
-                                             rescale, value_and_new_meta,
-                                             write_amaxes)
+                                             next_meta, rescale,
+                                             value_and_new_meta, write_amaxes)
 
 from jmp_lab._src.numerics import fp8_state as _impl
 

@@ -22,10 +22,10 @@ Example::
   >>> scale = scale.adjust(jmp_lab.all_finite(grads))
 """
 
+from jmp_lab._src.optim.gate import all_finite
+from jmp_lab._src.optim.scaled import default_loss_scale
 from jmp_lab._src.loss_scale import (
-    all_finite,
     check_loss_scale,
-    default_loss_scale,
     DynamicLossScale,
     fresh_copy,
     LossScale,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab._src import loss_scale as _loss_scale
+from jmp_lab._src.optim import gate as _gate
 from jmp_lab._src import policy as _policy
 
 T = TypeVar("T")
@@ -20,7 +21,7 @@ T = TypeVar("T")
 Policy = _policy.Policy
 LossScale = _loss_scale.LossScale
 StaticLossScale = _loss_scale.StaticLossScale
-all_finite = _loss_scale.all_finite
+all_finite = _gate.all_finite
 select_tree = _loss_scale.select_tree
 half_dtype = _policy.half_dtype
 

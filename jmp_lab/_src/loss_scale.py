@@ -17,10 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab.kernels import pytrees
-# The finite check and the skip select are the optimizers' gate's: one
-# implementation, public here.
-from jmp_lab._src.optim.gate import (all_finite, scalar_predicate,  # noqa: F401
-                                     select_tree)
+# The skip select is the kernels' pytree helper (the optimizers' gate uses
+# it too): one implementation, public here.
+from jmp_lab.kernels.pytrees import scalar_predicate, select_tree  # noqa: F401
 
 T = TypeVar("T")
 
@@ -414,20 +413,3 @@ def _validated_dynamic_config(*, growth_interval, growth_factor,
         f"min_loss_scale {config['min_loss_scale']} is greater than "
         f"max_loss_scale {config['max_loss_scale']}")
   return config
-
-
-def default_loss_scale(policy: Any) -> "LossScale":
-  """The loss scale a policy gets when none is given: dynamic for an fp16
-  compute dtype, whose gradients underflow without one; none for bf16 (fp32's
-  exponent range) and fp32, as ``torch.amp`` and Keras choose.
-
-  >>> import jmp_lab
-  >>> type(default_loss_scale("mixed_float16")).__name__
-  'DynamicLossScale'
-  >>> type(default_loss_scale("mixed_bfloat16")).__name__
-  'NoOpLossScale'
-  """
-  from jmp_lab._src.policy import get_policy  # policy imports nothing from here
-  if np.dtype(get_policy(policy).compute_dtype) == np.dtype(jnp.float16):
-    return DynamicLossScale()
-  return NoOpLossScale()

@@ -7,11 +7,13 @@ module gives the same answer and the same error message.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+T = TypeVar("T")
 
 
 def is_floating_array(x: Any) -> bool:
@@ -71,8 +73,55 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
   return [(jax.tree_util.keystr(p) or "<root>", x) for p, x in paths]
 
 
+def scalar_predicate(pred: Any, what: str) -> jax.Array:
+  if isinstance(pred, (bool, np.bool_)):
+    return jnp.asarray(pred)
+  dtype = getattr(pred, "dtype", None)
+  shape = getattr(pred, "shape", None)
+  if dtype is None or np.dtype(dtype) != np.bool_ or shape != ():
+    raise TypeError(
+        f"{what} must be a scalar bool (such as the result of all_finite), "
+        f"got {leaf_description(pred)}"
+    )
+  return pred
+
+
+def select_tree(pred: Any, on_true: T, on_false: T) -> T:
+  """Picks ``on_true`` or ``on_false`` leaf by leaf, on device, without a sync.
+
+  Args:
+    pred: a scalar bool.
+    on_true: the tree returned where ``pred`` is True.
+    on_false: a tree with the same structure, shapes and dtypes.
+
+  Returns:
+    A tree like ``on_true``.
+
+  Raises:
+    TypeError: if ``pred`` is not a scalar bool.
+    ValueError: if the trees differ in structure, or a leaf in shape or dtype;
+      the message names the first such leaf.
+  """
+  pred = scalar_predicate(pred, "select_tree's pred")
+  check_same_structure(on_true, on_false, names=("on_true", "on_false"))
+  for (path, x), (_, y) in zip(leaves_with_paths(on_true),
+                               leaves_with_paths(on_false)):
+    if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
+      raise ValueError(
+          f"select_tree: leaf {path} differs: on_true is "
+          f"{leaf_description(x)}, on_false is "
+          f"{leaf_description(y)}; shapes and dtypes must match"
+      )
+  return jax.tree_util.tree_map(
+      lambda x, y: jax.lax.select(pred, x, y) if jnp.ndim(x) == 0
+      else jnp.where(pred, x, y),
+      on_true, on_false)
+
+
 __all__ = [
     "check_same_structure",
+    "scalar_predicate",
+    "select_tree",
     "first_structure_mismatch",
     "is_floating_array",
     "is_floating_value",

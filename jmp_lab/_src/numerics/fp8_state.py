@@ -10,8 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
-from jmp_lab.kernels import stats
-
 
 E4M3 = jnp.float8_e4m3fn  # inputs and kernels
 E5M2 = jnp.float8_e5m2    # output gradients
@@ -261,33 +259,3 @@ def value_and_new_meta(fun: Callable[[Fp8Meta], jax.Array], meta: Fp8Meta,
   rest)."""
   value, observed = jax.value_and_grad(fun)(meta)
   return value, next_meta(meta, observed, step)
-
-
-def observed_finite(observed: Any) -> jax.Array:
-  """Whether every amax a step observed (the fp8 state's gradient, or the
-  new state) is finite, as one scalar bool: the train steps hand it to the
-  optimizer's gate (``also_finite``), which skips the step otherwise.
-
-  fp8 quantization saturates: an inf activation is clipped to the format's
-  maximum, so the gradients of a step that overflowed can be finite. Its
-  amax, recorded in the history, would then pin that tensor's scale for the
-  next ``history_length`` steps: such a step is skipped (and the loss scale
-  backs off) like any overflow, and the fp8 state is kept.
-
-  It takes a few reductions for the whole model: a check per leaf would be a
-  kernel per history slot of partial maxima, and a reduction of their
-  concatenation to one number no better (XLA splits it back into one
-  reduction per operand). Reducing the rows of each width's stacked leaves,
-  as :func:`next_meta` does, stays one reduction. An amax is never negative,
-  so a row's maximum is finite exactly when all its entries are (a NaN
-  propagates through the maximum, an inf is the maximum).
-  """
-  rows_by_width: dict[int, list[jax.Array]] = {}
-  for leaf in jax.tree_util.tree_leaves(observed):
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-      leaf = jnp.asarray(leaf, jnp.float32)
-      width = leaf.shape[-1] if leaf.ndim else 1
-      rows_by_width.setdefault(width, []).append(leaf.reshape(-1, width))
-  maxima = [jnp.max(jnp.concatenate(rows), axis=1)
-            for rows in rows_by_width.values()]
-  return stats.all_finite([jnp.concatenate(maxima)] if maxima else [])

@@ -21,8 +21,8 @@ from jmp_lab._src.optim.states import FusedAdamWState, ParamsSpec
 from jmp_lab.kernels import layout as flat_layout
 from jmp_lab.kernels import quantized, registry
 from jmp_lab.kernels.reference import AdamWConfig
-from jmp_lab._src.loss_scale import (LossScale, check_loss_scale,
-                                default_loss_scale, fresh_copy)
+from jmp_lab._src.loss_scale import LossScale, check_loss_scale, fresh_copy
+from jmp_lab._src.optim.scaled import default_loss_scale
 from jmp_lab._src.policy import Policy, get_policy
 
 LAYOUTS = ("tree", "flat")

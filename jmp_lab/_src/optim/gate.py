@@ -10,18 +10,18 @@ gradient does, without touching the gradients.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 
 import jax
 import jax.numpy as jnp
 
 from jmp_lab.kernels import pytrees
 from jmp_lab.kernels import stats
+# The skip select is a pytree helper of the kernels' layer (loss scales use
+# it too): one implementation.
+from jmp_lab.kernels.pytrees import scalar_predicate, select_tree  # noqa: F401
 from jmp_lab.kernels.stats import Axes
-
-T = TypeVar("T")
 
 
 def flags(also_finite: Any) -> list:
@@ -83,51 +83,6 @@ def unscale_and_check(grads: Any, params: Any, loss_scale: Any,
   grads32 = unscale(grads, params, loss_scale)
   return grads32, all_finite(grads32, axis_name=axis_name,
                              also_finite=also_finite)
-
-
-def scalar_predicate(pred: Any, what: str) -> jax.Array:
-  if isinstance(pred, (bool, np.bool_)):
-    return jnp.asarray(pred)
-  dtype = getattr(pred, "dtype", None)
-  shape = getattr(pred, "shape", None)
-  if dtype is None or np.dtype(dtype) != np.bool_ or shape != ():
-    raise TypeError(
-        f"{what} must be a scalar bool (such as the result of all_finite), "
-        f"got {pytrees.leaf_description(pred)}"
-    )
-  return pred
-
-
-def select_tree(pred: Any, on_true: T, on_false: T) -> T:
-  """Picks ``on_true`` or ``on_false`` leaf by leaf, on device, without a sync.
-
-  Args:
-    pred: a scalar bool.
-    on_true: the tree returned where ``pred`` is True.
-    on_false: a tree with the same structure, shapes and dtypes.
-
-  Returns:
-    A tree like ``on_true``.
-
-  Raises:
-    TypeError: if ``pred`` is not a scalar bool.
-    ValueError: if the trees differ in structure, or a leaf in shape or dtype;
-      the message names the first such leaf.
-  """
-  pred = scalar_predicate(pred, "select_tree's pred")
-  pytrees.check_same_structure(on_true, on_false, names=("on_true", "on_false"))
-  for (path, x), (_, y) in zip(pytrees.leaves_with_paths(on_true),
-                               pytrees.leaves_with_paths(on_false)):
-    if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
-      raise ValueError(
-          f"select_tree: leaf {path} differs: on_true is "
-          f"{pytrees.leaf_description(x)}, on_false is "
-          f"{pytrees.leaf_description(y)}; shapes and dtypes must match"
-      )
-  return jax.tree_util.tree_map(
-      lambda x, y: jax.lax.select(pred, x, y) if jnp.ndim(x) == 0
-      else jnp.where(pred, x, y),
-      on_true, on_false)
 
 
 def floating_only(tree: Any, like: Any) -> Any:

@@ -13,8 +13,8 @@ from jmp_lab import _checks
 from jmp_lab._src.optim import boxes, gate, masters, scaled
 from jmp_lab._src.optim.states import MixedPrecisionState, ParamsSpec
 from jmp_lab._src.optim.updates import Update
-from jmp_lab._src.loss_scale import (LossScale, check_loss_scale,
-                                default_loss_scale, fresh_copy)
+from jmp_lab._src.loss_scale import LossScale, check_loss_scale, fresh_copy
+from jmp_lab._src.optim.scaled import default_loss_scale
 from jmp_lab._src.policy import Policy, get_policy
 
 

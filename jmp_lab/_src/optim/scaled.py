@@ -25,8 +25,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jmp_lab._src.policy import get_policy
 from jmp_lab._src.loss_scale import (DynamicLossScale, LossScale,
                                      NoOpLossScale, StaticLossScale)
 from jmp_lab._src.user_warnings import PrecisionWarning, user_stacklevel
@@ -264,3 +267,19 @@ def _unmarked_message(where: str, loss_scale: LossScale) -> str:
       f"gradients you scaled yourself go in as jmp_lab.ScaledGradients("
       f"grads). (If they did come from scaled_value_and_grad, the code in "
       f"between dropped the mark: pass them on as returned.)")
+
+
+def default_loss_scale(policy: Any) -> LossScale:
+  """The loss scale a policy gets when none is given: dynamic for an fp16
+  compute dtype, whose gradients underflow without one; none for bf16 (fp32's
+  exponent range) and fp32, as ``torch.amp`` and Keras choose.
+
+  >>> import jmp_lab
+  >>> type(default_loss_scale("mixed_float16")).__name__
+  'DynamicLossScale'
+  >>> type(default_loss_scale("mixed_bfloat16")).__name__
+  'NoOpLossScale'
+  """
+  if np.dtype(get_policy(policy).compute_dtype) == np.dtype(jnp.float16):
+    return DynamicLossScale()
+  return NoOpLossScale()

@@ -13,7 +13,7 @@ import jax
 import optax
 
 from jmp_lab import _checks
-from jmp_lab._src.numerics import fp8_state
+from jmp_lab._src.numerics import fp8_quantize, fp8_state
 from jmp_lab._src.optim import scaled
 from jmp_lab._src.optim.scaled import ScaledGradients
 from jmp_lab._src.optim.updates import WritesParams
@@ -105,10 +105,10 @@ def update(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
 def fp8_observed(old_meta: Optional[Any], observed: Optional[Any]
                  ) -> Optional[jax.Array]:
   """Whether the step's observed fp8 amaxes are finite (None without fp8):
-  the optimizer's gate skips the step otherwise (:func:`fp8_state.observed_finite`)."""
+  the optimizer's gate skips the step otherwise (:func:`fp8_quantize.observed_finite`)."""
   if old_meta is None or not jax.tree_util.tree_leaves(observed):
     return None
-  return fp8_state.observed_finite(observed)
+  return fp8_quantize.observed_finite(observed)
 
 
 def fp8_after_step(old_meta: Any, observed: Any, step: Any,
