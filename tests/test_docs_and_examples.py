@@ -47,6 +47,27 @@ def test_readme_has_the_two_setup_commands_at_the_top():
   assert len(text.splitlines()) <= 200
 
 
+def test_the_clone_directory_the_readme_names_imports_the_installed_package(
+    tmp_path):
+  """The README's clone, seen from its parent directory (where a user runs a
+  script next to it): ``import jmp_lab`` finds the installed package. A
+  clone named ``jmp_lab`` was imported as an empty namespace package there
+  (``AttributeError: module 'jmp_lab' has no attribute 'nnx'``)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  readme = (ROOT / "README.md").read_text()
+  (directory,) = set(re.findall(r"git clone <[^>]+> (\S+) && cd (\S+?)`",
+                                readme)[0])
+  assert directory != "jmp_lab"
+  (tmp_path / directory).symlink_to(ROOT)
+  done = subprocess.run(
+      [sys.executable, "-c", "import jmp_lab; print(jmp_lab.nnx.__name__)"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+      env={k: v for k, v in __import__("os").environ.items()
+           if k != "PYTHONPATH"})
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == "jmp_lab.nnx"
+
+
 def test_readme_has_no_internal_wording():
   text = (ROOT / "README.md").read_text().lower()
   for phrase in ("seeds'", "the issue", "before the fix", "has been lent",
