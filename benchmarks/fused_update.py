@@ -45,6 +45,7 @@ not speed claims.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -60,6 +61,8 @@ from jmp_lab.kernels import layout as flat_layout
 FUSED_BYTES = 14 + 14 + 2            # read p m v g, write p m v half, flag
 UNFUSED_BYTES_MIN = FUSED_BYTES      # the same data; XLA may move more
 TORCH_BYTES = 16 + 12 + 4 + 4 + 4    # step r/w, unscale r/w, inf check
+#: The row name of torch's peer (benchmarks/timings.py looks it up).
+TORCH_PATH = "torch AdamW(fused) + GradScaler"
 
 
 def parse_size(text: str) -> int:
@@ -330,6 +333,9 @@ def main(argv=None):
   parser.add_argument("--torch-only", action="store_true",
                       help="time torch's fused AdamW only (the GPU script "
                            "runs it in a process of its own)")
+  parser.add_argument("--json", default=None,
+                      help="also write the timed rows to this JSON file "
+                           "(benchmarks/timings.py reads it)")
   args = parser.parse_args(argv)
   if args.target:
     if argv is None and "--sizes" not in sys.argv:
@@ -345,6 +351,7 @@ def main(argv=None):
         f"reference elsewhere)")
   print("| params | path | median ms | B/param | GB/s | of copy BW | time / fused |")
   print("|---|---|---|---|---|---|---|")
+  timed = []  # {"params", "path", "seconds", "bytes_per_param"}
   for size in map(parse_size, args.sizes.split(",")):
     if not fits(size):
       print(f"| {size:,} | skipped: does not fit in device memory | | | | | |")
@@ -356,6 +363,8 @@ def main(argv=None):
         print(f"| {size:,} | torch AdamW(fused) + GradScaler | "
               f"{torch_s * 1e3:.3f} | {TORCH_BYTES} | "
               f"{TORCH_BYTES * size / torch_s / 1e9:.1f} | | |")
+        timed.append({"params": size, "path": TORCH_PATH,
+                      "seconds": torch_s, "bytes_per_param": TORCH_BYTES})
       continue
     params = make_params(size, dtype)
     grads = jax.tree_util.tree_map(lambda p: (p * 1024).astype(dtype), params)
@@ -384,7 +393,7 @@ def main(argv=None):
     torch_s = (time_torch(size, **timing) if on_gpu and not args.no_torch
                else None)
     if torch_s is not None:
-      rows.append(("torch AdamW(fused) + GradScaler", torch_s, TORCH_BYTES))
+      rows.append((TORCH_PATH, torch_s, TORCH_BYTES))
     rows.append(("copy (x + 1, fp32)", copy_s, 8))
     reference = jmp_lab.fused_adamw(1e-4, policy=policy, loss_scale=loss_scale,
                                     backend="reference", layout="flat")
@@ -397,6 +406,8 @@ def main(argv=None):
         "unfused": xla_bytes_per_param(unfused, params, grads),
     }
     fused_s = rows[0][1]
+    timed += [{"params": size, "path": name, "seconds": seconds,
+               "bytes_per_param": per_param} for name, seconds, per_param in rows]
     for name, seconds, per_param in rows:
       rate = per_param * size / seconds
       print(f"| {size:,} | {name} | {seconds * 1e3:.3f} | {per_param} | "
@@ -405,6 +416,10 @@ def main(argv=None):
           f"backend): " + "; ".join(f"{k} {v:.0f}" for k, v in xla_bytes.items())
           + " | | | | | |")
     sys.stdout.flush()
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"device": device.device_kind, "jax": jax.__version__,
+                 "rows": timed}, f, indent=1)
 
 
 if __name__ == "__main__":

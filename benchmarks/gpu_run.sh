@@ -5,6 +5,16 @@
 #
 #   bash benchmarks/gpu_run.sh OUTPUT_DIR [PART ...]   # default: every part
 #
+#   timings       first in any lease: the five timings (P1-P5) in one call of
+#                 at most 9 minutes, then one table (benchmarks/timings.py):
+#                 the fused update against a device copy, the unfused update
+#                 and torch's AdamW(fused=True) + GradScaler (100M params);
+#                 GPT-2-small's step in bf16 against fp32-highest and TF32;
+#                 the lean bf16 step against torch AMP with SDPA, and its
+#                 MFU; then, if time is left, fp8 against bf16 on the
+#                 1.3B-class GPT. It installs nothing: the lent machines
+#                 have jax, flax, optax, chex and torch (it checks them
+#                 first, in seconds);
 #   compiled      the compiled-for-H100 checks (tests/test_compiled.py) on
 #                 this machine's jax and CUDA plugin (0.11.2 and CUDA 13 on
 #                 the lent machines; CI runs them on 0.10.2 and the newest);
@@ -45,7 +55,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_results}}"
 shift || true
-all_parts=(kernels compiled fused_update train_step fp8 lean)
+all_parts=(timings kernels compiled fused_update train_step fp8 lean)
 parts=("$@")
 [ "${#parts[@]}" -gt 0 ] || parts=("${all_parts[@]}")
 for part in "${parts[@]}"; do
@@ -75,7 +85,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on fail
   local name=$1 limit=$2
   shift 2
   if [ -n "$dry" ]; then
-    echo "$name: XLA_PYTHON_CLIENT_PREALLOCATE=$XLA_PYTHON_CLIENT_PREALLOCATE" \
+    echo "$name (limit $limit s): XLA_PYTHON_CLIENT_PREALLOCATE=$XLA_PYTHON_CLIENT_PREALLOCATE" \
          "XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION $*"
     return
   fi
@@ -87,8 +97,35 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, keep going on fail
 }
 
 [ -z "$dry" ] || echo "dry run: the commands, not run"
+# The timings' budget: 9 minutes in all, the checks and the table included.
+timings_budget=540
+timings() {
+  local start=$SECONDS left
+  run timings_fused 100 python3 benchmarks/fused_update.py --sizes 100M --repeats 20 \
+    --no-torch --json "$out/timings_fused.json"
+  run timings_fused_torch 60 python3 benchmarks/fused_update.py --sizes 100M --repeats 20 \
+    --torch-only --json "$out/timings_fused_torch.json"
+  run timings_step 230 python3 benchmarks/train_step.py --configs \
+    fp32-highest,fp32-tf32,bf16,bf16-lean --warmup 3 --steps 10 --no-torch \
+    --no-batch-search --json "$out/timings_step.json"
+  run timings_step_torch 80 python3 benchmarks/train_step.py --torch-only \
+    --torch-peers bf16-sdpa --warmup 3 --steps 10 --no-batch-search \
+    --json "$out/timings_step_torch.json"
+  # fp8 on the 1.3B-class GPT only with two minutes to spare.
+  left=$(( timings_budget - 20 - (SECONDS - start) ))
+  [ -n "$dry" ] && left=$(( timings_budget - 20 - 470 ))
+  if [ -n "$dry" ] || [ "$left" -ge 120 ]; then
+    run timings_fp8 "$left" python3 benchmarks/train_step.py --configs \
+      bf16-lean,bf16-fp8-lean --layers 24 --width 2048 --heads 16 --seq-len 2048 \
+      --batch 4 --warmup 2 --steps 5 --no-torch --no-batch-search \
+      --json "$out/timings_fp8.json"
+  fi
+  run timings 20 python3 benchmarks/timings.py "$out"
+}
+
 for part in "${parts[@]}"; do
   case "$part" in
+    timings) timings ;;
     compiled) JAX_PLATFORMS=cpu run compiled 240 python3 -m pytest -q -p no:cacheprovider \
                 tests/test_compiled.py -rs ;;
     kernels) run kernels 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -rs

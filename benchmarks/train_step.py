@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -407,9 +408,28 @@ def bf16_matmul_peak(n: int, repeats: int = 10) -> float:
   return 2 * n**3 / statistics.median(times)
 
 
+#: The torch peers ``--torch-peers`` chooses from: AMP dtype, then
+#: ``-compile`` (torch.compile) and ``-sdpa`` (torch's fused attention).
+TORCH_PEERS = ("bf16", "bf16-compile", "fp16", "fp16-compile", "bf16-sdpa",
+               "bf16-sdpa-compile")
+
+
+def run_torch_peer(size: ModelSize, peer: str, *, warmup: int,
+                   steps: int) -> Optional[dict]:
+  """The torch peer named ``peer`` (one of :data:`TORCH_PEERS`)."""
+  if peer not in TORCH_PEERS:
+    raise ValueError(f"unknown torch peer {peer!r}; accepted: "
+                     f"{', '.join(TORCH_PEERS)}")
+  return run_torch(size, dtype_name=peer.split("-")[0],
+                   compiled=peer.endswith("-compile"), sdpa="-sdpa" in peer,
+                   warmup=warmup, steps=steps)
+
+
 def run_torch(size: ModelSize, *, dtype_name: str, compiled: bool,
-              warmup: int, steps: int) -> Optional[dict]:
-  """The same architecture in PyTorch AMP (CUDA only); None if unavailable."""
+              warmup: int, steps: int, sdpa: bool = False) -> Optional[dict]:
+  """The same architecture in PyTorch AMP (CUDA only); None if unavailable.
+  With ``sdpa``, its attention is torch's fused
+  ``scaled_dot_product_attention``."""
   try:
     import torch
   except ImportError:
@@ -417,7 +437,7 @@ def run_torch(size: ModelSize, *, dtype_name: str, compiled: bool,
   if not torch.cuda.is_available():
     return None
   from benchmarks import torch_gpt
-  model = torch_gpt.GPT(size).cuda()
+  model = torch_gpt.GPT(size, sdpa=sdpa).cuda()
   opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
   dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
   scaler = torch.amp.GradScaler("cuda", enabled=dtype_name == "fp16")
@@ -445,7 +465,8 @@ def run_torch(size: ModelSize, *, dtype_name: str, compiled: bool,
     loss = run_step(i)
     torch.cuda.synchronize()
     times.append(time.perf_counter() - start)
-  return {"name": f"torch {dtype_name}{' compile' if compiled else ''}",
+  return {"name": (f"torch {dtype_name}{' sdpa' if sdpa else ''}"
+                   f"{' compile' if compiled else ''}"),
           "seconds": statistics.median(times), "flops": None,
           "loss": float(loss), "peak_bytes": torch.cuda.max_memory_allocated(),
           "peak_source": "device"}
@@ -481,6 +502,20 @@ def table(rows, size: ModelSize, peak_flops: float) -> str:
         f"| {ratio(by_name.get('fp32-highest'))} | {ratio(by_name.get('fp32-tf32'))} "
         f"| {ratio(best_torch)} |")
   return "\n".join(lines)
+
+
+def write_json(path: str, rows, size: ModelSize, peak_flops: float,
+               device: str) -> None:
+  """The timed rows (name, median seconds, FLOPs, loss, peak bytes), the
+  model, its tokens a step and the measured bf16 matmul peak."""
+  jax_flops = next((r["flops"] for r in rows if r["flops"]), None)
+  with open(path, "w") as f:
+    json.dump({"device": device, "jax": jax.__version__,
+               "model": dataclasses.asdict(size),
+               "tokens_per_step": size.batch * size.seq_len,
+               "measured_bf16_peak_flops": peak_flops,
+               "model_flops": jax_flops or model_flops(size),
+               "rows": rows}, f, indent=1)
 
 
 def plot(rows, path: str) -> None:
@@ -521,6 +556,14 @@ def main(argv=None):
                       help="time the torch peers only (the GPU script runs "
                            "them in a process of their own, so that jax's "
                            "allocator does not hold memory torch needs)")
+  parser.add_argument("--torch-peers", default="bf16,bf16-compile,fp16,"
+                      "fp16-compile",
+                      help="the torch peers timed, of: " + ", ".join(
+                          TORCH_PEERS))
+  parser.add_argument("--json", default=None,
+                      help="also write the rows, the model and the measured "
+                           "peak to this JSON file (benchmarks/timings.py "
+                           "reads it)")
   parser.add_argument("--plot", default=None)
   parser.add_argument("--target", choices=["h100", "h200"],
                       help="compile for this GPU (no GPU needed) and print "
@@ -564,13 +607,13 @@ def main(argv=None):
   rows = [] if args.torch_only else [
       run_jax(c, size, warmup=args.warmup, steps=args.steps) for c in chosen]
   if on_gpu and not args.no_torch:
-    for dtype_name in ("bf16", "fp16"):
-      for compiled in (False, True):
-        row = run_torch(size, dtype_name=dtype_name, compiled=compiled,
-                        warmup=args.warmup, steps=args.steps)
-        if row:
-          rows.append(row)
+    for peer in args.torch_peers.split(","):
+      row = run_torch_peer(size, peer, warmup=args.warmup, steps=args.steps)
+      if row:
+        rows.append(row)
   print(table(rows, size, peak))
+  if args.json:
+    write_json(args.json, rows, size, peak, device.device_kind)
   limit = device_memory_limit()
   if limit and not args.no_batch_search and not args.torch_only:
     for name in args.batch_search_configs.split(","):

@@ -78,14 +78,16 @@ def test_gpu_script_runs_jax_and_torch_in_processes_of_their_own(tmp_path):
                         str(tmp_path)], capture_output=True, text=True,
                        env={**os.environ, "GPU_RUN_DRY": "1"}, check=True)
   commands = [line for line in run.stdout.splitlines() if ": XLA_" in line]
-  assert {c.split(":")[0] for c in commands} == {
+  assert {c.split(" (limit")[0] for c in commands} == {
       "kernels", "fused_update", "fused_update_torch", "train_step",
       "train_step_torch", "fp8", "fp8_1.3b", "lean", "loss_kernels",
-      "compiled"}
+      "compiled", *TIMING_RUNS}
   for command in commands:
     assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in command
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in command
-    if "benchmarks/" in command:  # exactly one framework per process
+    # Exactly one framework per benchmark process (the timings table only
+    # reads JSON files).
+    if "benchmarks/" in command and "benchmarks/timings.py" not in command:
       assert ("--no-torch" in command) != ("--torch-only" in command), command
   assert not (tmp_path / "environment.txt").exists()  # nothing was run
 
@@ -104,3 +106,65 @@ def test_train_step_hands_llama7b_its_own_arguments(capsys):
                           "bf16-params", "--meshes", "fsdp=8"])
   assert [(r.config, r.mesh) for r in rows] == [("bf16-params", "fsdp=8")]
   assert "1-layer Llama" in capsys.readouterr().out
+
+
+TIMING_RUNS = ("timings_fused", "timings_fused_torch", "timings_step",
+               "timings_step_torch", "timings_fp8", "timings")
+
+
+def _dry_run(tmp_path, *parts):
+  import os
+  import subprocess
+  run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"),
+                        str(tmp_path), *parts], capture_output=True,
+                       text=True, env={**os.environ, "GPU_RUN_DRY": "1"},
+                       check=True)
+  return [line for line in run.stdout.splitlines() if ": XLA_" in line]
+
+
+def test_the_timings_part_fits_one_call_of_nine_minutes(tmp_path):
+  """``gpu_run.sh OUT timings``: P1-P5's runs, each framework in its own
+  process, within 9 minutes of time limits in all (the fp8 run only takes
+  what is left), writing the files benchmarks/timings.py reads, and the
+  table last."""
+  import re  # pylint: disable=import-outside-toplevel
+  from benchmarks import timings  # pylint: disable=import-outside-toplevel
+  commands = _dry_run(tmp_path, "timings")
+  names = [c.split(" (limit")[0] for c in commands]
+  assert names == list(TIMING_RUNS)
+  limits = [int(re.search(r"\(limit (\d+) s\)", c).group(1))
+            for c in commands]
+  assert sum(limits) <= 9 * 60, limits
+  for command in commands[:-1]:
+    assert ("--no-torch" in command) != ("--torch-only" in command), command
+  written = {re.search(r"--json \S+/(\S+)", c).group(1)
+             for c in commands[:-1]}
+  assert written == set(timings.FILES.values())
+  assert commands[-1].endswith(f"benchmarks/timings.py {tmp_path}")
+  assert not (tmp_path / "environment.txt").exists()  # nothing was run
+
+
+def test_the_timings_table_reads_what_the_timing_runs_write(tmp_path, capsys):
+  """The CPU's own figures through the same writers and reader: the ratios
+  are the JSON files' medians divided, and what did not run says so."""
+  import json  # pylint: disable=import-outside-toplevel
+  from benchmarks import fused_update, timings  # pylint: disable=import-outside-toplevel
+  fused_update.main(["--sizes", "64K", "--warmup", "1", "--repeats", "1",
+                     "--no-torch", "--json", str(tmp_path / "timings_fused.json")])
+  train_step.main(["--small", "--configs", "bf16", "--warmup", "1", "--steps",
+                   "1", "--no-torch", "--no-batch-search", "--json",
+                   str(tmp_path / "timings_step.json")])
+  rows = {(r["figure"], r["what"]): r for r in timings.main([str(tmp_path)])}
+  fused = json.loads((tmp_path / "timings_fused.json").read_text())["rows"]
+  seconds = {r["path"]: r["seconds"] for r in fused}
+  p2 = rows[("P2", "unfused / fused update time")]
+  assert p2["value"] == seconds[timings.UNFUSED_PATH] / seconds[
+      timings.FUSED_PATH]
+  assert rows[("P1", "fused update bandwidth / device copy bandwidth")][
+      "value"] > 0
+  assert rows[("P3", "torch AdamW(fused)+GradScaler / fused update time")][
+      "value"] is None  # torch did not run: "not run", never a zero
+  assert rows[("P4", "GPT-2 small step: TF32 / bf16 time")]["met"] is None
+  out = capsys.readouterr().out
+  assert "| P3 | torch AdamW(fused)+GradScaler / fused update time | not run |" in out
+
