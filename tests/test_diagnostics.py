@@ -1,8 +1,12 @@
 """Tests for jmp_lab.diagnostics."""
 
 
+import dataclasses
+import math
+
 import chex
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,6 +193,187 @@ def test_memory_report_bytes_per_param_of_each_master_mode(optimizer, state_byte
   assert row.state_bytes_per_param == pytest.approx(state_bytes, abs=0.05)
   assert row.with_grads_bytes_per_param == pytest.approx(state_bytes + 2, abs=0.05)
   assert "B/param (+ grads)" in dg.memory_report([row]).table()
+
+
+BF16 = "p=bf16,c=bf16,o=f32"
+
+
+def nbytes(tree):
+  return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def table_cells(report, row_index):
+  """The cells of one row of a memory table (0: the first configuration)."""
+  line = report.table().splitlines()[2 + row_index]
+  return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_memory_row_of_linen_params_needs_no_loss():
+  params = {"w": jnp.zeros((64, 32), jnp.bfloat16),
+            "b": jnp.zeros((32,), jnp.bfloat16)}
+  opt_state = jmp_lab.mixed_precision(optax.adamw(1e-3),
+                                      policy=BF16).init(params)
+  row = dg.memory_row("adamw", params=params, opt_state=opt_state)
+  n = 64 * 32 + 32
+  master = 4 * n  # the fp32 master counts with the params, not the optimizer
+  assert row.params == n
+  assert row.param_bytes == 2 * n + master
+  assert row.optimizer_bytes == nbytes(opt_state) - master
+  assert row.grad_bytes == 2 * n
+  assert row.activation_bytes is None
+  assert row.compiled == {} and row.device_peak is None
+
+
+def test_memory_row_measures_a_model_from_its_shapes_alone():
+  """jax.eval_shape's params and state: a model too large to build."""
+  params = {"w": jnp.zeros((64, 32), jnp.bfloat16),
+            "b": jnp.zeros((32,), jnp.bfloat16)}
+  tx = jmp_lab.fused_adamw(1e-3, policy=BF16, master="remainder")
+  built = dg.memory_row("built", params=params, opt_state=tx.init(params))
+  shapes = jax.eval_shape(lambda: params)
+  abstract = dg.memory_row("shapes", params=shapes,
+                           opt_state=jax.eval_shape(tx.init, shapes))
+  assert dataclasses.replace(abstract, name="built") == built
+  assert abstract.params == 64 * 32 + 32
+
+
+class BatchNormed(nnx.Module):
+  """Params and batch statistics: only the params are counted."""
+
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(16, 32, rngs=rngs)
+    self.norm = nnx.BatchNorm(32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.dense(x))
+
+
+@pytest.mark.parametrize("optimizer", ["flax", "jmp_lab"])
+def test_memory_row_reads_an_nnx_model_and_optimizer_as_they_are(optimizer):
+  if optimizer == "flax":
+    model = BatchNormed(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  else:
+    model = jmp_lab.nnx.with_policy(BatchNormed(nnx.Rngs(0)), BF16)
+    opt = jmp_lab.nnx.Optimizer(model, jmp_lab.mixed_precision(
+        optax.adamw(1e-3), policy=BF16), wrt=nnx.Param)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  n = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  master = 4 * n if optimizer == "jmp_lab" else 0
+  row = dg.memory_row(optimizer, params=model, opt_state=opt)
+  assert row.params == n == 16 * 32 + 32 + 2 * 32  # no batch statistics
+  assert row.param_bytes == nbytes(params) + master
+  # The optax state and the step counter, the master moved to the params.
+  assert row.optimizer_bytes == nbytes(
+      nnx.as_pure(nnx.state(opt, nnx.OptState))) - master
+  assert row.activation_bytes is None
+
+
+def test_memory_table_columns_without_a_figure_print_n_a():
+  uncompiled = memory_row_for("float32", compile_step=False)  # a loss, no step
+  compiled = memory_row_for("float32")
+  report = dg.memory_report([uncompiled, compiled])
+  activations, args, temp, peak = 5, 6, 7, 8
+  assert table_cells(report, 0)[args:peak + 1] == ["n/a"] * 3
+  assert float(table_cells(report, 0)[activations]) > 0
+  assert all(float(cell) > 0 for cell in table_cells(report, 1)[args:peak + 1])
+  no_loss = dg.memory_row("no loss", params={"w": jnp.zeros((8, 8))},
+                          opt_state=())
+  assert table_cells(dg.memory_report([no_loss]), 0)[activations:] == [
+      "n/a"] * 5
+
+
+# A GPT-2 block's shapes (768 wide), as the README's table measures them.
+GPT2_BLOCK = {"attn": (768, 2304), "proj": (768, 768), "fc": (768, 3072),
+              "out": (3072, 768), "ln": (768,), "bias": (3072,)}
+
+
+def eight_bit_bytes_per_param(shapes, master_bytes):
+  """bf16 params (2 B) and ``master_bytes`` an element of master, and two
+  8-bit moments: a byte an element and an fp32 scale a block of 256 along
+  the last axis, or fp32 moments for a leaf under 4,096 elements."""
+  total = 0
+  for shape in shapes.values():
+    size = math.prod(shape)
+    if size >= 4096 and shape[-1] % 256 == 0:
+      moments = 2 * (size + 4 * size // 256)
+    else:
+      moments = 2 * 4 * size
+    total += size * (2 + master_bytes) + moments
+  return total / sum(math.prod(s) for s in shapes.values())
+
+
+@pytest.mark.parametrize("master,rounding,remainder_bytes,readme", [
+    ("remainder", "nearest", 2, "6.03"),   # a 16-bit remainder
+    ("none", "stochastic", 0, "4.03"),
+])
+def test_memory_row_of_8_bit_moments_prints_the_readmes_bytes_per_param(
+    master, rounding, remainder_bytes, readme):
+  params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in GPT2_BLOCK.items()}
+  tx = jmp_lab.fused_adamw(1e-3, policy=BF16, master=master, rounding=rounding,
+                           mu_dtype="int8", nu_dtype="int8")
+  row = dg.memory_row("8-bit", params=params, opt_state=tx.init(params))
+  expected = eight_bit_bytes_per_param(GPT2_BLOCK, remainder_bytes)
+  # The state's scalars (count, loss scale, key) are bytes on 7M params.
+  assert row.state_bytes_per_param == pytest.approx(expected, abs=1e-4)
+  assert f"{expected:.2f}" == readme
+  state_column = 3
+  assert table_cells(dg.memory_report([row]), 0)[state_column] == readme
+
+
+def make_bad_memory_row_call(case):
+  params = {"w": jnp.zeros((4, 4), jnp.bfloat16)}
+  tx = jmp_lab.mixed_precision(optax.adamw(1e-3), policy=BF16)
+  model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  kwargs = dict(name="row", params=params, opt_state=tx.init(params))
+  kwargs.update({
+      "name is a number": dict(name=3),
+      "the optimizer as params": dict(params=nnx.Optimizer(
+          model, optax.adamw(1e-3), wrt=nnx.Param)),
+      "a linen module as params": dict(params=nn.Dense(3)),
+      "params without a float": dict(params={"step": jnp.int32(0)}),
+      "the transformation as opt_state": dict(opt_state=tx),
+      "the model as opt_state": dict(opt_state=model),
+      "an nnx.State as opt_state": dict(opt_state=nnx.state(
+          nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param))),
+      "loss_fn is no function": dict(loss_fn="loss"),
+      "loss_args is one array": dict(loss_fn=jnp.sum, loss_args=jnp.ones(3)),
+      "step is no function": dict(step=1, step_args=()),
+  }[case])
+  name = kwargs.pop("name")
+  return lambda: dg.memory_row(name, **kwargs)
+
+
+@pytest.mark.parametrize("case,error,words", [
+    ("name is a number", TypeError, ["name", "int 3", "a str"]),
+    ("the optimizer as params", TypeError,
+     ["params", "Optimizer", "pytree of arrays", "as opt_state="]),
+    ("a linen module as params", TypeError,
+     ["params", "Dense", "flax.nnx.Module", "model.init(rng, x)['params']"]),
+    ("params without a float", ValueError,
+     ["params", "no floating array", "{'step'", "pytree of arrays"]),
+    ("the transformation as opt_state", TypeError,
+     ["opt_state", "GradientTransformationExtraArgs", "an optax state",
+      "tx.init(params)"]),
+    ("the model as opt_state", TypeError,
+     ["opt_state", "Linear", "an optax state", "as params="]),
+    ("an nnx.State as opt_state", TypeError,
+     ["opt_state", "State", "nnx.Optimizer itself"]),
+    ("loss_fn is no function", TypeError, ["loss_fn", "str 'loss'",
+                                           "a function"]),
+    ("loss_args is one array", TypeError, ["loss_args", "Array",
+                                           "tuple or list", "loss_args=(x,)"]),
+    ("step is no function", TypeError, ["step", "int 1", "a function"]),
+])
+def test_memory_row_names_the_bad_argument_its_value_and_what_it_takes(
+    case, error, words):
+  call = make_bad_memory_row_call(case)
+  with pytest.raises(error) as raised:
+    call()
+  message = str(raised.value)
+  assert message.startswith("memory_row's "), message
+  missing = [w for w in words if w not in message]
+  assert not missing, (missing, message)
 
 
 # --- recorder --------------------------------------------------------------
