@@ -16,8 +16,8 @@ trace type-checks, inside :func:`~.scopes.agreement_cast_scope`:
   ``pad``'s padding value): the written value takes the buffer's dtype, as
   torch.autocast's in-place copies do;
 * the operands of ``concatenate``, ``select_n`` and ``clamp``, and the
-  outputs of ``cond``/``switch`` branches: the widest dtype among them, the
-  one jnp's promotion gives;
+  outputs of ``cond``/``switch`` branches (where jax refused them as
+  traced): the widest dtype among them, the one jnp's promotion gives;
 * a loop's carry (``scan``, ``while_loop``, ``fori_loop``): the initial
   value's dtype.
 
@@ -203,8 +203,13 @@ def _branches_agreed(branches, operands) -> list:
 def _cond(cond):
   @functools.wraps(cond)
   def agreeing_cond(pred, true_fun, false_fun, *operands, **kwargs):
-    if not _AGREEING.active or kwargs:
+    try:
       return cond(pred, true_fun, false_fun, *operands, **kwargs)
+    except TypeError:
+      # Branches are traced again only where they disagreed: tracing a
+      # branch twice is not free (nor, for some code, without effects).
+      if not _AGREEING.active or kwargs:
+        raise
     true_fun, false_fun = _branches_agreed((true_fun, false_fun), operands)
     return cond(pred, true_fun, false_fun, *operands)
   return agreeing_cond
@@ -213,8 +218,11 @@ def _cond(cond):
 def _switch(switch):
   @functools.wraps(switch)
   def agreeing_switch(index, branches, *operands, **kwargs):
-    if not _AGREEING.active or kwargs:
+    try:
       return switch(index, branches, *operands, **kwargs)
+    except TypeError:
+      if not _AGREEING.active or kwargs:
+        raise
     return switch(index, _branches_agreed(branches, operands), *operands)
   return agreeing_switch
 
