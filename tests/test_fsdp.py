@@ -1321,3 +1321,66 @@ def test_compiled_for_8_h100s_mixed_precision_layers_grow_by_their_arithmetic():
   per_layer = (temps[8] - temps[4]) / 4
   assert per_layer <= (gradient_shard + carry) * 1.02, (
       per_layer / 2**20, (gradient_shard + carry) / 2**20)
+
+
+# --- the distributed guide's NNX FSDP step, on 8 devices --------------------
+
+
+def _guide_python_block(marker: str) -> str:
+  """The one ```python block of docs/guides/distributed.md holding
+  ``marker``, as the docs runner (tests/test_docs_and_examples.py) reads
+  the page's blocks."""
+  text = (ROOT / "docs" / "guides" / "distributed.md").read_text()
+  blocks = [block for block in re.findall(r"```python\n(.*?)```", text,
+                                          flags=re.S) if marker in block]
+  assert len(blocks) == 1, f"{len(blocks)} blocks hold {marker!r}"
+  return blocks[0]
+
+
+@pytest.mark.eight_devices
+@eight_devices
+def test_the_distributed_guides_nnx_fsdp_step_trains_on_8_devices():
+  """The guide's NNX FSDP block as written, in the 8-device process (the
+  docs runner runs it on the session's 2): a mesh of fsdp=8 with auto axes;
+  the loss finite and falling over its three steps; after them every param
+  split over fsdp has its fp32 master and both 8-bit moments (codes and
+  scales) split over fsdp as it is, 8 ways."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
+  from jmp_lab.kernels.quantized import QuantizedMoment  # pylint: disable=import-outside-toplevel
+  namespace = {"__name__": "__docs__"}
+  exec(compile(_guide_python_block('mu_dtype="int8"'),  # pylint: disable=exec-used
+               "distributed.md, FSDP with Flax NNX", "exec"), namespace)
+  mesh, model, optimizer = (namespace[k] for k in ("mesh", "model",
+                                                   "optimizer"))
+  assert dict(mesh.shape) == {"fsdp": 8}
+  assert tuple(mesh.axis_types) == (AxisType.Auto,)
+  losses = namespace["losses"]
+  assert len(losses) >= 2 and np.all(np.isfinite(losses)), losses
+  assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+  params = {path: v.get_value() for path, v in
+            nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  split = {path: x for path, x in params.items() if _shards(x) > 1}
+  # the embedding and the three kernels, by rows; the biases replicated
+  assert sorted(split) == [("down", "kernel"), ("embed", "embedding"),
+                           ("head", "kernel"), ("up", "kernel")], sorted(split)
+  assert all(x.dtype == jnp.bfloat16 and _shards(x) == 8
+             and x.sharding.spec[0] == "fsdp" for x in split.values())
+  state = nnx.as_pure(nnx.state(optimizer, nnx.OptState))["opt_state"]
+  for path, param in split.items():
+    master = functools.reduce(lambda t, k: t[k], path, state["master_params"])
+    assert master.dtype == jnp.float32, path
+    assert master.sharding.spec == param.sharding.spec, (path, master.sharding)
+    for name in ("mu", "nu"):
+      moment = functools.reduce(lambda t, k: t[k], path, state[name])
+      moment = QuantizedMoment(moment["codes"], moment["scales"]) if (
+          not isinstance(moment, QuantizedMoment)) else moment
+      codes, scales = moment.codes, moment.scales
+      assert codes.shape == param.shape and codes.dtype.itemsize == 1, (
+          path, name, codes.dtype)
+      assert scales.dtype == jnp.float32, (path, name)
+      for array in (codes, scales):
+        assert array.sharding.spec == param.sharding.spec, (
+            path, name, array.sharding)
+        assert _shards(array) == 8, (path, name, array.sharding)
