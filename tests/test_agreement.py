@@ -139,7 +139,8 @@ DECODES = {"nnx": _nnx_decode, "linen": _linen_decode}
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_a_float32_cache_from_outside_prefills_and_decodes(route, policy):
   """Prefill and two decode steps run; the logits are within half-precision
-  tolerance of the plain model's; the cache stays float32."""
+  tolerance of the plain model's; the cache the NNX model keeps stays
+  float32 (linen's comes back as an output, in the output dtype)."""
   outs, cache = DECODES[route](policy)
   want, _ = DECODES[route](None)
   tolerance = {"mixed_bfloat16": 0.05, "mixed_float16": 0.01}[policy]
@@ -178,6 +179,15 @@ def _cases(new_fn):
           lambda c, x: (new_fn(c, x), c.sum()), h, xs)[0],
       "cond": lambda h, xs: jax.lax.cond(
           xs.sum() > 0, lambda: new_fn(h, xs[0]), lambda: h),
+      "while_loop": lambda h, xs: jax.lax.while_loop(
+          lambda c: c[0] < xs.shape[0],
+          lambda c: (c[0] + 1, new_fn(c[1], xs[c[0]])), (0, h))[1],
+      "switch": lambda h, xs: jax.lax.switch(
+          (xs.sum() > 0).astype(jnp.int32),
+          [lambda: h, lambda: new_fn(h, xs[0])]),
+      "clamp": lambda h, xs: jax.lax.clamp(h - 0.5, new_fn(h, xs[0]), h + 0.5),
+      "pad": lambda h, xs: jax.lax.pad(
+          new_fn(h, xs[0]), h[0, 0], [(0, 1, 0), (0, 0, 0)]),
   }
 
 
@@ -228,7 +238,7 @@ def test_with_policy_and_autocast_agree_on_each_primitive(case, jitted):
   cast = jax.jit(cast) if jitted else cast
   got = policed(model, XS)
   got_autocast = cast(kernel, bias, XS)
-  chex.assert_type([got, got_autocast], jnp.float32)
+  chex.assert_type([got, got_autocast], jnp.float32)  # the output dtype
   chex.assert_trees_all_close(got, got_autocast)
   chex.assert_trees_all_close(got, want, atol=0.05, rtol=0.05)
 
@@ -249,13 +259,82 @@ def test_a_write_keeps_its_buffers_dtype_under_autocast(case):
                if jnp.issubdtype(v.aval.dtype, jnp.floating))
 
 
+LOOPS = ("scan", "while_loop", "fori_loop", "cond", "switch")
+AGREED_PRIMITIVES = (jax.lax.dynamic_update_slice_p, jax.lax.concatenate_p,
+                     jax.lax.select_n_p, jax.lax.clamp_p, jax.lax.pad_p,
+                     jax.lax.scatter_p)
+
+
+def _patched() -> list:
+  return ([p.name for p in AGREED_PRIMITIVES if "bind" in vars(p)]
+          + [name for name, f in zip(LOOPS, ORIGINAL_LOOPS)
+             if getattr(jax.lax, name) is not f])
+
+
+ORIGINAL_LOOPS = tuple(getattr(jax.lax, name) for name in LOOPS)
+
+
 def test_agreement_is_only_in_place_while_tracing_under_rules():
-  """Outside the engine's trace, jax's own checks stand, and its public
-  loop functions are its own again."""
-  scan = jax.lax.scan
+  """Outside the engine's trace, jax's primitives and public loop functions
+  are its own again, after a policed call that returned and after one that
+  raised, and jax's own checks stand."""
   model = jmp_lab.nnx.with_policy(Model("scan", nnx.Rngs(0)), "mixed_bfloat16")
   model(XS)
-  assert jax.lax.scan is scan
+  assert _patched() == []
+  with pytest.raises(TypeError):
+    model(XS[..., :3])  # the Linear refuses the width: an error mid-trace
+  assert _patched() == []
   with pytest.raises(TypeError, match="same dtypes"):
     jax.lax.dynamic_update_slice(jnp.zeros((2,), jnp.float32),
                                  jnp.ones((1,), jnp.bfloat16), (0,))
+
+
+def test_a_bad_scan_body_still_gets_jaxs_own_error():
+  """A body that returns no ``(carry, y)`` pair: jax's message, not an
+  unpacking error of jmp_lab's."""
+  class Bad(nnx.Module):
+    def __init__(self, rngs):
+      self.cell = Cell(rngs)
+
+    def __call__(self, xs):
+      h = jnp.zeros((BATCH, WIDTH), jnp.float32)
+      return jax.lax.scan(lambda c, x: self.cell(c, x), h, xs)
+
+  model = jmp_lab.nnx.with_policy(Bad(nnx.Rngs(0)), "mixed_bfloat16")
+  with pytest.raises(TypeError, match="scan body output must be a pair"):
+    model(XS)
+
+
+def test_fp32_values_written_into_a_stored_buffer_stay_fp32():
+  """Rotary angles built from integers and written into a zeros table stay
+  fp32 where they are used (the write's result took the buffer's role,
+  and the product with a half activation ran in bf16)."""
+  def rotate(kernel, x):
+    h = x @ kernel
+    angles = jnp.arange(WIDTH // 2, dtype=jnp.float32)[None, :] * 0.37
+    table = jnp.ones((BATCH, WIDTH), jnp.float32).at[:, :WIDTH // 2].set(
+        jnp.cos(angles))
+    return h * table
+  jaxpr = jax.make_jaxpr(jmp_lab.autocast(rotate, "mixed_bfloat16"))(
+      jnp.ones((WIDTH, WIDTH)), jnp.ones((BATCH, WIDTH))).jaxpr
+  (product,) = [e for e in jaxpr.eqns if e.primitive.name == "mul"
+                and e.outvars[0].aval.shape == (BATCH, WIDTH)]
+  assert product.outvars[0].aval.dtype == jnp.float32
+
+
+def test_linen_captured_intermediates_keep_their_dtypes():
+  """The model's output is cast to the output dtype; what
+  ``capture_intermediates`` returns beside it is left as computed (it was
+  all cast to float32)."""
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(nn.Dense(8)(x))
+
+  model = jmp_lab.linen.with_policy(Net(), "mixed_bfloat16")
+  x = jnp.ones((2, 4))
+  variables = Net().init(jax.random.key(0), x)
+  out, state = model.apply(variables, x, capture_intermediates=True)
+  chex.assert_type(out, jnp.float32)
+  chex.assert_type(state["intermediates"]["Dense_0"]["__call__"][0],
+                   jnp.bfloat16)

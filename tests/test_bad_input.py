@@ -5,6 +5,7 @@ accepted -- never a jax-internal error or a silent wrong answer."""
 import functools
 import re
 
+import chex
 import flax.linen as nn
 from flax.training import train_state as flax_ts
 import jax
@@ -424,11 +425,15 @@ def test_a_gpu_backend_compiled_for_the_cpu_is_refused_by_name(backend):
                            backend=backend, layout="flat")
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
-  with pytest.raises(ValueError, match=(
-      rf"fused backend '{backend}' runs its Pallas kernel on an NVIDIA GPU "
-      r"only, and this step is being compiled for 'cpu'; pass "
-      r"backend='auto' .* 'reference', or 'interpret'")):
+  refused = (rf"fused backend '{backend}' runs its Pallas kernel on an NVIDIA "
+             r"GPU only, and this step is being compiled for 'cpu'; pass "
+             r"backend='auto' .* 'reference', or 'interpret'")
+  before = jax.tree.map(jnp.copy, state)
+  with pytest.raises(ValueError, match=refused):
     jax.jit(tx.update)(grads, state, params)
+  with pytest.raises(ValueError, match=refused):  # op by op, un-jitted
+    tx.update(grads, state, params)
+  chex.assert_trees_all_equal(state, before)  # the state is as it was
   # Fine where it is asked for: interpret mode runs the same kernel here.
   interpret = jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16,o=f32",
                                   backend="interpret", layout="flat")

@@ -18,7 +18,7 @@ import pytest
 
 import jmp_lab
 from jmp_lab._src import cuda_plugin
-from jmp_lab.diagnostics import compiled, hlo
+from jmp_lab.diagnostics import _walk, compiled, hlo
 from jmp_lab.kernels import multi_tensor
 from jmp_lab.kernels.reference import AdamWConfig
 
@@ -67,7 +67,7 @@ def test_hlo_reader_resolves_shapes_operands_and_configs():
 
 
 def test_walker_counts_kernels_gemms_collectives_and_custom_call_bytes():
-  walker = compiled._Walker(hlo.parse_module(HLO))
+  walker = _walk.Walker(hlo.parse_module(HLO))
   walker.walk(walker.module.entry, 1)
   assert walker.kernels == 3  # cuBLAS, the fusion, the all-reduce
   (gemm,) = walker.gemms
@@ -91,7 +91,7 @@ ENTRY %main (a: f32[256], b: bf16[64,8], c: f32[512]) -> (f32[32], bf16[8,8], f3
   ROOT %done = (f32[32]{0}, bf16[8,8]{1,0}, f32[64]{0}) reduce-scatter-done(%rs)
 }
 """
-  walker = compiled._Walker(hlo.parse_module(text))
+  walker = _walk.Walker(hlo.parse_module(text))
   walker.walk(walker.module.entry, 1)
   (scatter,) = walker.collectives
   assert scatter.kind == "reduce-scatter"

@@ -214,3 +214,33 @@ def test_a_scanned_stack_read_only_by_gemms_enters_the_loop_in_half():
   grads = jax.grad(lambda k: cast(h, k, scales).sum())(kernels)
   chex.assert_type(grads, jnp.float32)
   chex.assert_tree_all_finite(grads)
+  # The gradient is the one of casting in the loop: each layer's bf16
+  # cotangent widened to fp32, once before the loop or once in it.
+  chex.assert_trees_all_equal(grads, jax.grad(
+      lambda k: cast(h, k.astype(jnp.bfloat16), scales).sum())(kernels))
+
+
+def _scan_of(layer):
+  return lambda h, stack: jax.lax.scan(lambda c, w: (layer(c, w), None), h,
+                                       stack)[0]
+
+
+@pytest.mark.parametrize("name,layer", [
+    # Two GEMMs read each kernel: their gradients are summed in fp32 after
+    # each cast's transpose; hoisted, they would be summed in bf16.
+    ("two GEMMs", lambda h, w: jnp.tanh(h @ w) + jnp.tanh(h @ w.T)),
+    # A cast to half that only feeds fp32 ops runs in fp32 (Mamba's
+    # exp(A_log)): hoisted, it would be rounded to bf16 first.
+    ("a cast into fp32 ops", lambda h, w: h * jnp.exp(
+        -w.astype(jnp.bfloat16)).sum(0)),
+])
+def test_a_scanned_stack_read_otherwise_stays_as_stored(name, layer):
+  """Only a stack with one half read enters the loop in half."""
+  del name
+  h = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
+  stack = jnp.asarray(np.random.default_rng(1).normal(size=(3, 32, 32)),
+                      jnp.float32) / 6
+  cast = jmp_lab.autocast(_scan_of(layer), "mixed_bfloat16")
+  jaxpr = jax.make_jaxpr(cast)(h, stack).jaxpr
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert scan.invars[-1].aval.dtype == jnp.float32

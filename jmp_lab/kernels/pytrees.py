@@ -74,6 +74,8 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
 
 
 def scalar_predicate(pred: Any, what: str) -> jax.Array:
+  """``pred`` as a scalar bool array (a Python bool too); a TypeError that
+  names ``what`` for anything else."""
   if isinstance(pred, (bool, np.bool_)):
     return jnp.asarray(pred)
   dtype = getattr(pred, "dtype", None)

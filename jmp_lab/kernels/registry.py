@@ -13,6 +13,7 @@ reference elsewhere. A new backend is a new module that registers its row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable, Optional
 
@@ -151,20 +152,24 @@ def _refuse_lowering(ctx, *args, backend, out_avals):
   raise ValueError(_refusal_message(backend, ", ".join(platforms)))
 
 
+def _refuse_eagerly(*args, backend, out_avals):
+  del args, out_avals
+  raise ValueError(_refusal_message(backend, jax.default_backend()))
+
+
+@functools.lru_cache(maxsize=None)
 def _refused_primitive():
   """A primitive that stands for a GPU-only kernel on other platforms: it
-  traces (its outputs' types are the kernel's), and lowering it raises
-  :func:`_refusal_message`'s error."""
+  traces (its outputs' types are the kernel's); lowering it, or running it
+  op by op, raises :func:`_refusal_message`'s error."""
   from jax.extend import core as jex_core
   from jax.interpreters import mlir
   primitive = jex_core.Primitive("jmp_lab_gpu_only_backend")
   primitive.multiple_results = True
   primitive.def_abstract_eval(lambda *args, backend, out_avals: out_avals)
+  primitive.def_impl(_refuse_eagerly)
   mlir.register_lowering(primitive, _refuse_lowering)
   return primitive
-
-
-_REFUSED = []
 
 
 def _on_cuda_only(backend: Backend, run: Callable, *args):
@@ -176,9 +181,7 @@ def _on_cuda_only(backend: Backend, run: Callable, *args):
   out_avals, shapes = tuple(traced[0].out_avals), traced[1]
 
   def refused(*a):
-    if not _REFUSED:
-      _REFUSED.append(_refused_primitive())
-    outs = _REFUSED[0].bind(*jax.tree_util.tree_leaves(a),
+    outs = _refused_primitive().bind(*jax.tree_util.tree_leaves(a),
                             backend=backend.name, out_avals=out_avals)
     return jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(shapes), outs)

@@ -10,7 +10,7 @@ pattern XLA's GPU compiler rewrites into a cuBLASLt fp8 GEMM.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp

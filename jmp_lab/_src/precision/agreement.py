@@ -12,9 +12,9 @@ In the program as written every such input had one dtype. While the engine
 traces (:func:`agreeing`), the inputs the policy made differ are cast so the
 trace type-checks, inside :func:`~.scopes.agreement_cast_scope`:
 
-* a write into a buffer (``dynamic_update_slice``, the ``scatter`` family,
-  ``pad``'s padding value): the written value takes the buffer's dtype, as
-  torch.autocast's in-place copies do;
+* a write into a buffer (``dynamic_update_slice``, the ``scatter``
+  family): the written value takes the buffer's dtype, as torch.autocast's
+  in-place copies do; ``pad``'s padding value takes its operand's;
 * the operands of ``concatenate``, ``select_n`` and ``clamp``, and the
   outputs of ``cond``/``switch`` branches (where jax refused them as
   traced): the widest dtype among them, the one jnp's promotion gives;
@@ -33,7 +33,10 @@ where the operands are agreed; loops and branches check their carries in
 Python before they bind anything, so their public functions (``jax.lax.scan``
 and the rest, which Flax's own ``nn.scan`` and ``nnx.scan`` call) are
 wrapped. Both act only on the thread that is tracing under the rules, and
-are in place only while some thread is.
+are in place only while some thread is. One way out remains: a function
+jitted by the code, first traced inside a policed call, keeps the agreed
+program in jax's cache, and a later call outside the policy with the same
+mismatched types gets that program rather than jax's type error.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import numpy as np
 
 from jmp_lab._nesting import Nesting
 from jmp_lab._src.precision import scopes
+from jmp_lab._src.precision.values import is_floating
 
 _AGREEING = Nesting()
 _LOCK = threading.Lock()
@@ -56,11 +60,7 @@ _INSTALLED = {"count": 0}
 
 
 def _floating(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  try:
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-  except TypeError:  # an extended dtype (a PRNG key's)
-    return False
+  return is_floating(getattr(x, "dtype", None))
 
 
 def _agreed(x: Any, dtype: Any) -> Any:
@@ -153,8 +153,10 @@ def _scan(scan):
       return scan(f, init, xs, *args, **kwargs)
 
     def body(carry, x):
-      new, y = f(carry, x)
-      return like(new, carry), y
+      out = f(carry, x)
+      if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        return out  # not a (carry, y) pair: jax says what is wrong
+      return like(out[0], carry), out[1]
     return scan(body, init, xs, *args, **kwargs)
   return agreeing_scan
 
@@ -203,6 +205,8 @@ def _branches_agreed(branches, operands) -> list:
 def _cond(cond):
   @functools.wraps(cond)
   def agreeing_cond(pred, true_fun, false_fun, *operands, **kwargs):
+    if not operands and set(kwargs) == {"operand"}:  # jax's older form
+      operands, kwargs = (kwargs["operand"],), {}
     try:
       return cond(pred, true_fun, false_fun, *operands, **kwargs)
     except TypeError:
@@ -218,6 +222,8 @@ def _cond(cond):
 def _switch(switch):
   @functools.wraps(switch)
   def agreeing_switch(index, branches, *operands, **kwargs):
+    if not operands and set(kwargs) == {"operand"}:
+      operands, kwargs = (kwargs["operand"],), {}
     try:
       return switch(index, branches, *operands, **kwargs)
     except TypeError:

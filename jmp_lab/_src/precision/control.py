@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import _compat as compat
-from jmp_lab._src.precision import (hoisting, observers, scopes, table,
+from jmp_lab._src.precision import (observers, reads, scopes, table,
                                     tracing)
 from jmp_lab._src.precision.ops import MATMUL_OPS
 from jmp_lab._src.precision.values import (Op, Role, as_written, aval, bind,
@@ -302,13 +302,13 @@ def _hoisted_casts(body, first: int, xs: list, roles: list,
   """The stacked inputs that only half GEMMs read in the body (layers'
   kernels), cast to that dtype before the loop: the same values, half
   the bytes in the loop's copies and its stacked gradients
-  (:mod:`.hoisting`)."""
+  (:mod:`.reads`)."""
   jaxpr, consts = body
   hoisted = []
   for i, (x, role) in enumerate(zip(xs, roles)):
     dtype = dtype_of(x)
     if role == Role.STORED and is_floating(dtype) and not is_half(dtype):
-      half = hoisting.half_gemm_operand(jaxpr, consts, first + i,
+      half = reads.half_gemm_operand(jaxpr, consts, first + i,
                                         context.rules, context.base)
       if half is not None:
         x = jax.lax.convert_element_type(x, half)

@@ -133,8 +133,10 @@ def into_destination(op: Op) -> tuple[list, list]:
   """A write into a buffer (``dynamic_update_slice``, ``scatter``): the
   written value takes the buffer's dtype, as torch.autocast's in-place
   copies do, so a float32 cache stays float32 whatever dtype the policy
-  computed its new entries in. The result is the buffer: a stored buffer
-  stays a stored value (read in the dtype each use computes in)."""
+  computed its new entries in. The result's role is the buffer's or the
+  written value's, whichever decides more: a stored buffer written with
+  half values reads as half, one written with fp32 values (rotary angles
+  built from integers) stays fp32."""
   buffer, value_index = op.invals[0], _WRITTEN_VALUE[op.name]
   dtype = dtype_of(buffer, op.eqn.invars[0])
   if not is_floating(dtype):
@@ -145,7 +147,7 @@ def into_destination(op: Op) -> tuple[list, list]:
     outs = bind(op.eqn, args)
   except (TypeError, ValueError):
     return as_written(op)
-  return outs, [op.roles[0]]
+  return outs, [max(op.roles[0], op.roles[value_index])]
 
 
 # Which input a write's new values are (the buffer is input 0).

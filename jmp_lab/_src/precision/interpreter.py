@@ -31,7 +31,7 @@ from jax.extend import source_info_util as _source_info
 from jmp_lab import _compat as compat
 from jmp_lab._nesting import Nesting
 from jmp_lab._src.precision import agreement, observers, scopes, table
-from jmp_lab._src.precision.ops import COMPUTE_OPS
+from jmp_lab._src.precision.reads import pulled_into_fp32
 from jmp_lab._src.precision.tracing import trace
 from jmp_lab._src.precision.values import (Context, Op, Role, aval, cast,
                                            dtype_of,
@@ -153,49 +153,6 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any],
 
 def _dispatch(op: Op) -> tuple[list, list]:
   return table.handler(op)(op)
-
-
-def pulled_into_fp32(jaxpr, fp32_ops: frozenset) -> set[int]:
-  """The equations that only feed fp32 ops: they run in fp32 too.
-
-  ``jax.nn.softmax(x)`` is ``exp(x - max(x)) / sum(...)``. Run as written
-  from bf16 ``x``, ``x - max(x)`` would be rounded to bf16 before ``exp``
-  saw it. An op (elementwise, a layout change or a cast) whose every result
-  is used only by fp32 ops, or by ops pulled in this way, runs in fp32 from
-  its half inputs, so the whole softmax, logsumexp or norm statistic is
-  computed in fp32, as torch computes its fused ops. A value that is also
-  used elsewhere (a residual stream) keeps its dtype: only the fp32 ops
-  see it upcast.
-  """
-  uses: dict = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for var in eqn.invars:
-      if not isinstance(var, jex_core.Literal):
-        uses.setdefault(var, []).append(i)
-  for var in jaxpr.outvars:
-    if not isinstance(var, jex_core.Literal):
-      uses.setdefault(var, []).append(-1)
-  pulled: set = set()
-
-  def feeds_fp32(var) -> bool:
-    if isinstance(var, jex_core.DropVar):
-      return True
-    users = uses.get(var, ())
-    return bool(users) and all(
-        i >= 0 and (i in pulled or jaxpr.eqns[i].primitive.name in fp32_ops)
-        for i in users)
-
-  for i in range(len(jaxpr.eqns) - 1, -1, -1):
-    eqn = jaxpr.eqns[i]
-    name = eqn.primitive.name
-    if name in fp32_ops or not (name in COMPUTE_OPS
-                                or name == "convert_element_type"):
-      continue
-    floating = [v for v in eqn.outvars
-                if is_floating(getattr(v.aval, "dtype", None))]
-    if floating and all(feeds_fp32(v) for v in floating):
-      pulled.add(i)
-  return pulled
 
 
 __all__ = ["apply_rules", "evaluate", "is_tracing", "outputs_in",

@@ -76,9 +76,9 @@ class PolicyModule:
     # theirs.
     output = self.plan.output_dtype(self.plan.decide([("", self.module)]),
                                     True)
-    if mutable is False:
+    if mutable is False and not kwargs.get("capture_intermediates"):
       return outputs_in(result, output)
-    out, mutated = result
+    out, mutated = result  # Flax's (outputs, variables)
     return outputs_in(out, output), mutated
 
   def __call__(self, variables, *args, **kwargs):
