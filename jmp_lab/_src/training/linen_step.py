@@ -324,9 +324,10 @@ def _check_step_arguments(state: Any, batch: Any) -> None:
     raise TypeError(
         f"state must be a jmp_lab.TrainState, got "
         f"{type(state).__module__}.{type(state).__qualname__} (Flax's own "
-        f"TrainState, which keeps no fp32 master, loss scale or skipped "
-        f"steps); build it with jmp_lab.TrainState.create(apply_fn=..., "
-        f"params=..., tx=jmp_lab.mixed_precision(optax.adamw(...), "
+        f"TrainState: this step reads the policy and the loss scale from "
+        f"jmp_lab's; a loop of your own keeps Flax's, docs/guides/"
+        f"own_loop.md); build it with jmp_lab.TrainState.create(apply_fn="
+        f"..., params=..., tx=jmp_lab.mixed_precision(optax.adamw(...), "
         f"policy=...)), which takes the same apply_fn, params and tx")
   raise TypeError(
       f"state must be a jmp_lab.TrainState (from jmp_lab.TrainState.create"
