@@ -163,12 +163,40 @@ def _skip_model_compiles() -> str:
   return ""
 
 
+# ---------------------------------------------------------------------------
+# CI's two lanes split the heaviest groups of tests that do not need both
+# jax versions to mean something (docs/development.md names them and why):
+# ``floor_lane`` tests run on jax < 0.11 (CI's floor lane), ``newest_lane``
+# ones on jax >= 0.11 (CI's newest lane and the GPU machines).
+# JMP_LAB_LANES=all runs both groups on any jax.
+# ---------------------------------------------------------------------------
+
+
+def _skip_other_lane(item) -> str:
+  """Why ``item`` is skipped on this jax's lane ("" where it runs)."""
+  if os.environ.get("JMP_LAB_LANES", "") == "all":
+    return ""
+  from jmp_lab import _compat  # pylint: disable=import-outside-toplevel
+  version = tuple(int(part) for part in _compat.JAX_VERSION.split(".")[:2])
+  newest = version >= MODEL_COMPILES_FROM
+  lane = ("floor_lane" if item.get_closest_marker("floor_lane") else
+          "newest_lane" if item.get_closest_marker("newest_lane") else None)
+  if lane is None or (lane == "newest_lane") == newest:
+    return ""
+  where = ("jax < 0.11 (CI's floor lane)" if lane == "floor_lane" else
+           "jax >= 0.11 (CI's newest lane)")
+  return (f"CI runs it on {where} only (docs/development.md); "
+          f"JMP_LAB_LANES=all runs it on this jax {_compat.JAX_VERSION}")
+
+
 def pytest_collection_modifyitems(items):
   reason = _skip_model_compiles()
-  if reason:
-    for item in items:
-      if item.get_closest_marker("model_compile"):
-        item.add_marker(pytest.mark.skip(reason=reason))
+  for item in items:
+    if reason and item.get_closest_marker("model_compile"):
+      item.add_marker(pytest.mark.skip(reason=reason))
+    lane_reason = _skip_other_lane(item)
+    if lane_reason:
+      item.add_marker(pytest.mark.skip(reason=lane_reason))
 
   def rank(item):
     name = item.path.name

@@ -91,11 +91,13 @@ def run_example(name, *args):
     sys.path.pop(0)
 
 
+@pytest.mark.newest_lane
 def test_quickstart_example_smoke():
   accuracy = run_example("quickstart.py", "--steps", "30")
   assert 0.0 <= accuracy <= 1.0
 
 
+@pytest.mark.newest_lane
 def test_digits_cnn_example_smoke(tmp_path):
   results = run_example("digits_cnn.py", "--epochs", "1", "--batch-size", "128",
                         "--no-progress", "--out-dir", str(tmp_path),
@@ -106,6 +108,7 @@ def test_digits_cnn_example_smoke(tmp_path):
   assert (tmp_path / "digits_cnn_mixed_float16_dynamic.png").stat().st_size > 10_000
 
 
+@pytest.mark.newest_lane
 def test_char_transformer_example_smoke_with_fused_fp16_and_resume(tmp_path):
   text = tmp_path / "text.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -120,6 +123,7 @@ def test_char_transformer_example_smoke_with_fused_fp16_and_resume(tmp_path):
   assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0
 
 
+@pytest.mark.newest_lane
 def test_char_transformer_nnx_example_smoke_with_remainder_and_resume(tmp_path):
   text = tmp_path / "text.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
@@ -136,6 +140,7 @@ def test_char_transformer_nnx_example_smoke_with_remainder_and_resume(tmp_path):
   assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0
 
 
+@pytest.mark.newest_lane
 def test_autocast_equinox_example_smoke(tmp_path):
   text = tmp_path / "text.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 200)

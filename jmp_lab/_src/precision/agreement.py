@@ -52,7 +52,7 @@ import numpy as np
 
 from jmp_lab._nesting import Nesting
 from jmp_lab._src.precision import scopes
-from jmp_lab._src.precision.values import is_floating
+from jmp_lab._src.precision.scopes import is_floating
 
 _AGREEING = Nesting()
 _LOCK = threading.Lock()

@@ -37,7 +37,7 @@ from jax.extend import core as jex_core
 from jmp_lab import _compat as compat
 from jmp_lab._src.precision import scopes, tracing
 from jmp_lab._src.precision.ops import COMPUTE_OPS, MATMUL_OPS
-from jmp_lab._src.precision.values import is_floating, is_half
+from jmp_lab._src.precision.scopes import is_floating, is_half
 
 #: Ops that move values without arithmetic: a value read through them is
 #: still read as it is.

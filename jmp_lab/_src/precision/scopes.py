@@ -27,6 +27,21 @@ _REDUCE = PREFIX + "reduce:"
 HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
+def is_floating(dtype: Any) -> bool:
+  """A floating dtype the rules move values between: 16 bits or more.
+  fp8 values are the fp8 kernels' own (they choose their scales): the rules
+  neither cast them nor give them a role."""
+  try:
+    return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+            and np.dtype(dtype).itemsize >= 2)
+  except TypeError:
+    return False
+
+
+def is_half(dtype: Any) -> bool:
+  return dtype is not None and np.dtype(dtype) in HALF_DTYPES
+
+
 @dataclasses.dataclass(frozen=True)
 class Region:
   """How the ops of a region run.

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jmp_lab import _checks
 from jmp_lab._src.numerics import fp8_state as fp8
+from jmp_lab._src.numerics.fp8_quantize import observed_finite
 from jmp_lab._src.precision.nnx_layers import policy_dtypes
 from jmp_lab._src.precision.nnx_layers import Fp8State
 from jmp_lab._src.precision_warnings import recording, warn_unless_half
@@ -245,7 +246,7 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   steps_before = optimizer.step[...]  # where next_meta writes the amaxes
   # A non-finite observed amax skips the step too.
   optimizer.update(model, scaled_grads, also_finite=(
-      fp8.observed_finite(fp8_observed) if fp8_observed else None))
+      observed_finite(fp8_observed) if fp8_observed else None))
   applied = optimizer.last_step_applied
   after = nnx.as_pure(nnx.state(model, others))
   nnx.update(model, select_tree(applied, after, before))
