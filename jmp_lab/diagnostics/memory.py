@@ -145,18 +145,26 @@ def _shown(value: Any, width: int = 72) -> str:
   return f"{type(value).__name__} {text}"
 
 
-def _misplaced_params(value: Any) -> Optional[str]:
-  """What to pass instead of ``value`` as params, or None if it may be a
-  tree of params."""
-  if isinstance(value, nnx.Optimizer):
-    return "pass the optimizer as opt_state= and its model as params="
-  if _is_transformation(value):
-    return "an optax transformation holds no params: pass the params it trains"
-  if isinstance(value, linen.Module):
-    return "a linen Module holds no arrays: pass model.init(rng, x)['params']"
-  if value is None or callable(value):
-    return "pass the params themselves"
-  return None
+def _first_hint(value: Any, hints) -> Optional[str]:
+  """The hint of the first ``(test, hint)`` pair whose test ``value``
+  passes, or None: what to pass instead of a value that cannot be it."""
+  return next((hint for test, hint in hints if test(value)), None)
+
+
+def _no_value(value: Any) -> bool:
+  return value is None or callable(value)
+
+
+# What to pass instead of a value that cannot be the params.
+_PARAMS_HINTS = (
+    (lambda v: isinstance(v, nnx.Optimizer),
+     "pass the optimizer as opt_state= and its model as params="),
+    (lambda v: _is_transformation(v),
+     "an optax transformation holds no params: pass the params it trains"),
+    (lambda v: isinstance(v, linen.Module),
+     "a linen Module holds no arrays: pass model.init(rng, x)['params']"),
+    (_no_value, "pass the params themselves"),
+)
 
 
 def _pure_params(params: Any) -> Any:
@@ -173,7 +181,7 @@ def _pure_params(params: Any) -> Any:
     return nnx.as_pure(nnx.state(params, nnx.Param))
   if isinstance(params, nnx.State):
     return nnx.as_pure(params)
-  hint = _misplaced_params(params)
+  hint = _first_hint(params, _PARAMS_HINTS)
   if hint is not None:
     raise TypeError(f"memory_row's params must be {_PARAMS_ACCEPTED}, got "
                     f"{_shown(params)}; {hint}")
@@ -184,20 +192,18 @@ def _pure_params(params: Any) -> Any:
   return params
 
 
-def _misplaced_opt_state(value: Any) -> Optional[str]:
-  """What to pass instead of ``value`` as opt_state, or None if it may be
-  an optimizer's state."""
-  if _is_transformation(value):
-    return "pass the transformation's state, tx.init(params)"
-  if isinstance(value, nnx.Module):
-    return "pass the model as params= and its nnx.Optimizer as opt_state="
-  if isinstance(value, nnx.State):
+# What to pass instead of a value that cannot be an optimizer's state.
+_OPT_STATE_HINTS = (
+    (lambda v: _is_transformation(v),
+     "pass the transformation's state, tx.init(params)"),
+    (lambda v: isinstance(v, nnx.Module),
+     "pass the model as params= and its nnx.Optimizer as opt_state="),
     # nnx.state turns optax's named tuples into dicts, and with them goes
     # what tells the stored master from the moments.
-    return "pass the nnx.Optimizer itself, whose state keeps optax's structure"
-  if value is None or callable(value):
-    return "pass tx.init(params), or () for an optimizer without state"
-  return None
+    (lambda v: isinstance(v, nnx.State),
+     "pass the nnx.Optimizer itself, whose state keeps optax's structure"),
+    (_no_value, "pass tx.init(params), or () for an optimizer without state"),
+)
 
 
 def _optimizer_state(opt_state: Any) -> tuple[Any, Any]:
@@ -212,7 +218,7 @@ def _optimizer_state(opt_state: Any) -> tuple[Any, Any]:
     # read as its own attribute, keeps its named tuples for find_state.
     return (nnx.as_pure(nnx.state(opt_state, nnx.OptState)),
             nnx.as_pure(opt_state.opt_state))
-  hint = _misplaced_opt_state(opt_state)
+  hint = _first_hint(opt_state, _OPT_STATE_HINTS)
   if hint is not None:
     raise TypeError(f"memory_row's opt_state must be {_OPT_STATE_ACCEPTED}, "
                     f"got {_shown(opt_state)}; {hint}")
