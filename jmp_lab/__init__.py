@@ -13,6 +13,8 @@ The public API lives here; each concept has its own module:
   pass (:mod:`jmp_lab.kernels` holds the backends);
 * :mod:`jmp_lab.fp8` -- fp8 matmuls with per-tensor (delayed or current)
   scaling, for policies with ``matmul=fp8``;
+* :mod:`jmp_lab.block_scaled` -- Blackwell's MXFP8 and NVFP4 block-scaled
+  matmuls, for policies with ``matmul=mxfp8`` or ``matmul=nvfp4``;
 * :mod:`jmp_lab.precision` -- the precision engine: ``autocast(fn,
   policy)`` for any JAX function, the rules (as data) the Flax front ends
   share, and scopes;
@@ -36,7 +38,7 @@ The public API lives here; each concept has its own module:
 # configuration error at every start and not register for compiles for an
 # H100. Importing _src/cuda_plugin.py turns its version check off there.
 from jmp_lab._src import cuda_plugin as _cuda_plugin  # noqa: F401
-from jmp_lab import (attention, diagnostics, fp8, kernels, linen, losses, nnx,
+from jmp_lab import (attention, block_scaled, diagnostics, fp8, kernels, linen, losses, nnx,
                      precision, sharding)
 from jmp_lab.autocast import autocast
 from jmp_lab.fused import flat_params, fused_adamw, unflatten_params
@@ -88,6 +90,7 @@ __all__ = [
     "all_finite",
     "attention",
     "autocast",
+    "block_scaled",
     "cast_floating",
     "current_loss_scale",
     "diagnostics",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +42,8 @@ def gemm_accumulation(operand_dtypes: tuple[str, ...]) -> str:
 
 @dataclasses.dataclass
 class MatmulRecord:
-  kind: str                       # "dot_general" or "conv"
+  kind: str                       # "dot_general", "conv", or "mxfp8" /
+                                  # "nvfp4" (a block-scaled GEMM)
   operand_dtypes: tuple[str, str]
   accumulation_dtype: str         # the result's dtype (the dot's
                                   # preferred_element_type, or its operands')
@@ -57,10 +58,14 @@ class MatmulRecord:
   # Both operands dequantized from fp8 just before (quantize-dequantize,
   # jmp_lab.fp8): XLA:GPU runs such a matmul as an fp8 GEMM.
   fp8: bool = False
+  # "mxfp8" or "nvfp4": a block-scaled GEMM (jmp_lab.block_scaled), which a
+  # CUDA compile runs as jax's scaled_matmul and a CPU emulates.
+  block_scaled: Optional[str] = None
 
   @property
   def half(self) -> bool:
-    return all(np.dtype(d) in HALF_DTYPES + FP8_DTYPES for d in self.operand_dtypes)
+    return self.block_scaled is not None or all(
+        np.dtype(d) in HALF_DTYPES + FP8_DTYPES for d in self.operand_dtypes)
 
 
 def _dot_dims(eqn):
@@ -172,6 +177,10 @@ def walk(jaxpr, times, records, casts, producers=None):
   producers = _producers(jaxpr) if producers is None else producers
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
+    block_scaled = _block_scaled_gemm(eqn)
+    if block_scaled is not None:
+      records.append(_block_scaled_record(block_scaled, eqn, times))
+      continue
     if name in ("dot_general", "conv_general_dilated"):
       dims, flops = (_dot_dims if name == "dot_general" else _conv_dims)(eqn)
       dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
@@ -201,6 +210,44 @@ def walk(jaxpr, times, records, casts, producers=None):
     for inner in compiled_sub_jaxprs(eqn):
       walk(inner, inner_times, records, casts,
             _scope(inner, eqn, producers))
+
+
+def _block_scaled_gemm(eqn) -> Optional[Any]:
+  """The ``scaled_matmul`` equation of a ``lax.platform_dependent`` choice
+  whose CUDA branch runs one (:mod:`jmp_lab.block_scaled`), else None."""
+  platforms = eqn.params.get("branches_platforms") if (
+      eqn.primitive.name == "cond") else None
+  if not platforms:
+    return None
+  for branch, names in zip(eqn.params["branches"], platforms):
+    if names and "cuda" in names:
+      return _find_scaled_matmul(branch.jaxpr)
+  return None
+
+
+def _find_scaled_matmul(jaxpr, depth: int = 0) -> Optional[Any]:
+  for eqn in jaxpr.eqns:
+    if "scaled_matmul" in eqn.primitive.name and len(eqn.invars) == 4:
+      return eqn
+    for inner in sub_jaxprs(eqn.params) if depth < 4 else ():
+      found = _find_scaled_matmul(inner, depth + 1)
+      if found is not None:
+        return found
+  return None
+
+
+def _block_scaled_record(eqn, outer, times: int) -> MatmulRecord:
+  """A ``scaled_matmul`` (``(B, M, K) x (B, N, K)``) as a record."""
+  lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
+  dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
+  flops = 2.0 * lhs[0] * lhs[1] * rhs[1] * lhs[2]
+  fmt = "nvfp4" if "float4" in dtypes[0].name else "mxfp8"
+  return MatmulRecord(
+      kind=fmt, operand_dtypes=tuple(d.name for d in dtypes),
+      accumulation_dtype="float32", lhs_shape=lhs, rhs_shape=rhs,
+      out_shape=(lhs[0], lhs[1], rhs[1]), flops=flops * times,
+      tensor_core_dims=True, odd_dims=(), location=_user_location(outer),
+      times=times, block_scaled=fmt)
 
 
 def compiled_sub_jaxprs(eqn):

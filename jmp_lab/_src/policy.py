@@ -56,8 +56,14 @@ _KEY_TO_FIELD = {
 # compute dtype (None), or as fp8 GEMMs with E4M3 inputs and kernels and E5M2
 # output gradients, scaled per tensor by delayed scaling (``"fp8"``: amax
 # history, as Transformer Engine's default) or current scaling
-# (``"fp8_current"``: the amax of the tensor itself). See jmp_lab.fp8.
-MATMUL_MODES = ("fp8", "fp8_current")
+# (``"fp8_current"``: the amax of the tensor itself), see jmp_lab.fp8; or as
+# Blackwell's block-scaled GEMMs (``"mxfp8"``, ``"nvfp4"``: current scaling
+# per block, no state), see jmp_lab.block_scaled.
+MATMUL_MODES = ("fp8", "fp8_current", "mxfp8", "nvfp4")
+#: The modes whose matmuls keep no scaling state.
+STATELESS_MATMUL_MODES = ("fp8_current", "mxfp8", "nvfp4")
+#: The block-scaled modes (Blackwell's formats).
+BLOCK_SCALED_MODES = ("mxfp8", "nvfp4")
 
 DTypeLike = Union[str, np.dtype, type, Any]
 
@@ -166,7 +172,8 @@ class Policy:
     matmul: None (matmuls in the compute dtype), ``"fp8"`` or
       ``"fp8_current"``: Dense/Linear matmuls as fp8 GEMMs (E4M3 inputs and
       kernels, E5M2 output gradients) with delayed or current per-tensor
-      scaling (:mod:`jmp_lab.fp8`).
+      scaling (:mod:`jmp_lab.fp8`); ``"mxfp8"`` or ``"nvfp4"``: as
+      Blackwell's block-scaled GEMMs (:mod:`jmp_lab.block_scaled`).
   """
 
   param_dtype: np.dtype
@@ -237,6 +244,11 @@ PRESETS = {
     "mixed_float16": Policy(jnp.float32, jnp.float16, jnp.float32),
     # bf16 compute with the Dense/Linear matmuls in fp8 (delayed scaling).
     "mixed_fp8": Policy(jnp.float32, jnp.bfloat16, jnp.float32, matmul="fp8"),
+    # bf16 compute with the Dense/Linear matmuls block-scaled (Blackwell).
+    "mixed_mxfp8": Policy(jnp.float32, jnp.bfloat16, jnp.float32,
+                          matmul="mxfp8"),
+    "mixed_nvfp4": Policy(jnp.float32, jnp.bfloat16, jnp.float32,
+                          matmul="nvfp4"),
 }
 
 

@@ -33,7 +33,15 @@ from jmp_lab import _compat as compat
 # "fp32" is the non-tensor-core rate. Used only for the roofline model.
 HOPPER_PEAKS = {"fp8": 1979e12, "16-bit": 989.4e12, "tf32": 494.7e12,
                  "fp32": 66.9e12, "fp64": 66.9e12}
-_TARGET_FILES = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+# Dense tensor-core peaks of one B200 (SXM), from NVIDIA's HGX B200 data
+# sheet (its 8-GPU sparse figures halved for dense and divided by 8): MXFP8
+# runs at the fp8 rate, NVFP4 at the fp4 rate.
+BLACKWELL_PEAKS = {"fp4": 9e15, "fp8": 4.5e15, "16-bit": 2.25e15,
+                   "tf32": 1.1e15, "fp32": 75e12, "fp64": 37e12}
+_TARGET_FILES = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb",
+                 "b200": "b200.txtpb"}
+_TARGET_PEAKS = {"h100": HOPPER_PEAKS, "h200": HOPPER_PEAKS,
+                 "b200": BLACKWELL_PEAKS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +49,11 @@ class GpuTarget:
   """A GPU to compile for: XLA's ``GpuTargetConfigProto`` text and its peaks.
 
   Attributes:
-    name: ``"h100"``, ``"h200"`` or ``"custom"``.
+    name: ``"h100"``, ``"h200"``, ``"b200"`` or ``"custom"``.
     config: the target description (protobuf text).
     memory_bandwidth: bytes/s, from the description.
-    peak_flops: dense FLOP/s by math kind (fp8, 16-bit, tf32, fp32).
+    peak_flops: dense FLOP/s by math kind (fp4 on Blackwell, fp8, 16-bit,
+      tf32, fp32).
   """
 
   name: str
@@ -54,7 +63,9 @@ class GpuTarget:
 
 
 def gpu_target(target: Union[str, GpuTarget]) -> GpuTarget:
-  """``"h100"``, ``"h200"`` or a ``GpuTargetConfigProto`` text, as a target.
+  """``"h100"``, ``"h200"``, ``"b200"`` or a ``GpuTargetConfigProto`` text,
+  as a target. The B200's is XLA's own spec with cuDNN 9.10 as its cuDNN
+  version (XLA lowers block-scaled dots to cuDNN only from 9.10 on).
 
   Example::
 
@@ -64,7 +75,8 @@ def gpu_target(target: Union[str, GpuTarget]) -> GpuTarget:
   if isinstance(target, GpuTarget):
     return target
   if not isinstance(target, str):
-    raise TypeError(f"target must be 'h100', 'h200' or a GpuTargetConfigProto "
+    raise TypeError(f"target must be 'h100', 'h200', 'b200' or a "
+                    f"GpuTargetConfigProto "
                     f"text, got {type(target).__name__} {target!r}")
   name = target.strip().lower()
   if name in _TARGET_FILES:
@@ -77,9 +89,12 @@ def gpu_target(target: Union[str, GpuTarget]) -> GpuTarget:
                      f"{', '.join(_TARGET_FILES)} or a GpuTargetConfigProto "
                      f"text (with gpu_device_info)")
   bandwidth = re.search(r"memory_bandwidth:\s*(\d+)", config)
+  blackwell = re.search(r"cuda_compute_capability\s*{\s*major:\s*10", config)
+  peaks = _TARGET_PEAKS.get(name, BLACKWELL_PEAKS if blackwell
+                            else HOPPER_PEAKS)
   return GpuTarget(name, config,
                    float(bandwidth.group(1)) if bandwidth else math.nan,
-                   dict(HOPPER_PEAKS))
+                   dict(peaks))
 
 
 # --------------------------------------------------------------------------
@@ -224,7 +239,8 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
     fn: a function, or a ``jax.jit``-ed one (its donation is kept).
     *args: example arguments: arrays, ShapeDtypeStructs, or pytrees of them
       (a TrainState); only shapes and dtypes are used.
-    target: ``"h100"``, ``"h200"``, a target text or a :class:`GpuTarget`.
+    target: ``"h100"``, ``"h200"``, ``"b200"``, a target text or a
+      :class:`GpuTarget`.
     devices: GPUs in the mesh (its one axis is ``"data"``).
     axes: the mesh's axes and sizes instead (``{"fsdp": 4, "tensor": 2}``,
       see :func:`gpu_mesh`).

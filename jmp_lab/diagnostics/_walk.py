@@ -29,8 +29,9 @@ _PALLAS_TARGETS = ("__gpu$xla.gpu.triton", "mosaic_gpu")
 class GemmRecord:
   """One GEMM (or convolution) of the compiled module."""
 
-  kind: str                 # "cublas", "triton", "fused dot", "cudnn conv"
-                            # or "pallas" (jmp_lab's loss kernels)
+  kind: str                 # "cublas", "triton", "fused dot", "cudnn conv",
+                            # "cudnn block-scaled" (Blackwell's MXFP8/NVFP4
+                            # GEMMs) or "pallas" (jmp_lab's loss kernels)
   lhs: hlo.Array
   rhs: hlo.Array
   out: hlo.Array
@@ -40,8 +41,11 @@ class GemmRecord:
 
   @property
   def math(self) -> str:
-    """The tensor-core math it runs in: fp8, 16-bit, tf32, fp32 or fp64."""
+    """The tensor-core math it runs in: fp4 (NVFP4), fp8 (also MXFP8),
+    16-bit, tf32, fp32 or fp64."""
     dtypes = {self.lhs.dtype, self.rhs.dtype}
+    if all(d.startswith("f4") for d in dtypes):
+      return "fp4"
     if all(d.startswith("f8") for d in dtypes):
       return "fp8"
     if dtypes <= {"bf16", "f16"}:
@@ -49,6 +53,13 @@ class GemmRecord:
     if "f64" in dtypes:
       return "fp64"
     return "fp32" if self.precision.upper() == "HIGHEST" else "tf32"
+
+  @property
+  def block_scaled(self) -> Optional[str]:
+    """``"mxfp8"`` or ``"nvfp4"`` for a block-scaled GEMM, else None."""
+    if self.kind != "cudnn block-scaled":
+      return None
+    return "nvfp4" if self.math == "fp4" else "mxfp8"
 
   @property
   def operands(self) -> str:
@@ -135,6 +146,11 @@ def _library_gemm(inst: hlo.Instruction, result: list,
         "cublas", lhs, rhs, result[0], str(max(precision, key=len)),
         _dot_flops(result[0], lhs, [int(d) for d in dims.get(
             "lhs_contracting_dimensions", [])]), times)
+  if "blockScaledDot" in target:
+    # jax's scaled_matmul layout: (B, M, K) x (B, N, K) -> (B, M, N); its
+    # scales are operands 2 and 3.
+    return GemmRecord("cudnn block-scaled", lhs, rhs, result[0], "DEFAULT",
+                      _dot_flops(result[0], lhs, [len(lhs.dims) - 1]), times)
   if "cudnn" in target and "conv" in target:
     window = math.prod(rhs.dims) / max(1, rhs.dims[-1] if rhs.dims else 1)
     return GemmRecord("cudnn conv", lhs, rhs, result[0], "DEFAULT",

@@ -36,6 +36,8 @@ class AuditReport:
     half_flop_share: the share of those FLOPs with half or fp8 operands.
     fp8_flop_share: the share run as fp8 GEMMs: both operands fp8, or
       dequantized from fp8 just before (jmp_lab's fp8 policies).
+    block_scaled_flop_share: the share run as block-scaled GEMMs (rows of
+      kind ``"mxfp8"`` or ``"nvfp4"``, :mod:`jmp_lab.block_scaled`).
     fp32_could_be_half: fp32 matmuls under a policy with a half compute dtype.
     off_tensor_core: matmuls whose M/N/K miss a multiple of 8 (16 for fp8).
     casts: float-to-float conversions by kind, in the jaxpr.
@@ -57,6 +59,11 @@ class AuditReport:
     fp8_flops = sum(r.flops for r in self.matmuls if r.fp8 or all(
         np.dtype(d) in FP8_DTYPES for d in r.operand_dtypes))
     return fp8_flops / self.total_flops
+
+  @property
+  def block_scaled_flop_share(self) -> float:
+    return sum(r.flops for r in self.matmuls
+               if r.block_scaled) / self.total_flops
 
   @property
   def num_casts(self) -> int:
@@ -134,6 +141,8 @@ def _audit_table(report: AuditReport) -> str:
       f"half-precision share of matmul FLOPs: {100 * report.half_flop_share:.1f}%"
       + (f" (fp8: {100 * report.fp8_flop_share:.1f}%)"
          if report.fp8_flop_share else "")
+      + (f" (block-scaled: {100 * report.block_scaled_flop_share:.1f}%)"
+         if report.block_scaled_flop_share else "")
       + f"; fp32 matmuls the policy could run in half: "
       f"{len(report.fp32_could_be_half)}; off tensor-core dims: "
       f"{len(report.off_tensor_core)}; float casts: {report.num_casts} "

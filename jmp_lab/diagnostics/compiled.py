@@ -104,6 +104,18 @@ class CompiledReport:
     """GEMMs whose math is tf32 or fp32 (none, under a half policy)."""
     return [g for g in self.gemms if g.math in ("tf32", "fp32")]
 
+  @property
+  def block_scaled_gemms(self) -> list[GemmRecord]:
+    """Blackwell's block-scaled GEMMs (cuDNN's ``__cudnn$blockScaledDot``):
+    MXFP8 (fp8 math) and NVFP4 (fp4 math)."""
+    return [g for g in self.gemms if g.block_scaled is not None]
+
+  def block_scaled_flop_share(self) -> float:
+    """The share of the GEMM FLOPs that block-scaled GEMMs carry."""
+    total = self.gemm_flops
+    return (sum(g.flops * g.times for g in self.block_scaled_gemms) / total
+            if total else 0.0)
+
   def gemm_flop_share(self, math_kind: str) -> float:
     total = self.gemm_flops
     return (sum(g.flops * g.times for g in self.gemms if g.math == math_kind)
@@ -187,7 +199,8 @@ class CompiledReport:
     m = self.memory
     roof = self.roofline_seconds()
     lines = [
-        f"compiled for {self.devices} x {self.target.name} (sm_90a, no device)",
+        f"compiled for {self.devices} x {self.target.name} "
+        f"({_sm(self.target)}, no device)",
         f"memory per device: arguments {gib(m.get('argument', 0))}, outputs "
         f"{gib(m.get('output', 0))}, aliased {gib(m.get('alias', 0))}, temp "
         f"{gib(m.get('temp', 0))}; peak {gib(m.get('peak', 0))}",
@@ -217,10 +230,20 @@ class CompiledReport:
     lines.append("collectives: " + (", ".join(
         f"{k} x{v}" for k, v in sorted(collectives.items())) or "none"))
     lines.append("Pallas kernels: " + self.pallas_summary())
+    if self.block_scaled_gemms:
+      lines.append(f"block-scaled GEMMs: {len(self.block_scaled_gemms)}, "
+                   f"{100 * self.block_scaled_flop_share():.1f}% of the GEMM "
+                   f"FLOPs")
     return "\n".join(lines)
 
   def __str__(self) -> str:
     return self.table()
+
+
+def _sm(target: GpuTarget) -> str:
+  major = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)",
+                    target.config)
+  return f"sm_{major.group(1)}0a" if major else "custom"
 
 
 def _cost_model(compiled) -> tuple[Optional[float], Optional[float]]:

@@ -34,12 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab._src.numerics import fp8_matmul, fp8_state
+from jmp_lab._src.numerics import block_matmul, fp8_matmul, fp8_state
 from jmp_lab._src.numerics import reduce as reduce_lib
 from jmp_lab._src.precision import scopes
 from jmp_lab._src.precision import flax_calls
 from jmp_lab._src.precision.plan import CONV, DENSE, EINSUM, Decision, Plan
-from jmp_lab._src.policy import layer_dtype
+from jmp_lab._src.policy import (BLOCK_SCALED_MODES, MATMUL_MODES,
+                                 layer_dtype)
 
 # Modules whose matmul or convolution is an attribute (see jmp_lab.reduce):
 # (class, attribute, its _cls twin, the reduce-dtype version's factory).
@@ -112,11 +113,12 @@ def call_layer(next_fun: Callable, module: nn.Module, method: str,
     # gradient summed in the reduce dtype.
     with scopes.scope(tied[0]):
       return reduce_lib.embed_attend(args[0], module.embedding, *tied)
-  if method == "__call__" and mode in ("fp8", "fp8_current") and (
+  if method == "__call__" and mode in MATMUL_MODES and (
       layer_kind(module)[0] == EINSUM):
-    meta = None if mode == "fp8_current" else fp8_meta(module, history_length)
     with scopes.scope(compute):
-      return _fp8_einsum_call(module, args, kwargs, meta, compute)
+      return _quantized_einsum_call(
+          module, args, kwargs, _einsum_product(module, mode, history_length),
+          compute)
   with contextlib.ExitStack() as stack:
     stack.enter_context(scopes.scope(compute))
     stack.enter_context(_own_dtype(module, plan.layer_dtype(decision)))
@@ -152,6 +154,12 @@ def _matmul_override(module: nn.Module, mode: Optional[str],
   if decision.as_written:
     return contextlib.nullcontext()
   policy = decision.policy
+  if mode in BLOCK_SCALED_MODES and any(_is_exactly(module, cls)
+                                        for cls in _FP8_MODULES):
+    # As fp8_current: the operands in the compute dtype, also where the
+    # layer pins float32.
+    return set_for_one_call(module, "dot_general", fp8_matmul.operands_in(
+        block_matmul.LAYER_MATMULS[mode][0], policy.compute_dtype))
   if mode in ("fp8", "fp8_current") and any(_is_exactly(module, cls)
                                             for cls in _FP8_MODULES):
     if mode == "fp8_current":
@@ -314,10 +322,21 @@ def _fp8_bias_param(module: nn.Module) -> jax.Array:
   return module.param("bias", init, features, module.param_dtype)
 
 
-def _fp8_einsum_call(module: nn.Einsum, args, kwargs,
-                     meta: Optional[fp8_state.Fp8Meta], compute_dtype) -> jax.Array:
-  """flax's ``nn.Einsum.__call__`` with its product as
-  :func:`jmp_lab.fp8.einsum` (linen's Einsum has no matmul attribute to set).
+def _einsum_product(module: nn.Einsum, mode: str, history_length: int
+                    ) -> Callable[[str, jax.Array, jax.Array], jax.Array]:
+  """The quantized einsum a linen Einsum runs under ``mode``."""
+  if mode in BLOCK_SCALED_MODES:
+    return functools.partial(block_matmul.einsum, fmt=mode)
+  meta = None if mode == "fp8_current" else fp8_meta(module, history_length)
+  return functools.partial(fp8_matmul.einsum, meta=meta)
+
+
+def _quantized_einsum_call(module: nn.Einsum, args, kwargs,
+                           product: Callable[..., jax.Array],
+                           compute_dtype) -> jax.Array:
+  """flax's ``nn.Einsum.__call__`` with its product as ``product``
+  (:func:`jmp_lab.fp8.einsum` or :func:`jmp_lab.block_scaled.einsum`:
+  linen's Einsum has no matmul attribute to set).
 
   The params are flax's own: the same names, shapes, dtypes, initializers
   and order. The fp8 product keeps its fp8 operands as its backward's
@@ -346,7 +365,7 @@ def _fp8_einsum_call(module: nn.Einsum, args, kwargs,
                          if c in rhs_names], module.param_dtype)
   inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias,
                                               dtype=compute_dtype)
-  out = fp8_matmul.einsum(subscripts, inputs, kernel, meta=meta)
+  out = product(subscripts, inputs, kernel)
   if bias is not None:
     out = out + jnp.reshape(bias, reduce_lib.einsum_bias_broadcast(
         subscripts, inputs, kernel))

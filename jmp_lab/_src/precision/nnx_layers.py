@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp_lab._src.numerics import fp8_matmul, fp8_state
+from jmp_lab._src.numerics import block_matmul, fp8_matmul, fp8_state
 from jmp_lab._src.numerics import reduce as reduce_lib
 from jmp_lab._src.precision import flax_calls
 from jmp_lab._src.precision.plan import CONV, DENSE, EINSUM, Decision, Plan
@@ -110,6 +110,22 @@ def fp8_entry(module: nnx.Module) -> Optional[tuple]:
                if base_class(module) is entry[0]), None)
 
 
+def stateless_matmuls(module: nnx.Module) -> dict[str, Callable]:
+  """The matmuls a policy may give ``module`` that keep no state, by mode:
+  current-scaling fp8 and the block-scaled ones (empty for other layers)."""
+  entry = fp8_entry(module)
+  if entry is None:
+    return {}
+  einsum = entry[1] == "einsum_op"
+  return {"fp8_current": entry[3],
+          **{mode: block_matmul.LAYER_MATMULS[mode][int(einsum)]
+             for mode in block_matmul.LAYER_MATMULS}}
+
+
+def _is_stateless_matmul(module: nnx.Module, value: Any) -> bool:
+  return any(value is fn for fn in stateless_matmuls(module).values())
+
+
 def matmul_mode(plan: Plan, decision: Decision, module: nnx.Module
                 ) -> Optional[str]:
   """The plan's matmul for ``module``: a layer keeps a matmul of its own
@@ -122,8 +138,7 @@ def matmul_mode(plan: Plan, decision: Decision, module: nnx.Module
       value = getattr(module, attribute)
       own = not (_runs_flax_matmul(module, attribute, default)
                  or value in _INSTALLED
-                 or (fp8_entry(module) is not None
-                     and value is fp8_entry(module)[3]))
+                 or _is_stateless_matmul(module, value))
   return plan.matmul_mode(decision, kind, own)
 
 
@@ -137,11 +152,11 @@ def set_matmul(module: nnx.Module, mode: Optional[str],
       setattr(module, attribute, default)
   entry = fp8_entry(module)
   if entry is not None:
-    _, attribute, default, current, _ = entry
-    if getattr(module, attribute) is current:
+    _, attribute, default, _, _ = entry
+    if _is_stateless_matmul(module, getattr(module, attribute)):
       setattr(module, attribute, default)
-    if mode == "fp8_current":
-      setattr(module, attribute, current)
+    if mode in stateless_matmuls(module):
+      setattr(module, attribute, stateless_matmuls(module)[mode])
   _set_fp8_meta(module, mode == "fp8", history_length)
   if mode == "reduce":
     for cls, attribute, _, factory in _REDUCIBLE_MODULES:
@@ -231,9 +246,11 @@ def delayed_fp8_matmul(module: nnx.Module, compute: np.dtype,
 
 def current_fp8_operands(module: nnx.Module, compute: np.dtype,
                          stack: contextlib.ExitStack) -> None:
-  """For one call: a current-scaling fp8 matmul gets its operands in the
-  compute dtype."""
+  """For one call: a stateless quantized matmul (current-scaling fp8,
+  block-scaled) gets its operands in the compute dtype."""
   entry = fp8_entry(module)
-  if entry is not None and getattr(module, entry[1]) is entry[3]:
+  if entry is not None and _is_stateless_matmul(module,
+                                                getattr(module, entry[1])):
     stack.enter_context(swapped(module, entry[1], fp8_matmul.operands_in(
-        entry[3], compute, einsum=entry[1] == "einsum_op")))
+        getattr(module, entry[1]), compute,
+        einsum=entry[1] == "einsum_op")))

@@ -28,7 +28,7 @@ import numpy as np
 
 from jmp_lab._src.precision import scopes
 from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
-from jmp_lab._src.policy import (Policy, canonicalize_dtype, get_policy,
+from jmp_lab._src.policy import (MATMUL_MODES, Policy, canonicalize_dtype, get_policy,
                             is_norm_class, layer_dtype)
 
 PolicySpec = Union[Policy, str]
@@ -134,9 +134,11 @@ def _op_names(names: Iterable[str], what: str) -> frozenset:
 #: the layer computes in its own ``dtype`` (a rule with it matches only
 #: layers that set one); ``"as_written"``: no casts and no op rules;
 #: ``"fp8"``/``"fp8_current"``: the policy's Dense/Linear matmuls in fp8;
+#: ``"mxfp8"``/``"nvfp4"``: block-scaled (:mod:`jmp_lab.block_scaled`);
 #: ``"reduce"``: computes in the reduce dtype (an embedding table whose
 #: gradient is summed in it) and hands back the compute dtype.
-ACTIONS = ("fp32", "layer_dtype", "as_written", "fp8", "fp8_current", "reduce")
+ACTIONS = ("fp32", "layer_dtype", "as_written", "fp8", "fp8_current", "mxfp8",
+           "nvfp4", "reduce")
 
 #: What an ``"as_written"`` rule resolves to.
 AS_WRITTEN = "as_written"
@@ -258,7 +260,7 @@ class PrecisionRule:
       return layer_island(base, layer_dtype(module))
     if self.action == AS_WRITTEN:
       return AS_WRITTEN
-    if self.action in ("fp8", "fp8_current"):
+    if self.action in MATMUL_MODES:
       return dataclasses.replace(base, matmul=self.action)
     if self.action == "reduce":
       return reduce_island(base) if base.reduce_dtype is not None else base

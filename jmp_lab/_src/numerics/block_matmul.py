@@ -1,0 +1,296 @@
+"""Block-scaled matmuls (MXFP8, NVFP4): forward and both gradient GEMMs
+block-scaled, each operand quantized along its own contraction axis.
+
+The face with the docs is :mod:`jmp_lab.block_scaled`; the quantization is
+:mod:`.block_quantize`. Every product is brought to jax's ``scaled_matmul``
+layout, ``(B, M, K) x (B, N, K) -> (B, M, N)``:
+
+* forward ``y = x w``: ``x`` and ``w`` quantized along ``K``;
+* input gradient ``dx = g w^T``: ``g`` along ``N``, ``w`` along ``N``;
+* weight gradient ``dw = g^T x``: ``g`` and ``x`` along ``M`` (the tokens),
+  under NVFP4 after the random Hadamard transform along ``M``.
+
+Residuals (what the backward reads, kept from the forward): the weight as
+the input-gradient GEMM reads it and the input as the weight-gradient GEMM
+reads it, both already quantized; no full-precision operand is kept (jax's
+``scaled_dot_general`` keeps both). Under NVFP4 the weight's 16x16 tiles
+make one quantization serve both of its GEMMs.
+
+On a CUDA device the GEMMs are ``jax.nn.scaled_matmul`` (XLA lowers it to
+cuDNN's ``__cudnn$blockScaledDot`` on Blackwell, to dequantize plus a 16-bit
+GEMM on older GPUs); elsewhere (the CPU, and jax 0.10.2, which has no CPU
+lowering for it) the same quantized operands are dequantized (exactly, in
+fp32) and multiplied in fp32, so a CPU trains with the numbers a GPU would,
+up to the order of fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lab._src.numerics import block_quantize as bq
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a format trains: the format and the NVFP4 recipe's three pieces.
+
+  Attributes:
+    fmt: the block format.
+    weight_tiles: 16x16 weight blocks (NVFP4's 2D scaling).
+    stochastic_gradients: output gradients rounded stochastically.
+    hadamard: the random Hadamard transform on the weight-gradient GEMM's
+      operands.
+  """
+
+  fmt: bq.BlockFormat
+  weight_tiles: bool = False
+  stochastic_gradients: bool = False
+  hadamard: bool = False
+
+
+RECIPES = {
+    "mxfp8": Recipe(bq.MXFP8),
+    "nvfp4": Recipe(bq.NVFP4, weight_tiles=True, stochastic_gradients=True,
+                    hadamard=True),
+}
+_OVERRIDES: dict[str, Recipe] = {}
+
+
+@contextlib.contextmanager
+def nvfp4_recipe(*, weight_tiles: bool = True,
+                 stochastic_rounding: bool = True,
+                 hadamard: bool = True) -> Iterator[Recipe]:
+  """NVFP4 matmuls traced inside the block run with pieces of the recipe
+  switched off (the ablation of ``benchmarks/block_scaled_accuracy.py``).
+
+  >>> with nvfp4_recipe(hadamard=False) as recipe:
+  ...   recipe.hadamard, recipe.stochastic_gradients
+  (False, True)
+  """
+  for name, value in (("weight_tiles", weight_tiles),
+                      ("stochastic_rounding", stochastic_rounding),
+                      ("hadamard", hadamard)):
+    if not isinstance(value, bool):
+      raise TypeError(f"{name} must be a bool, got {value!r}")
+  recipe = Recipe(bq.NVFP4, weight_tiles, stochastic_rounding, hadamard)
+  before = _OVERRIDES.get("nvfp4")
+  _OVERRIDES["nvfp4"] = recipe
+  try:
+    yield recipe
+  finally:
+    if before is None:
+      del _OVERRIDES["nvfp4"]
+    else:
+      _OVERRIDES["nvfp4"] = before
+
+
+def recipe_for(name: str) -> Recipe:
+  """The recipe a format name trains with now."""
+  if name not in RECIPES:
+    raise ValueError(f"block-scaled format {name!r} is not supported; "
+                     f"accepted: {', '.join(RECIPES)}")
+  return _OVERRIDES.get(name, RECIPES[name])
+
+
+# ---- one GEMM ---------------------------------------------------------------
+
+_WARNED: set = set()
+
+
+def _warn_without_block_scaled_cores() -> None:
+  """Once per process: a GPU older than Blackwell runs the GEMMs as
+  dequantize plus a 16-bit GEMM (XLA's fallback)."""
+  for device in jax.local_devices():
+    capability = getattr(device, "compute_capability", None)
+    if (device.platform == "gpu" and capability is not None
+        and float(capability) < 10.0 and "old-gpu" not in _WARNED):
+      _WARNED.add("old-gpu")
+      warnings.warn(
+          f"block-scaled matmuls (mxfp8/nvfp4) on {device.device_kind} "
+          f"(compute capability {capability}) run as dequantize plus 16-bit "
+          f"GEMMs: only Blackwell (10.x) has block-scaled tensor cores. The "
+          f"numbers are Blackwell's; the speed is not.", stacklevel=4)
+
+
+def _emulated(a: bq.Quantized, b: bq.Quantized) -> jax.Array:
+  # The exact products of the dequantized operands, summed in fp32.
+  return jnp.einsum("bmk,bnk->bmn", bq.dequantize(a._replace(
+      global_scale=jnp.float32(1))), bq.dequantize(b._replace(
+          global_scale=jnp.float32(1))),
+      precision=jax.lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32)
+
+
+def _native(a: bq.Quantized, b: bq.Quantized) -> jax.Array:
+  return jax.nn.scaled_matmul(a.values, b.values, a.scales, b.scales,
+                              preferred_element_type=jnp.float32)
+
+
+def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
+  """``a (B, M, K) x b (B, N, K) -> (B, M, N)`` in ``dtype``: cuDNN's
+  block-scaled GEMM on CUDA, its exact emulation elsewhere; the global
+  scales applied to the fp32 result."""
+  _warn_without_block_scaled_cores()
+  out = jax.lax.platform_dependent(a, b, cuda=_native, default=_emulated)
+  return (out * (a.global_scale * b.global_scale)).astype(dtype)
+
+
+# ---- the product and its backward -------------------------------------------
+
+
+def _quantized(x: jax.Array, recipe: Recipe, *, tiles: bool = False,
+               stochastic_salt: Optional[int] = None) -> bq.Quantized:
+  """``x`` (B, R, C) quantized along C, both padded to whole blocks."""
+  x = bq.padded_to_block(x, recipe.fmt.block)
+  if tiles:
+    x = bq.padded_to_block(x, recipe.fmt.block, axis=-2)
+  uniform = (None if stochastic_salt is None
+             else bq.content_uniform(x, stochastic_salt))
+  return bq.quantize(x, recipe.fmt, tiles=tiles, uniform=uniform)
+
+
+def _along_tokens(x: jax.Array, recipe: Recipe, **kwargs) -> bq.Quantized:
+  """``x`` (B, M, C) as the weight-gradient GEMM reads it: (B, C, M),
+  quantized along M (after the Hadamard transform under NVFP4)."""
+  x = bq.padded_to_block(x, recipe.fmt.block, axis=1)
+  if recipe.hadamard:
+    x = bq.hadamard_16(x, axis=1)
+  return _quantized(jnp.swapaxes(x, 1, 2), recipe, **kwargs)
+
+
+def _weight_for_input_gradient(w: jax.Array, qw: bq.Quantized,
+                               recipe: Recipe) -> bq.Quantized:
+  """``w`` (B, N, K) as (B, K, N) quantized along N: under 16x16 tiles the
+  forward's quantization transposed (the scales of a tile are one), else
+  quantized again."""
+  if not recipe.weight_tiles:
+    return _quantized(jnp.swapaxes(w, 1, 2), recipe)
+  values = jnp.swapaxes(qw.values, 1, 2)
+  block = recipe.fmt.block
+  tile_scales = qw.scales[:, ::block, :]            # (B, N/16, K/16)
+  scales = jnp.repeat(jnp.swapaxes(tile_scales, 1, 2), block, axis=1)
+  return bq.Quantized(values, scales, qw.global_scale)
+
+
+def _cropped(y: jax.Array, rows: int, columns: int) -> jax.Array:
+  return y[:, :rows, :columns]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def block_scaled_bmm(x: jax.Array, w: jax.Array, recipe: Recipe) -> jax.Array:
+  """``einsum("bmk,bnk->bmn", x, w)`` block-scaled by ``recipe``, in ``x``'s
+  dtype; ``w`` is the weight. See the module doc for the three GEMMs."""
+  return _bmm_fwd(x, w, recipe)[0]
+
+
+def _bmm_fwd(x, w, recipe):
+  qx = _quantized(x, recipe)
+  qw = _quantized(w, recipe, tiles=recipe.weight_tiles)
+  y = _cropped(scaled_product(qx, qw, x.dtype), x.shape[1], w.shape[1])
+  residuals = (_weight_for_input_gradient(w, qw, recipe),
+               _along_tokens(x, recipe),
+               jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype),
+               jnp.zeros((0, x.shape[2]), jnp.int8))
+  return y, residuals
+
+
+def _bmm_bwd(recipe, residuals, g):
+  qw_t, qx_t, x_like, w_like, k_like = residuals
+  salt = (None if not recipe.stochastic_gradients else 1)
+  qg = _quantized(g, recipe, stochastic_salt=salt)
+  dx = scaled_product(qg, qw_t, x_like.dtype)
+  dx = _cropped(dx, g.shape[1], k_like.shape[1])
+  qg_t = _along_tokens(g, recipe,
+                       stochastic_salt=None if salt is None else salt + 1)
+  dw = scaled_product(qg_t, qx_t, w_like.dtype)
+  dw = _cropped(dw, g.shape[2], k_like.shape[1])
+  return dx, dw
+
+
+block_scaled_bmm.defvjp(_bmm_fwd, _bmm_bwd)
+
+
+# ---- dot_general and einsum -------------------------------------------------
+
+
+def _as_bmk(x: jax.Array, contracting, batch) -> jax.Array:
+  free = [d for d in range(x.ndim) if d not in contracting and d not in batch]
+  moved = jnp.transpose(x, (*batch, *free, *contracting))
+  size = lambda axes: math.prod(x.shape[d] for d in axes)  # noqa: E731
+  return moved.reshape(size(batch), size(free), size(contracting))
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                precision=None, preferred_element_type=None, *,
+                fmt: str, out_sharding=None) -> jax.Array:
+  """``lax.dot_general(lhs, rhs, ...)`` block-scaled in ``fmt``; ``rhs`` is
+  the weight, ``lhs`` is cast to its dtype, the result is in it."""
+  del precision, preferred_element_type
+  if out_sharding is not None:
+    raise ValueError(f"a block-scaled matmul does not take out_sharding "
+                     f"(got {out_sharding!r})")
+  recipe = recipe_for(fmt)
+  (lc, rc), (lb, rb) = dimension_numbers
+  lhs = jnp.asarray(lhs).astype(rhs.dtype)
+  x = _as_bmk(lhs, tuple(lc), tuple(lb))
+  w = _as_bmk(rhs, tuple(rc), tuple(rb))
+  y = block_scaled_bmm(x, w, recipe)
+  shape = ([lhs.shape[d] for d in lb]
+           + [lhs.shape[d] for d in range(lhs.ndim) if d not in lc + lb]
+           + [rhs.shape[d] for d in range(rhs.ndim) if d not in rc + rb])
+  return y.reshape(shape)
+
+
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, precision=None,
+           preferred_element_type=None, *, fmt: str,
+           out_sharding=None) -> jax.Array:
+  """``jnp.einsum(subscripts, lhs, rhs)`` block-scaled in ``fmt`` (jax's
+  einsum with :func:`dot_general` as its product)."""
+  del precision, preferred_element_type
+  if out_sharding is not None:
+    raise ValueError(f"a block-scaled matmul does not take out_sharding "
+                     f"(got {out_sharding!r})")
+  recipe_for(fmt)  # a clear error for a bad name
+  return jnp.einsum(subscripts, lhs, rhs, _dot_general=_EINSUM_PRODUCTS[fmt])
+
+
+def _einsum_product(fmt: str) -> Callable[..., jax.Array]:
+  # What jnp.einsum calls for each pairwise product (it passes jax's
+  # keyword arguments, which a block-scaled GEMM has no use for).
+  def call(lhs, rhs, dimension_numbers, precision=None,
+           preferred_element_type=None, **_: Any):
+    return dot_general(lhs, rhs, dimension_numbers, fmt=fmt)
+  return call
+
+
+def _layer_matmuls(fmt: str) -> tuple[Callable, Callable]:
+  def layer_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                        preferred_element_type=None, out_sharding=None):
+    return dot_general(lhs, rhs, dimension_numbers, fmt=fmt,
+                       out_sharding=out_sharding)
+
+  def layer_einsum(subscripts, lhs, rhs, precision=None,
+                   preferred_element_type=None, out_sharding=None):
+    return einsum(subscripts, lhs, rhs, fmt=fmt, out_sharding=out_sharding)
+
+  layer_dot_general.__name__ = f"{fmt}_dot_general"
+  layer_einsum.__name__ = f"{fmt}_einsum"
+  return layer_dot_general, layer_einsum
+
+
+# One function object per format: jnp.einsum's product is a static argument.
+_EINSUM_PRODUCTS = {name: _einsum_product(name) for name in RECIPES}
+
+#: Per format: a layer's ``dot_general`` and ``einsum_op`` (one function
+#: object each: an NNX module's attribute is part of its graph definition).
+LAYER_MATMULS = {name: _layer_matmuls(name) for name in RECIPES}

@@ -1,0 +1,255 @@
+"""Blackwell's block-scaled formats: MXFP8 and NVFP4 quantization.
+
+The face with the docs is :mod:`jmp_lab.block_scaled`. Each rule here is
+written from its source, so that an independent implementation of the same
+source agrees bit for bit (``tests/test_block_scaled.py`` has one):
+
+* **MXFP8** (OCP Microscaling Formats spec v1.0, section 6.3; the scale
+  rounded *up*, as cuBLAS, jax's ``quantize`` and torchao's ``RCEIL`` do,
+  arXiv 2506.08027): blocks of 32 values along the contraction axis; the
+  scale is the power of two ``2**e`` with the smallest ``e`` for which
+  ``448 * 2**e >= amax`` (so no value saturates), stored as E8M0; values are
+  ``x / 2**e`` rounded to nearest even into E4M3.
+* **NVFP4** (NVIDIA's NVFP4 pretraining paper, arXiv 2509.25149, section 2
+  and appendix B; Transformer Engine's ``NVFP4BlockScaling``): a per-tensor
+  fp32 scale ``g = amax(tensor) / (448 * 6)`` (current scaling: no state);
+  blocks of 16 values (or 16x16 tiles for weights), each with the E4M3 scale
+  ``s = e4m3(amax(block) / (6 * g))``; values ``x / (s * g)`` rounded into
+  E2M1, to nearest even or stochastically (gradients).
+* The **random Hadamard transform** (the paper's section 4.2): a 16x16
+  Hadamard matrix, normalized, after a fixed random sign flip, applied to
+  the two operands of the weight-gradient GEMM along their shared
+  contraction axis. It is orthogonal, so the product is unchanged; it
+  spreads outliers over each block before 4-bit quantization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+  """A block-scaled number format.
+
+  Attributes:
+    name: ``"mxfp8"`` or ``"nvfp4"``.
+    block: values per scale along the contraction axis.
+    value_dtype: the element type (E4M3 or E2M1).
+    scale_dtype: the block scale's type (E8M0 or E4M3).
+    value_max: the largest finite element value.
+    global_scale: whether a per-tensor fp32 scale sits above the blocks.
+  """
+
+  name: str
+  block: int
+  value_dtype: np.dtype
+  scale_dtype: np.dtype
+  value_max: float
+  global_scale: bool
+
+
+MXFP8 = BlockFormat("mxfp8", 32, np.dtype(jnp.float8_e4m3fn),
+                    np.dtype(jnp.float8_e8m0fnu), 448.0, False)
+NVFP4 = BlockFormat("nvfp4", 16, np.dtype(jnp.float4_e2m1fn),
+                    np.dtype(jnp.float8_e4m3fn), 6.0, True)
+FORMATS = {f.name: f for f in (MXFP8, NVFP4)}
+
+_E4M3_MAX = 448.0
+# E8M0 encodes 2**(bits - 127), bits 0..254; 255 is NaN.
+_E8M0_BIAS = 127
+
+
+class Quantized(NamedTuple):
+  """A tensor in a block-scaled format, blocks along its last axis.
+
+  Attributes:
+    values: the elements, in the format's value dtype, shape ``(..., K)``.
+    scales: one per block, in the format's scale dtype, ``(..., K/block)``.
+    global_scale: an fp32 scalar (1 for MXFP8).
+  """
+
+  values: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array
+
+
+def padded_to_block(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
+  """``x`` with zeros appended along ``axis`` up to a multiple of ``block``
+  (zeros change neither a block's amax nor a product over the axis)."""
+  axis = axis % x.ndim
+  extra = -x.shape[axis] % block
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def _blocked(x: jax.Array, block: int) -> jax.Array:
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _e8m0_exponent(amax: jax.Array) -> jax.Array:
+  """The smallest ``e`` with ``448 * 2**e >= amax``, exactly: with
+  ``amax = m * 2**p`` (``0.5 <= m < 1``), ``448 = 0.875 * 2**9``, so ``e`` is
+  ``p - 9`` when ``m <= 0.875`` and ``p - 8`` otherwise. No division, so no
+  rounding can land a block one power of two low."""
+  mantissa, exponent = jnp.frexp(amax)
+  e = jnp.where(mantissa <= 0.875, exponent - 9, exponent - 8)
+  e = jnp.where(amax > 0, e, -_E8M0_BIAS)  # an all-zero block: any scale
+  return jnp.clip(e, -_E8M0_BIAS, _E8M0_BIAS)
+
+
+def _e8m0(e: jax.Array, finite: jax.Array) -> jax.Array:
+  bits = jnp.where(finite, e + _E8M0_BIAS, 255).astype(jnp.uint8)
+  return jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
+
+
+def e8m0_to_float32(scales: jax.Array) -> jax.Array:
+  """E8M0 scales as fp32 powers of two, built from their bits (exact; 2**-127
+  is an fp32 subnormal, built as such; 255 is NaN)."""
+  bits = jax.lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.uint32)
+  normal = jax.lax.bitcast_convert_type(bits << 23, jnp.float32)
+  smallest = jnp.float32(2.0**-127)
+  nan = jnp.float32(jnp.nan)
+  return jnp.where(bits == 255, nan, jnp.where(bits == 0, smallest, normal))
+
+
+def quantize_mxfp8(x: jax.Array) -> Quantized:
+  """``x`` (last axis a multiple of 32) in MXFP8: E4M3 values, one E8M0
+  scale per 32 along the last axis, rounded up (module doc)."""
+  blocks = _blocked(x.astype(jnp.float32), MXFP8.block)
+  amax = jnp.max(jnp.abs(blocks), axis=-1)
+  finite = jnp.isfinite(amax)
+  e = _e8m0_exponent(jnp.where(finite, amax, 0.0))
+  scales = _e8m0(e, finite)
+  scaled = blocks / e8m0_to_float32(scales)[..., None]
+  values = jnp.clip(scaled, -_E4M3_MAX, _E4M3_MAX).astype(MXFP8.value_dtype)
+  return Quantized(values.reshape(x.shape), scales, jnp.float32(1.0))
+
+
+def nvfp4_global_scale(x: jax.Array) -> jax.Array:
+  """The per-tensor fp32 decode scale ``amax / (448 * 6)`` (1 for a tensor
+  of zeros or a non-finite amax, whose blocks then carry the NaN)."""
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+  usable = (amax > 0) & jnp.isfinite(amax)
+  return jnp.where(usable, amax / jnp.float32(_E4M3_MAX * NVFP4.value_max),
+                   jnp.float32(1.0))
+
+
+def _e4m3_scales(amax: jax.Array, global_scale: jax.Array) -> jax.Array:
+  decode = amax / (global_scale * jnp.float32(NVFP4.value_max))
+  return jnp.clip(decode, 0.0, _E4M3_MAX).astype(NVFP4.scale_dtype)
+
+
+def _round_e2m1_stochastic(scaled: jax.Array, uniform: jax.Array
+                           ) -> jax.Array:
+  """``scaled`` (within +-6) rounded to one of its two E2M1 neighbours, up
+  with probability its distance from the lower one over their gap: E2M1's
+  grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6."""
+  magnitude = jnp.abs(scaled)
+  step = jnp.where(magnitude < 2.0, 0.5, jnp.where(magnitude < 4.0, 1.0, 2.0))
+  lower = jnp.floor(magnitude / step) * step
+  up = uniform < (magnitude - lower) / step
+  rounded = jnp.minimum(lower + jnp.where(up, step, 0.0), NVFP4.value_max)
+  return jnp.sign(scaled) * rounded
+
+
+def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
+                   uniform: Optional[jax.Array] = None) -> Quantized:
+  """``x`` in NVFP4 (module doc): E2M1 values, one E4M3 scale per 16 along
+  the last axis and an fp32 global scale from the tensor's amax.
+
+  Args:
+    x: last axis a multiple of 16 (and, with ``tiles``, the second last).
+    tiles: one scale per 16x16 tile of the last two axes (a weight's, so
+      that its transpose is the same quantization: the paper's 2D scaling);
+      the scales are repeated down each tile's 16 rows.
+    uniform: uniform [0, 1) noise of ``x``'s shape for stochastic rounding;
+      None rounds to nearest even.
+  """
+  x32 = x.astype(jnp.float32)
+  global_scale = nvfp4_global_scale(x32)
+  blocks = _blocked(x32, NVFP4.block)
+  amax = jnp.max(jnp.abs(blocks), axis=-1)
+  if tiles:
+    rows = amax.reshape(*amax.shape[:-2], amax.shape[-2] // NVFP4.block,
+                        NVFP4.block, amax.shape[-1])
+    amax = jnp.broadcast_to(jnp.max(rows, axis=-2, keepdims=True),
+                            rows.shape).reshape(amax.shape)
+  scales = _e4m3_scales(amax, global_scale)
+  decode = scales.astype(jnp.float32)[..., None] * global_scale
+  scaled = jnp.where(decode > 0, blocks / jnp.where(decode > 0, decode, 1.0),
+                     0.0)
+  scaled = jnp.clip(scaled, -NVFP4.value_max, NVFP4.value_max)
+  if uniform is not None:
+    scaled = _round_e2m1_stochastic(scaled, _blocked(uniform, NVFP4.block))
+  values = scaled.astype(NVFP4.value_dtype)
+  return Quantized(values.reshape(x.shape), scales, global_scale)
+
+
+def quantize(x: jax.Array, fmt: BlockFormat, *, tiles: bool = False,
+             uniform: Optional[jax.Array] = None) -> Quantized:
+  """``x`` in ``fmt``, blocks along its last axis (see the two above)."""
+  if fmt is MXFP8:
+    return quantize_mxfp8(x)
+  return quantize_nvfp4(x, tiles=tiles, uniform=uniform)
+
+
+def dequantize(q: Quantized, dtype=jnp.float32) -> jax.Array:
+  """The values times their scales, in ``dtype`` (exact in fp32 before the
+  global scale: an E2M1 or E4M3 value times an E4M3 or power-of-two scale
+  fits fp32's significand)."""
+  if q.scales.dtype == np.dtype(jnp.float8_e8m0fnu):
+    scales = e8m0_to_float32(q.scales)
+  else:
+    scales = q.scales.astype(jnp.float32)
+  block = q.values.shape[-1] // q.scales.shape[-1]
+  values = _blocked(q.values.astype(jnp.float32), block) * scales[..., None]
+  return (values.reshape(q.values.shape) * q.global_scale).astype(dtype)
+
+
+# ---- the random Hadamard transform -----------------------------------------
+
+HADAMARD_SIZE = 16
+# Fixed random signs (the paper draws one sign vector and keeps it): a
+# constant, so the transform needs no random key and a model's apply call no
+# new RNG stream.
+HADAMARD_SIGNS = np.where(
+    np.random.default_rng(2509_25149).random(HADAMARD_SIZE) < 0.5, -1.0, 1.0
+).astype(np.float32)
+
+
+def hadamard_16(x: jax.Array, axis: int = -1) -> jax.Array:
+  """The 16-wide random Hadamard transform of each 16 along ``axis`` (a
+  multiple of 16): signs flipped, then the Walsh-Hadamard transform by four
+  butterfly stages (adds, no GEMM) divided by 4 (orthonormal)."""
+  moved = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+  shape = moved.shape
+  y = moved.reshape(-1, HADAMARD_SIZE) * HADAMARD_SIGNS
+  half = 1
+  while half < HADAMARD_SIZE:
+    pairs = y.reshape(-1, HADAMARD_SIZE // (2 * half), 2, half)
+    a, b = pairs[:, :, 0], pairs[:, :, 1]
+    y = jnp.stack([a + b, a - b], axis=2).reshape(-1, HADAMARD_SIZE)
+    half *= 2
+  y = (y * jnp.float32(0.25)).reshape(shape)
+  return jnp.moveaxis(y, -1, axis)
+
+
+def content_uniform(x: jax.Array, salt: int) -> jax.Array:
+  """Uniform [0, 1) noise of ``x``'s shape for stochastic rounding, keyed by
+  ``x``'s own contents (the bits of its fp32 sum of squares) and ``salt``:
+  no key to pass, the same tensor rounds the same way (reproducible), and
+  a step's new gradients draw new noise."""
+  total = jnp.sum(jnp.square(x.astype(jnp.float32)))
+  bits = jax.lax.bitcast_convert_type(total, jnp.uint32)
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(salt), bits),
+                           x.size % (2**31))
+  return jax.random.uniform(key, x.shape, jnp.float32)
