@@ -8,8 +8,9 @@ source agrees bit for bit (``tests/test_block_scaled.py`` has one):
   rounded *up*, as cuBLAS, jax's ``quantize`` and torchao's ``RCEIL`` do,
   arXiv 2506.08027): blocks of 32 values along the contraction axis; the
   scale is the power of two ``2**e`` with the smallest ``e`` for which
-  ``448 * 2**e >= amax`` (so no value saturates), stored as E8M0; values are
-  ``x / 2**e`` rounded to nearest even into E4M3.
+  ``448 * 2**e >= amax`` (so no value saturates; ``e`` within [-126, 127],
+  0 for an all-zero block), stored as E8M0; values are ``x / 2**e``
+  rounded to nearest even into E4M3.
 * **NVFP4** (NVIDIA's NVFP4 pretraining paper, arXiv 2509.25149, section 2
   and appendix B; Transformer Engine's ``NVFP4BlockScaling``): a per-tensor
   fp32 scale ``g = amax(tensor) / (448 * 6)`` (current scaling: no state);
@@ -99,11 +100,14 @@ def _e8m0_exponent(amax: jax.Array) -> jax.Array:
   """The smallest ``e`` with ``448 * 2**e >= amax``, exactly: with
   ``amax = m * 2**p`` (``0.5 <= m < 1``), ``448 = 0.875 * 2**9``, so ``e`` is
   ``p - 9`` when ``m <= 0.875`` and ``p - 8`` otherwise. No division, so no
-  rounding can land a block one power of two low."""
+  rounding can land a block one power of two low. Clamped to [-126, 127]:
+  E8M0's 2**-127 is an fp32 subnormal, which GPUs and XLA:CPU flush to
+  zero (a block that small has nothing E4M3 can hold anyway); an all-zero
+  block gets the scale 1."""
   mantissa, exponent = jnp.frexp(amax)
   e = jnp.where(mantissa <= 0.875, exponent - 9, exponent - 8)
-  e = jnp.where(amax > 0, e, -_E8M0_BIAS)  # an all-zero block: any scale
-  return jnp.clip(e, -_E8M0_BIAS, _E8M0_BIAS)
+  e = jnp.where(amax > 0, e, 0)
+  return jnp.clip(e, 1 - _E8M0_BIAS, _E8M0_BIAS)
 
 
 def _e8m0(e: jax.Array, finite: jax.Array) -> jax.Array:

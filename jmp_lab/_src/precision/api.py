@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from jmp_lab._src.precision.interpreter import apply_rules
 from jmp_lab._src.precision.rules import Rules, make_rules
-from jmp_lab._src.policy import Policy, get_policy
+from jmp_lab._src.policy import BLOCK_SCALED_MODES, Policy, get_policy
 
 PolicySpec = Union[Policy, str]
 
@@ -46,9 +46,14 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
   Raises:
     TypeError: if ``fn`` is not callable or an ``exclude`` entry is not a
       string.
-    ValueError: for a bad policy spec, a policy with fp8 matmuls
-      (``matmul=``: autocast has none), an unknown primitive name or an
-      invalid regular expression.
+    ValueError: for a bad policy spec, a policy with per-tensor fp8 matmuls
+      (``matmul=fp8``/``fp8_current``: autocast has none), an unknown
+      primitive name or an invalid regular expression. Block-scaled
+      matmuls (``matmul=mxfp8``/``nvfp4``) are supported: every
+      ``dot_general`` whose right operand is a stored value (an argument
+      as passed in, such as a weight: ``x @ w``) is block-scaled; one whose
+      right operand was computed (attention's) runs in the compute dtype, as under the Flax front
+      ends, where only Dense/Linear/Einsum layers are block-scaled.
 
   Example::
 
@@ -66,18 +71,20 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
     raise TypeError(f"autocast needs a callable fn, got {type(fn).__name__} "
                     f"{fn!r}")
   policy = get_policy(policy)
-  if policy.matmul is not None:
-    # An fp8 GEMM needs to know which operand is a layer's weight (and,
-    # delayed, where its scaling state lives): an op-level rule does not.
+  if policy.matmul is not None and policy.matmul not in BLOCK_SCALED_MODES:
+    # A per-tensor fp8 GEMM needs to know where its scaling state lives (and
+    # the delayed one keeps state): an op-level rule does not.
     raise ValueError(
-        f"autocast has no fp8 matmuls: policy {str(policy)!r} asks for "
+        f"autocast has no per-tensor fp8 matmuls: policy {str(policy)!r} "
+        f"asks for "
         f"matmul={policy.matmul}, which would be silently left out. Use "
         f"jmp_lab.linen.with_policy or jmp_lab.nnx.with_policy for Flax "
         f"models, or call jmp_lab.fp8.dot_general / jmp_lab.fp8.einsum in "
         f"your own layers (they compose with autocast), and give autocast "
         f"the policy without matmul=")
   rules = make_rules(policy.compute_dtype, fp32_ops=fp32_ops,
-                     extra_fp32_ops=extra_fp32_ops, exclude=exclude)
+                     extra_fp32_ops=extra_fp32_ops, exclude=exclude,
+                     block_scaled=policy.matmul)
   return Autocast(fn, policy, rules)
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import _gemm
+from jmp_lab._src.numerics import block_matmul
 from jmp_lab._src.precision import observers, scopes, table
 from jmp_lab._src.precision.ops import COMPUTE_OPS, MATMUL_OPS
 from jmp_lab._src.precision.values import (F32, Handler, Op, Role, as_written,
@@ -23,10 +24,17 @@ from jmp_lab._src.precision.values import (F32, Handler, Op, Role, as_written,
                                            is_floating, restore, written_dtype)
 
 def matmul(op: Op) -> tuple[list, list]:
-  """Both operands in the region's matmul dtype; fp32 accumulation."""
+  """Both operands in the region's matmul dtype; fp32 accumulation. In a
+  block-scaled region, a weight matmul is block-scaled."""
   target = op.region.matmul
   written = [written_dtype(v) for v in op.eqn.invars[:2]]
   actual = [dtype_of(x, v) for x, v in zip(op.invals, op.eqn.invars)][:2]
+  if _block_scaled(op, target, actual):
+    observers.matmul_ran([target, target], written, False, in_model=True)
+    x, w = (cast(v, target) for v in op.invals[:2])
+    return [block_matmul.dot_general(
+        x, w, op.eqn.params["dimension_numbers"],
+        fmt=op.region.block_scaled)], [Role.HALF]
   if target is None or not all(is_floating(d) and d.itemsize > 1
                                for d in actual):
     dtypes = [np.dtype(v.aval.dtype) for v in op.eqn.invars[:2]]
@@ -52,6 +60,16 @@ def matmul(op: Op) -> tuple[list, list]:
   out = _gemm.accumulated(
       lambda *xs: bind(op.eqn, list(xs) + rest, params)[0], operands, result)
   return [out], [Role.WIDE]
+
+
+def _block_scaled(op: Op, target, actual) -> bool:
+  """Whether ``op`` is a weight matmul of a block-scaled region: a
+  ``dot_general`` of floating operands whose right one is stored (an
+  argument as passed in: ``x @ w``)."""
+  return (op.region.block_scaled is not None and target is not None
+          and op.eqn.primitive.name == "dot_general"
+          and all(is_floating(d) and d.itemsize > 1 for d in actual)
+          and op.roles[1] == Role.STORED)
 
 
 def convert(op: Op) -> tuple[list, list]:

@@ -28,8 +28,9 @@ import numpy as np
 
 from jmp_lab._src.precision import scopes
 from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
-from jmp_lab._src.policy import (MATMUL_MODES, Policy, canonicalize_dtype, get_policy,
-                            is_norm_class, layer_dtype)
+from jmp_lab._src.policy import (BLOCK_SCALED_MODES, MATMUL_MODES, Policy,
+                                 canonicalize_dtype, get_policy,
+                                 is_norm_class, layer_dtype)
 
 PolicySpec = Union[Policy, str]
 
@@ -47,12 +48,15 @@ class Rules:
       under a matching path runs as written.
     island: the region outside any scope is an fp32 island whose matmuls
       run in ``compute_dtype`` (how a train step runs its loss).
+    block_scaled: ``"mxfp8"`` or ``"nvfp4"``: in every half region, weight
+      matmuls are block-scaled (:class:`~jmp_lab.precision.Region`), or None.
   """
 
   compute_dtype: np.dtype
   fp32_ops: frozenset = FP32_OPS
   exclude: tuple = ()
   island: bool = False
+  block_scaled: Optional[str] = None
 
   @property
   def default_region(self) -> scopes.Region:
@@ -68,7 +72,10 @@ class Rules:
       if any(pattern.search(joined) for pattern in self.exclude):
         return scopes.AS_WRITTEN
     region = scopes.innermost_region(path)
-    return self.default_region if region is None else region
+    region = self.default_region if region is None else region
+    if self.block_scaled is not None and region.compute is not None:
+      return dataclasses.replace(region, block_scaled=self.block_scaled)
+    return region
 
   def compute_for(self, path: tuple[str, ...]) -> Optional[np.dtype]:
     """The half dtype ops at ``path`` compute in, or None (as written)."""
@@ -78,7 +85,8 @@ class Rules:
 def make_rules(compute_dtype: Any, *, fp32_ops: Optional[Iterable[str]] = None,
                extra_fp32_ops: Iterable[str] = (),
                exclude: Union[str, Iterable[str], None] = None,
-               island: bool = False) -> Rules:
+               island: bool = False,
+               block_scaled: Optional[str] = None) -> Rules:
   """Checked :class:`Rules`; see :func:`jmp_lab.autocast` for the arguments.
 
   >>> import jax.numpy as jnp
@@ -89,8 +97,11 @@ def make_rules(compute_dtype: Any, *, fp32_ops: Optional[Iterable[str]] = None,
   compute_dtype = canonicalize_dtype(compute_dtype, what="compute_dtype")
   ops = FP32_OPS if fp32_ops is None else _op_names(fp32_ops, "fp32_ops")
   ops = ops | _op_names(extra_fp32_ops, "extra_fp32_ops")
+  if block_scaled not in (None, *BLOCK_SCALED_MODES):
+    raise ValueError(f"block_scaled must be None or one of "
+                     f"{', '.join(BLOCK_SCALED_MODES)}, got {block_scaled!r}")
   return Rules(compute_dtype, frozenset(ops), _patterns(exclude, "exclude"),
-               bool(island))
+               bool(island), block_scaled)
 
 
 def _patterns(patterns: Union[str, Iterable[str], None], what: str) -> tuple:

@@ -49,10 +49,14 @@ class Region:
   Attributes:
     compute: the half dtype ops compute in, or None: ops run as written.
     matmul: the half dtype matmuls run in, or None: matmuls run as written.
+    block_scaled: ``"mxfp8"`` or ``"nvfp4"``: weight matmuls (a matmul
+      whose right operand is a stored value, as ``x @ w``) block-scaled
+      (:mod:`jmp_lab.block_scaled`; autocast's ``matmul=`` key), or None.
   """
 
   compute: Optional[np.dtype]
   matmul: Optional[np.dtype]
+  block_scaled: Optional[str] = None
 
   @classmethod
   def of(cls, dtype: Any) -> "Region":

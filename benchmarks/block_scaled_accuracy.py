@@ -1,0 +1,83 @@
+"""MXFP8 and NVFP4 training against bf16 on the char transformer, and the
+NVFP4 recipe's ablation (each piece switched off in turn).
+
+Runs ``examples/char_transformer.py`` (the standard library's Python
+sources as bytes) under ``mixed_bfloat16``, ``mixed_mxfp8`` and
+``mixed_nvfp4``, the last also with :func:`jmp_lab.block_scaled.nvfp4_recipe`
+switching off 16x16 weight tiles, stochastic rounding, the Hadamard
+transform, and both of the last two. On a CPU the block-scaled GEMMs are
+emulated with the GPU's numbers (``jmp_lab.block_scaled``). Prints the
+validation losses and their ratios to bf16's::
+
+  PYTHONPATH=.:examples python benchmarks/block_scaled_accuracy.py \\
+      --steps 2000 --batch-size 8 --seq-len 64 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import char_transformer  # noqa: E402
+from jmp_lab import block_scaled  # noqa: E402
+
+# (row, policy, the NVFP4 recipe's switches or None). The first is the
+# baseline.
+RUNS = [
+    ("bf16", "mixed_bfloat16", None),
+    ("mxfp8", "mixed_mxfp8", None),
+    ("nvfp4 (full recipe)", "mixed_nvfp4", None),
+    ("nvfp4 without RHT and SR", "mixed_nvfp4",
+     dict(hadamard=False, stochastic_rounding=False)),
+    ("nvfp4 without RHT", "mixed_nvfp4", dict(hadamard=False)),
+    ("nvfp4 without SR", "mixed_nvfp4", dict(stochastic_rounding=False)),
+    ("nvfp4 without 16x16 weight tiles", "mixed_nvfp4",
+     dict(weight_tiles=False)),
+]
+
+
+def run(policy: str, recipe, steps: int, batch: int, seq_len: int,
+        seed: int) -> float:
+  ablated = (block_scaled.nvfp4_recipe(**recipe) if recipe
+             else contextlib.nullcontext())
+  with tempfile.TemporaryDirectory() as ckpt, ablated:
+    out = char_transformer.main(
+        ["--policy", policy, "--steps", str(steps), "--batch-size",
+         str(batch), "--seq-len", str(seq_len), "--seed", str(seed),
+         "--ckpt-dir", ckpt, "--ckpt-every", str(10**9), "--no-progress",
+         "--sample-len", "0"])
+  return out["valid_loss"]
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--steps", type=int, default=2000)
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--seq-len", type=int, default=64)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--only", default=None,
+                      help="comma-separated row names to run (bf16 always)")
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  wanted = None if args.only is None else set(args.only.split(","))
+  losses = {}
+  for name, policy, recipe in RUNS:
+    if wanted is not None and name != "bf16" and name not in wanted:
+      continue
+    losses[name] = run(policy, recipe, args.steps, args.batch_size,
+                       args.seq_len, args.seed)
+    print(f"{name:<34} valid loss {losses[name]:.4f}  vs bf16 "
+          f"{losses[name] / losses['bf16']:.4f}x", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "valid_loss": losses}, f, indent=1)
+  return losses
+
+
+if __name__ == "__main__":
+  main()
