@@ -216,8 +216,14 @@ LEAN_STEP_CONFIGS = [
     # and with fp8 matmuls (issue 27): the GEMM-bound configuration's pair.
     Config("bf16-fp8-lean", "mixed_fp8", "none", lean=True),
 ]
+# Blackwell's block-scaled matmuls (issue 55): every Dense GEMM (the head's
+# too) MXFP8 or NVFP4; compiled for a B200 (benchmarks/block_scaled_compile.py).
+BLOCK_SCALED_CONFIGS = [
+    Config("bf16-mxfp8", "mixed_mxfp8", "none"),
+    Config("bf16-nvfp4", "mixed_nvfp4", "none"),
+]
 ALL_CONFIGS = (CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS + REDUCE_CONFIGS
-               + FP8_CONFIGS + LEAN_STEP_CONFIGS)
+               + FP8_CONFIGS + LEAN_STEP_CONFIGS + BLOCK_SCALED_CONFIGS)
 
 
 def make_state(config: Config, size: ModelSize):
