@@ -1,0 +1,411 @@
+"""Tests for jmp_lab.block_scaled: MXFP8 and NVFP4 quantization against an
+independent reference, the block-scaled products and their gradients, the
+policy keys on every route, and the B200 compile."""
+
+import fractions
+import re
+import warnings
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_lab
+from jmp_lab import block_scaled as bs
+from jmp_lab._src.numerics import block_matmul
+from jmp_lab.diagnostics import audit_step
+
+from cuda_compile import require_cuda_plugin  # noqa: E402
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+# --- an independent reference, from the OCP MX spec and the NVFP4 paper -------
+
+
+def _grid(dtype, codes):
+  """(value, code) of every finite value of a small float type, by code."""
+  values = np.arange(codes, dtype=np.uint8).view(dtype).astype(np.float64)
+  return [(v, c) for c, v in enumerate(values) if np.isfinite(v)]
+
+
+E4M3 = _grid(ml_dtypes.float8_e4m3fn, 256)
+E2M1 = _grid(ml_dtypes.float4_e2m1fn, 16)
+
+
+def _round_nearest_even(value: float, grid) -> float:
+  """The grid value nearest ``value`` (exactly, by fractions), a tie to the
+  one with an even code (an even last mantissa bit)."""
+  exact = fractions.Fraction(value)
+  best = min(grid, key=lambda vc: (abs(fractions.Fraction(vc[0]) - exact),
+                                   vc[1] % 2, vc[1]))
+  return 0.0 if best[0] == 0 else best[0]
+
+
+def _mx_exponent(amax: float) -> int:
+  """OCP MX v1.0 6.3's shared exponent, rounded up: the smallest e with
+  448 * 2**e >= amax, within [-126, 127]; an all-zero block: 0."""
+  if amax == 0:
+    return 0
+  e = 0
+  while 448 * fractions.Fraction(2) ** e < amax:
+    e += 1
+  while 448 * fractions.Fraction(2) ** (e - 1) >= amax:
+    e -= 1
+  return int(np.clip(e, -126, 127))
+
+
+def reference_mxfp8(x: np.ndarray):
+  x = x.astype(np.float64).reshape(-1, 32)
+  values, exponents = [], []
+  for block in x:
+    e = _mx_exponent(float(np.max(np.abs(block))))
+    exponents.append(e)
+    values.append([_round_nearest_even(v / 2.0**e, E4M3) for v in block])
+  return np.array(values), np.array(exponents)
+
+
+def reference_nvfp4(x: np.ndarray):
+  """NVFP4 (arXiv 2509.25149 section 2): global decode scale amax/(448*6)
+  and each block's E4M3 scale amax_b/(6 g), in fp32 arithmetic; values
+  rounded to nearest even into E2M1 after dividing by scale * g."""
+  f32 = np.float32
+  x = x.astype(f32)
+  amax = f32(np.max(np.abs(x)))
+  g = f32(amax / f32(2688.0)) if amax > 0 else f32(1.0)
+  blocks = x.reshape(-1, 16)
+  values, scales = [], []
+  for block in blocks:
+    decode = f32(np.max(np.abs(block))) / f32(g * f32(6.0))
+    scale = _round_nearest_even(float(min(decode, f32(448.0))), E4M3)
+    d = f32(f32(scale) * g)
+    scales.append(scale)
+    values.append([0.0 if d == 0 else _round_nearest_even(
+        float(np.clip(f32(v / d), -6, 6)), E2M1) for v in block])
+  return np.array(values), np.array(scales), float(g)
+
+
+def _awkward(shape, seed):
+  """Normal values over a wide range of magnitudes, with exact powers of two,
+  448 * 2**k and just above it, and an all-zero block."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * 2.0 ** rng.integers(-20, 20, shape[:-1] + (1,))
+  flat = x.reshape(-1)
+  flat[:32] = 2.0 ** np.arange(-15, 17)          # block 0: amax 2**16
+  flat[32:64] = 0.0                              # block 1: zeros
+  flat[64:96] = 1.0                              # block 2: amax just
+  flat[64] = np.nextafter(np.float32(448.0), np.float32(1e9))  # above 448
+  return x.astype(np.float32)
+
+
+def test_mxfp8_matches_the_ocp_mx_reference_bit_for_bit():
+  x = _awkward((6, 128), 0)
+  q = bs.quantize_mxfp8(jnp.asarray(x))
+  values, exponents = reference_mxfp8(x)
+  np.testing.assert_array_equal(np.asarray(q.values, np.float64).reshape(-1, 32),
+                                values)
+  np.testing.assert_array_equal(
+      np.asarray(jax.lax.bitcast_convert_type(q.scales, jnp.uint8)).reshape(-1),
+      exponents + 127)
+  # 448 * 2**e >= amax: no value saturates; the exponent is the smallest.
+  assert list(exponents[:3]) == [8, 0, 1]
+
+
+def test_nvfp4_matches_the_paper_reference_bit_for_bit():
+  x = _awkward((4, 64), 1) * 1e-3
+  q = bs.quantize_nvfp4(jnp.asarray(x))
+  values, scales, g = reference_nvfp4(x)
+  assert float(q.global_scale) == g
+  np.testing.assert_array_equal(np.asarray(q.scales, np.float64).reshape(-1),
+                                scales)
+  np.testing.assert_array_equal(
+      np.asarray(q.values, np.float64).reshape(-1, 16), values)
+
+
+def test_nvfp4_weight_tiles_share_one_scale_per_16x16_tile():
+  x = _awkward((32, 32), 2)
+  q = bs.quantize_nvfp4(jnp.asarray(x), tiles=True)
+  scales = np.asarray(q.scales, np.float64)            # (32, 2)
+  for r in range(0, 32, 16):
+    for c in range(2):
+      tile = scales[r:r + 16, c]
+      assert np.all(tile == tile[0])
+      amax = np.max(np.abs(x[r:r + 16, 16 * c:16 * c + 16]))
+      expected = _round_nearest_even(float(min(
+          np.float32(amax) / np.float32(float(q.global_scale) * 6), 448)),
+          E4M3)
+      assert tile[0] == expected
+
+
+def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased():
+  # Each block: 6 (its amax, so its scale maps 6 to 6) and fifteen 1.25s,
+  # which lie halfway between E2M1's 1 and 1.5.
+  x = jnp.tile(jnp.array([6.0] + [1.25] * 15, jnp.float32), (1, 256))
+  inside = np.arange(x.shape[1]) % 16 != 0
+  draws = []
+  for salt in range(32):
+    uniform = jax.random.uniform(jax.random.key(salt), x.shape)
+    q = bs.quantize_nvfp4(x, uniform=uniform)
+    draws.append(np.asarray(q.values, np.float32)[0, inside])
+  draws = np.stack(draws)
+  nearest = np.asarray(bs.quantize_nvfp4(x).values, np.float32)[0, inside]
+  assert set(np.unique(draws)) == {1.0, 1.5}     # the two grid neighbours
+  assert abs(draws.mean() - 1.25) < 0.01         # unbiased
+  assert np.all(nearest == 1.0)                  # the tie, to even
+
+
+def test_the_hadamard_transform_is_orthonormal_and_keeps_a_product():
+  eye = jnp.eye(16)
+  h = bs.hadamard_16(eye, axis=0)
+  chex.assert_trees_all_close(h.T @ h, eye, atol=1e-6)
+  a = jax.random.normal(jax.random.key(0), (64, 8))
+  b = jax.random.normal(jax.random.key(1), (64, 5))
+  chex.assert_trees_all_close(bs.hadamard_16(a, 0).T @ bs.hadamard_16(b, 0),
+                              a.T @ b, atol=1e-4)
+
+
+# --- the products ---------------------------------------------------------------
+
+
+class ProductTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_forward_is_the_exact_product_of_the_quantized_operands(self):
+    x = jax.random.normal(jax.random.key(0), (16, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 24), jnp.bfloat16)
+    y = self.variant(lambda x, w: bs.dot_general(x, w, DIMS, fmt="mxfp8"))(x, w)
+    xv, xe = reference_mxfp8(np.asarray(x, np.float32))
+    wv, we = reference_mxfp8(np.asarray(w, np.float32).T)
+    xd = (xv * 2.0 ** xe[:, None]).reshape(16, 64)
+    wd = (wv * 2.0 ** we[:, None]).reshape(24, 64)
+    chex.assert_type(y, jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(y, np.float32),
+        np.asarray(jnp.asarray((xd @ wd.T).astype(np.float32)).astype(
+            jnp.bfloat16), np.float32))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_gradients_are_block_scaled_along_their_own_contractions(self):
+    x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 32), jnp.bfloat16)
+    g = jax.random.normal(jax.random.key(2), (32, 32), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda x, w: bs.dot_general(x, w, DIMS, fmt="mxfp8"),
+                     x, w)
+    dx, dw = self.variant(vjp)(g)
+
+    def deq(a):   # a (R, C) quantized along C, by the reference
+      v, e = reference_mxfp8(np.asarray(a, np.float32))
+      return (v * 2.0 ** e[:, None]).reshape(a.shape)
+
+    def bf16(a):
+      return np.asarray(jnp.asarray(a.astype(np.float32)).astype(jnp.bfloat16),
+                        np.float32)
+    # dx = g w^T: g along N, w along N; dw = x^T g: both along the tokens.
+    np.testing.assert_array_equal(np.asarray(dx, np.float32),
+                                  bf16(deq(g) @ deq(np.asarray(w)).T))
+    np.testing.assert_array_equal(np.asarray(dw, np.float32),
+                                  bf16(deq(np.asarray(x).T) @ deq(
+                                      np.asarray(g).T).T))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_shapes_that_are_not_whole_blocks_are_padded(self):
+    # K = 70, 5 tokens, 3 features: every GEMM padded, nothing raises.
+    x = jax.random.normal(jax.random.key(0), (5, 70), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (70, 3), jnp.bfloat16)
+    for fmt in ("mxfp8", "nvfp4"):
+      f = self.variant(jax.value_and_grad(
+          lambda x, w: bs.dot_general(x, w, DIMS, fmt=fmt).astype(
+              jnp.float32).sum(), argnums=(0, 1)))
+      value, (dx, dw) = f(x, w)
+      x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+      exact = float((x32 @ w32).sum())
+      assert abs(float(value) - exact) < 0.2 * float((abs(x32) @ abs(w32)).sum())
+      chex.assert_shape((dx, dw), [(5, 70), (70, 3)])
+      assert np.all(np.isfinite(np.asarray(dx, np.float32)))
+
+
+def test_einsum_is_block_scaled_like_its_dot_general():
+  x = jax.random.normal(jax.random.key(0), (2, 8, 64), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (64, 4, 16), jnp.bfloat16)
+  y = bs.einsum("btd,dhk->bthk", x, w, fmt="mxfp8")
+  z = bs.dot_general(x, w, (((2,), (0,)), ((), ())), fmt="mxfp8")
+  chex.assert_trees_all_equal(y, z)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (dict(fmt="fp4"), "block-scaled format 'fp4' is not supported; accepted: "
+                      "mxfp8, nvfp4"),
+    (dict(fmt="mxfp8", out_sharding="x"), "does not take out_sharding"),
+])
+def test_bad_arguments_are_named(bad, pattern):
+  with pytest.raises(ValueError, match=re.escape(pattern)):
+    bs.dot_general(jnp.ones((4, 32)), jnp.ones((32, 4)), DIMS, **bad)
+
+
+def test_a_gpu_without_block_scaled_cores_warns_once(monkeypatch):
+  class Hopper:
+    platform, compute_capability, device_kind = "gpu", "9.0", "NVIDIA H100"
+  monkeypatch.setattr(jax, "local_devices", lambda: [Hopper()])
+  monkeypatch.setattr(block_matmul, "_WARNED", set())
+  with pytest.warns(UserWarning, match="dequantize plus 16-bit GEMMs"):
+    jax.make_jaxpr(lambda x, w: bs.dot_general(x, w, DIMS, fmt="nvfp4"))(
+        jnp.ones((4, 32)), jnp.ones((32, 4)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.make_jaxpr(lambda x, w: bs.dot_general(x, w, DIMS, fmt="mxfp8"))(
+        jnp.ones((4, 32)), jnp.ones((32, 4)))
+
+
+def test_the_nvfp4_recipe_can_be_ablated_and_restored():
+  assert block_matmul.recipe_for("nvfp4").hadamard
+  with bs.nvfp4_recipe(hadamard=False, stochastic_rounding=False):
+    recipe = block_matmul.recipe_for("nvfp4")
+    assert not recipe.hadamard and not recipe.stochastic_gradients
+  assert block_matmul.recipe_for("nvfp4") == bs.RECIPES["nvfp4"]
+  with pytest.raises(TypeError, match="hadamard must be a bool"):
+    with bs.nvfp4_recipe(hadamard="no"):
+      pass
+
+
+# --- the policy keys, on every route ---------------------------------------------
+
+
+def test_policy_keys_and_presets():
+  assert jmp_lab.get_policy("mixed_mxfp8") == jmp_lab.get_policy(
+      "mixed_bfloat16,matmul=mxfp8")
+  assert jmp_lab.get_policy("mixed_nvfp4").matmul == "nvfp4"
+  with pytest.raises(ValueError, match="accepted: fp8, fp8_current, mxfp8, "
+                                       "nvfp4"):
+    jmp_lab.get_policy("mixed_bfloat16,matmul=mxfp4")
+
+
+class Layers(nn.Module):
+  """Every matmul layer fp8 reaches, one pinning float32, and a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(64)(x)
+    x = nn.DenseGeneral((2, 32), dtype=jnp.float32)(x)
+    x = nn.Einsum((2, 32, 64), "bhd,hdk->bk")(x)
+    return nn.Dense(16, name="head")(x)
+
+
+class NnxLayers(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(48, 64, rngs=rngs)
+    self.general = nnx.LinearGeneral(64, (2, 32), dtype=jnp.float32,
+                                      rngs=rngs)
+    self.einsum = nnx.Einsum("bhd,hdk->bk", (2, 32, 64), rngs=rngs)
+    self.head = nnx.Linear(64, 16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.einsum(self.general(self.dense(x))))
+
+
+def _kinds(report):
+  return sorted(r.kind for r in report.matmuls)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_every_matmul_layer_is_block_scaled_on_linen_and_nnx(fmt):
+  x = jnp.ones((32, 48))
+  policy = f"mixed_{fmt}"
+  linen = jmp_lab.linen.with_policy(Layers(), policy,
+                                    path_overrides={"head": "mixed_bfloat16"})
+  params = linen.init(jax.random.key(0), x)   # no new RNG stream
+  report = audit_step(jax.grad(lambda p: linen.apply(p, x).sum()), params)
+  # three layers x three GEMMs block-scaled; the head kept in bf16 (3 GEMMs
+  # in jax's transpose: forward, input and weight gradients).
+  assert _kinds(report) == ["dot_general"] * 3 + [fmt] * 9
+
+  model = jmp_lab.nnx.with_policy(NnxLayers(nnx.Rngs(0)), policy,
+                                  path_overrides={"head": "mixed_bfloat16"})
+  graph, state = nnx.split(model)
+  report = audit_step(jax.grad(
+      lambda s: nnx.merge(graph, s)(x).sum()), state)
+  assert _kinds(report) == ["dot_general"] * 3 + [fmt] * 9
+
+
+def test_autocast_block_scales_weight_matmuls_not_attention():
+  def loss(p, x):
+    h = jnp.tanh(x @ p["w1"])
+    q, k = h @ p["wq"], h @ p["wk"]
+    return ((jax.nn.softmax(q @ k.T) @ h) @ p["w2"]).sum()
+  p = {name: jax.random.normal(jax.random.key(i), shape) * 0.1
+       for i, (name, shape) in enumerate([("w1", (64, 64)), ("wq", (64, 32)),
+                                          ("wk", (64, 32)), ("w2", (64, 16))])}
+  x = jax.random.normal(jax.random.key(9), (32, 64))
+  grad = jax.grad(jmp_lab.autocast(loss, "mixed_mxfp8"))
+  kinds = _kinds(audit_step(grad, p, x))
+  assert kinds.count("mxfp8") == 12 and kinds.count("dot_general") == 6
+  exact = jax.grad(loss)(p, x)
+  for name, g in grad(p, x).items():
+    assert float(jnp.linalg.norm(g - exact[name])) < 0.2 * float(
+        jnp.linalg.norm(exact[name]))
+
+
+def test_autocast_still_refuses_per_tensor_fp8():
+  with pytest.raises(ValueError, match="no per-tensor fp8 matmuls"):
+    jmp_lab.autocast(lambda x: x, "mixed_fp8")
+
+
+class Scanned(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, _):
+    return nn.Dense(64)(jnp.tanh(x)), None
+
+
+def test_scanned_and_rematerialized_layers_are_block_scaled():
+  stack = nn.scan(nn.remat(Scanned), variable_axes={"params": 0},
+                  split_rngs={"params": True}, length=3)
+  model = jmp_lab.linen.with_policy(stack(), "mixed_nvfp4")
+  x = jnp.ones((16, 64))
+  params = model.init(jax.random.key(0), x, None)
+  report = audit_step(jax.grad(
+      lambda p: model.apply(p, x, None)[0].sum()), params)
+  assert {r.kind for r in report.matmuls} == {"nvfp4"}
+  assert sum(r.times for r in report.matmuls) == 9
+
+
+# --- compiled for a B200, without one -------------------------------------------
+
+
+def _mlp_step_for_b200(fmt: str, front_end: str):
+  from jmp_lab.diagnostics import compiled_report
+  x = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+  if front_end == "linen":
+    model = jmp_lab.linen.with_policy(Layers(), f"mixed_{fmt}")
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    step = jax.grad(lambda p, x: jnp.square(model.apply(p, x)).sum(),
+                    argnums=(0, 1))
+    return compiled_report(step, params, x, target="b200")
+  model = jmp_lab.nnx.with_policy(NnxLayers(nnx.Rngs(0)), f"mixed_{fmt}")
+  graph, state = nnx.split(model)
+  x = jax.ShapeDtypeStruct((256, 48), jnp.float32)
+  step = jax.grad(lambda s, x: jnp.square(nnx.merge(graph, s)(x)).sum(),
+                  argnums=(0, 1))
+  return compiled_report(step, state, x, target="b200")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("front_end", ["linen", "nnx"])
+def test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200(
+    fmt, front_end):
+  require_cuda_plugin()
+  report = _mlp_step_for_b200(fmt, front_end)
+  print(report.table())
+  assert report.hlo_text.count('custom_call_target="__cudnn$blockScaledDot"') == 12
+  assert len(report.block_scaled_gemms) == 12 == len(report.gemms)
+  assert {g.block_scaled for g in report.gemms} == {fmt}
+  assert report.block_scaled_flop_share() == 1.0
+  assert report.target.peak_flops["fp4" if fmt == "nvfp4" else "fp8"] in (
+      9e15, 4.5e15)
+  assert "sm_100a" in report.table() and "block-scaled GEMMs: 12" in (
+      report.table())
