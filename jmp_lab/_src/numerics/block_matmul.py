@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jmp_lab._src.numerics import block_quantize as bq
 
