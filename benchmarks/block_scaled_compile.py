@@ -9,7 +9,9 @@ each GEMM's FLOPs over its math's data-sheet peak) as a ratio to bf16's.
 Every figure is a model of a compiled program, not a measurement::
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/block_scaled_compile.py \\
-      --size gpt2-small --size 1.3b
+      --size gpt2-small
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/block_scaled_compile.py \\
+      --size 1.3b --lean
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from benchmarks.fp8_breakdown import SIZES
 
 CONFIGS = [ts.Config("bf16", "mixed_bfloat16", "none"),
            *ts.BLOCK_SCALED_CONFIGS]
+# The lean step (fused attention, the loss over vocabulary blocks, whose
+# head GEMMs stay bf16 inside the loss kernel): the 1.3B-class comparison.
+LEAN_CONFIGS = [ts.Config("bf16-lean", "mixed_bfloat16", "none", lean=True),
+                *ts.BLOCK_SCALED_LEAN_CONFIGS]
 
 
 def row(config: ts.Config, size: ts.ModelSize) -> dict:
@@ -60,11 +66,14 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--size", action="append", choices=sorted(SIZES))
+  parser.add_argument("--lean", action="store_true",
+                      help="the lean step's configs (bf16-lean first)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
+  configs = LEAN_CONFIGS if args.lean else CONFIGS
   results = {}
   for name in args.size or ["gpt2-small"]:
-    rows = [row(config, SIZES[name]) for config in CONFIGS]
+    rows = [row(config, SIZES[name]) for config in configs]
     results[name] = rows
     print(f"{name}, compiled for 1 x B200 (models, not measurements)")
     print(table(rows), flush=True)

@@ -222,8 +222,15 @@ BLOCK_SCALED_CONFIGS = [
     Config("bf16-mxfp8", "mixed_mxfp8", "none"),
     Config("bf16-nvfp4", "mixed_nvfp4", "none"),
 ]
+# and the lean step's (fused attention, the loss over vocabulary blocks):
+# the 1.3B-class GPT's comparison.
+BLOCK_SCALED_LEAN_CONFIGS = [
+    Config("bf16-mxfp8-lean", "mixed_mxfp8", "none", lean=True),
+    Config("bf16-nvfp4-lean", "mixed_nvfp4", "none", lean=True),
+]
 ALL_CONFIGS = (CONFIGS + FLAT_CONFIGS + LEAN_CONFIGS + REDUCE_CONFIGS
-               + FP8_CONFIGS + LEAN_STEP_CONFIGS + BLOCK_SCALED_CONFIGS)
+               + FP8_CONFIGS + LEAN_STEP_CONFIGS + BLOCK_SCALED_CONFIGS
+               + BLOCK_SCALED_LEAN_CONFIGS)
 
 
 def make_state(config: Config, size: ModelSize):

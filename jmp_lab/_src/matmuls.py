@@ -42,8 +42,9 @@ def gemm_accumulation(operand_dtypes: tuple[str, ...]) -> str:
 
 @dataclasses.dataclass
 class MatmulRecord:
-  kind: str                       # "dot_general", "conv", or "mxfp8" /
-                                  # "nvfp4" (a block-scaled GEMM)
+  kind: str                       # "dot_general", "conv", "mxfp8" /
+                                  # "nvfp4" (a block-scaled GEMM) or
+                                  # "hadamard" (NVFP4's transform)
   operand_dtypes: tuple[str, str]
   accumulation_dtype: str         # the result's dtype (the dot's
                                   # preferred_element_type, or its operands')
@@ -190,7 +191,7 @@ def walk(jaxpr, times, records, casts, producers=None):
       accumulation = eqn.params.get("preferred_element_type") or np.result_type(
           *dtypes)
       records.append(MatmulRecord(
-          kind="dot_general" if name == "dot_general" else "conv",
+          kind=_matmul_kind(eqn),
           operand_dtypes=tuple(d.name for d in dtypes),
           accumulation_dtype=np.dtype(accumulation).name,
           lhs_shape=tuple(eqn.invars[0].aval.shape),
@@ -210,6 +211,21 @@ def walk(jaxpr, times, records, casts, producers=None):
     for inner in compiled_sub_jaxprs(eqn):
       walk(inner, inner_times, records, casts,
             _scope(inner, eqn, producers))
+
+
+#: The named scope jmp_lab.block_scaled quantizes in (its random Hadamard
+#: transform is a small GEMM there).
+BLOCK_QUANTIZE_SCOPE = "jmp_lab_block_quantize"
+
+
+def _matmul_kind(eqn) -> str:
+  """``"conv"``, ``"hadamard"`` (the 16-wide transform of NVFP4's weight
+  gradient operands: part of a block-scaled GEMM's quantization) or
+  ``"dot_general"``."""
+  if eqn.primitive.name != "dot_general":
+    return "conv"
+  stack = str(getattr(eqn.source_info, "name_stack", ""))
+  return "hadamard" if BLOCK_QUANTIZE_SCOPE in stack else "dot_general"
 
 
 def _block_scaled_gemm(eqn) -> Optional[Any]:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 import jax
 import jax.numpy as jnp
 
+from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_quantize as bq
 
 
@@ -121,50 +122,75 @@ def _warn_without_block_scaled_cores() -> None:
           f"numbers are Blackwell's; the speed is not.", stacklevel=4)
 
 
-def _emulated(a: bq.Quantized, b: bq.Quantized) -> jax.Array:
-  # The exact products of the dequantized operands, summed in fp32.
-  return jnp.einsum("bmk,bnk->bmn", bq.dequantize(a._replace(
-      global_scale=jnp.float32(1))), bq.dequantize(b._replace(
-          global_scale=jnp.float32(1))),
+def _emulated(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
+  # The exact products of the dequantized operands, summed in fp32, the sum
+  # rounded to ``dtype`` as the GEMM's epilogue rounds it.
+  unit = jnp.float32(1)
+  return jnp.einsum(
+      "bmk,bnk->bmn", bq.dequantize(a._replace(global_scale=unit)),
+      bq.dequantize(b._replace(global_scale=unit)),
       precision=jax.lax.Precision.HIGHEST,
-      preferred_element_type=jnp.float32)
+      preferred_element_type=jnp.float32).astype(dtype)
 
 
-def _native(a: bq.Quantized, b: bq.Quantized) -> jax.Array:
+def _native(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   return jax.nn.scaled_matmul(a.values, b.values, a.scales, b.scales,
-                              preferred_element_type=jnp.float32)
+                              preferred_element_type=dtype)
 
 
 def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   """``a (B, M, K) x b (B, N, K) -> (B, M, N)`` in ``dtype``: cuDNN's
-  block-scaled GEMM on CUDA, its exact emulation elsewhere; the global
-  scales applied to the fp32 result."""
+  block-scaled GEMM on CUDA, its exact emulation elsewhere.
+
+  The GEMM writes ``dtype`` itself (a 16-bit result, where an fp32 one and a
+  cast would move three times the bytes); NVFP4's global scales then
+  multiply that result (in fp32, rounded once more to ``dtype``), the same
+  on every platform."""
   _warn_without_block_scaled_cores()
-  out = jax.lax.platform_dependent(a, b, cuda=_native, default=_emulated)
-  return (out * (a.global_scale * b.global_scale)).astype(dtype)
+  out = jax.lax.platform_dependent(
+      a, b, cuda=functools.partial(_native, dtype=dtype),
+      default=functools.partial(_emulated, dtype=dtype))
+  if a.values.dtype == bq.NVFP4.value_dtype:
+    out = (out.astype(jnp.float32) * (a.global_scale * b.global_scale)
+           ).astype(dtype)
+  return out
 
 
 # ---- the product and its backward -------------------------------------------
 
 
+#: The named scope of every quantization (``CompiledReport.scope`` finds its
+#: kernels and bytes; the audit names the Hadamard GEMMs in it).
+QUANTIZE_SCOPE = BLOCK_QUANTIZE_SCOPE
+
+
+@jax.named_scope(QUANTIZE_SCOPE)
 def _quantized(x: jax.Array, recipe: Recipe, *, tiles: bool = False,
-               stochastic_salt: Optional[int] = None) -> bq.Quantized:
-  """``x`` (B, R, C) quantized along C, both padded to whole blocks."""
-  x = bq.padded_to_block(x, recipe.fmt.block)
+               stochastic_salt: Optional[int] = None,
+               axis: int = -1) -> bq.Quantized:
+  """``x`` (B, R, C) quantized along ``axis`` (padded to whole blocks,
+  and with ``tiles`` along R too)."""
+  x = bq.padded_to_block(x, recipe.fmt.block, axis)
   if tiles:
     x = bq.padded_to_block(x, recipe.fmt.block, axis=-2)
   uniform = (None if stochastic_salt is None
              else bq.content_uniform(x, stochastic_salt))
-  return bq.quantize(x, recipe.fmt, tiles=tiles, uniform=uniform)
+  return bq.quantize(x, recipe.fmt, tiles=tiles, uniform=uniform, axis=axis)
 
 
 def _along_tokens(x: jax.Array, recipe: Recipe, **kwargs) -> bq.Quantized:
   """``x`` (B, M, C) as the weight-gradient GEMM reads it: (B, C, M),
-  quantized along M (after the Hadamard transform under NVFP4)."""
-  x = bq.padded_to_block(x, recipe.fmt.block, axis=1)
+  quantized along M (after the Hadamard transform under NVFP4). Quantized
+  where it lies, blocks along M, and then the 8- or 4-bit copy transposed
+  (XLA writes it transposed from the quantizing kernel), rather than the
+  16-bit input transposed first."""
   if recipe.hadamard:
-    x = bq.hadamard_16(x, axis=1)
-  return _quantized(jnp.swapaxes(x, 1, 2), recipe, **kwargs)
+    with jax.named_scope(QUANTIZE_SCOPE):
+      x = bq.hadamard_16(bq.padded_to_block(x, recipe.fmt.block, axis=1),
+                         axis=1)
+  q = _quantized(x, recipe, axis=1, **kwargs)
+  return q._replace(values=jnp.swapaxes(q.values, 1, 2),
+                    scales=jnp.swapaxes(q.scales, 1, 2))
 
 
 def _weight_for_input_gradient(w: jax.Array, qw: bq.Quantized,

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab.kernels import rounding
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockFormat:
@@ -92,8 +94,17 @@ def padded_to_block(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def _blocked(x: jax.Array, block: int) -> jax.Array:
-  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+def _blocked(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
+  """``x`` with ``axis`` split into (blocks, ``block``): the block's own
+  values on the axis right after it."""
+  axis = axis % x.ndim
+  return x.reshape(*x.shape[:axis], x.shape[axis] // block, block,
+                   *x.shape[axis + 1:])
+
+
+def _block_amax(blocks: jax.Array, axis: int) -> jax.Array:
+  # In the input's dtype (exact), so that XLA reads it as it lies.
+  return jnp.max(jnp.abs(blocks), axis=axis % (blocks.ndim - 1) + 1)
 
 
 def _e8m0_exponent(amax: jax.Array) -> jax.Array:
@@ -125,15 +136,20 @@ def e8m0_to_float32(scales: jax.Array) -> jax.Array:
   return jnp.where(bits == 255, nan, jnp.where(bits == 0, smallest, normal))
 
 
-def quantize_mxfp8(x: jax.Array) -> Quantized:
-  """``x`` (last axis a multiple of 32) in MXFP8: E4M3 values, one E8M0
-  scale per 32 along the last axis, rounded up (module doc)."""
-  blocks = _blocked(x.astype(jnp.float32), MXFP8.block)
-  amax = jnp.max(jnp.abs(blocks), axis=-1)
+def quantize_mxfp8(x: jax.Array, axis: int = -1) -> Quantized:
+  """``x`` (``axis`` a multiple of 32) in MXFP8: E4M3 values, one E8M0
+  scale per 32 along ``axis``, rounded up (module doc). The values keep
+  ``x``'s layout; the scales are ``x``'s shape with ``axis`` divided by 32.
+  Blocking along the axis where it lies (rather than transposing first)
+  lets XLA read ``x`` as it is and write the quantized copy transposed."""
+  axis = axis % x.ndim
+  blocks = _blocked(x, MXFP8.block, axis)
+  amax = _block_amax(blocks, axis).astype(jnp.float32)
   finite = jnp.isfinite(amax)
   e = _e8m0_exponent(jnp.where(finite, amax, 0.0))
   scales = _e8m0(e, finite)
-  scaled = blocks / e8m0_to_float32(scales)[..., None]
+  scaled = blocks.astype(jnp.float32) / jnp.expand_dims(
+      e8m0_to_float32(scales), axis + 1)
   values = jnp.clip(scaled, -_E4M3_MAX, _E4M3_MAX).astype(MXFP8.value_dtype)
   return Quantized(values.reshape(x.shape), scales, jnp.float32(1.0))
 
@@ -141,7 +157,7 @@ def quantize_mxfp8(x: jax.Array) -> Quantized:
 def nvfp4_global_scale(x: jax.Array) -> jax.Array:
   """The per-tensor fp32 decode scale ``amax / (448 * 6)`` (1 for a tensor
   of zeros or a non-finite amax, whose blocks then carry the NaN)."""
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   usable = (amax > 0) & jnp.isfinite(amax)
   return jnp.where(usable, amax / jnp.float32(_E4M3_MAX * NVFP4.value_max),
                    jnp.float32(1.0))
@@ -159,14 +175,16 @@ def _round_e2m1_stochastic(scaled: jax.Array, uniform: jax.Array
   grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6."""
   magnitude = jnp.abs(scaled)
   step = jnp.where(magnitude < 2.0, 0.5, jnp.where(magnitude < 4.0, 1.0, 2.0))
-  lower = jnp.floor(magnitude / step) * step
-  up = uniform < (magnitude - lower) / step
-  rounded = jnp.minimum(lower + jnp.where(up, step, 0.0), NVFP4.value_max)
-  return jnp.sign(scaled) * rounded
+  # floor(m / step + u) is m / step's floor plus one with probability its
+  # fraction (the divisions by powers of two are exact).
+  rounded = jnp.minimum(jnp.floor(magnitude / step + uniform) * step,
+                        NVFP4.value_max)
+  return jnp.where(scaled < 0, -rounded, rounded)
 
 
 def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
-                   uniform: Optional[jax.Array] = None) -> Quantized:
+                   uniform: Optional[jax.Array] = None,
+                   axis: int = -1) -> Quantized:
   """``x`` in NVFP4 (module doc): E2M1 values, one E4M3 scale per 16 along
   the last axis and an fp32 global scale from the tensor's amax.
 
@@ -177,33 +195,39 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
       the scales are repeated down each tile's 16 rows.
     uniform: uniform [0, 1) noise of ``x``'s shape for stochastic rounding;
       None rounds to nearest even.
+    axis: the axis the blocks run along (not with ``tiles``); the values
+      keep ``x``'s layout, the scales are its shape with ``axis`` divided.
   """
-  x32 = x.astype(jnp.float32)
-  global_scale = nvfp4_global_scale(x32)
-  blocks = _blocked(x32, NVFP4.block)
-  amax = jnp.max(jnp.abs(blocks), axis=-1)
+  axis = axis % x.ndim
+  if tiles and axis != x.ndim - 1:
+    raise ValueError(f"16x16 tiles block the last two axes, got axis={axis}")
+  global_scale = nvfp4_global_scale(x)
+  blocks = _blocked(x, NVFP4.block, axis)
+  amax = _block_amax(blocks, axis).astype(jnp.float32)
   if tiles:
     rows = amax.reshape(*amax.shape[:-2], amax.shape[-2] // NVFP4.block,
                         NVFP4.block, amax.shape[-1])
     amax = jnp.broadcast_to(jnp.max(rows, axis=-2, keepdims=True),
                             rows.shape).reshape(amax.shape)
   scales = _e4m3_scales(amax, global_scale)
-  decode = scales.astype(jnp.float32)[..., None] * global_scale
-  scaled = jnp.where(decode > 0, blocks / jnp.where(decode > 0, decode, 1.0),
-                     0.0)
+  decode = jnp.expand_dims(scales.astype(jnp.float32), axis + 1) * global_scale
+  scaled = jnp.where(decode > 0, blocks.astype(jnp.float32) / jnp.where(
+      decode > 0, decode, 1.0), 0.0)
   scaled = jnp.clip(scaled, -NVFP4.value_max, NVFP4.value_max)
   if uniform is not None:
-    scaled = _round_e2m1_stochastic(scaled, _blocked(uniform, NVFP4.block))
+    scaled = _round_e2m1_stochastic(scaled, _blocked(uniform, NVFP4.block,
+                                                     axis))
   values = scaled.astype(NVFP4.value_dtype)
   return Quantized(values.reshape(x.shape), scales, global_scale)
 
 
 def quantize(x: jax.Array, fmt: BlockFormat, *, tiles: bool = False,
-             uniform: Optional[jax.Array] = None) -> Quantized:
-  """``x`` in ``fmt``, blocks along its last axis (see the two above)."""
+             uniform: Optional[jax.Array] = None, axis: int = -1
+             ) -> Quantized:
+  """``x`` in ``fmt``, blocks along ``axis`` (see the two above)."""
   if fmt is MXFP8:
-    return quantize_mxfp8(x)
-  return quantize_nvfp4(x, tiles=tiles, uniform=uniform)
+    return quantize_mxfp8(x, axis)
+  return quantize_nvfp4(x, tiles=tiles, uniform=uniform, axis=axis)
 
 
 def dequantize(q: Quantized, dtype=jnp.float32) -> jax.Array:
@@ -230,30 +254,59 @@ HADAMARD_SIGNS = np.where(
 ).astype(np.float32)
 
 
+def _hadamard_matrix() -> np.ndarray:
+  """The 16x16 orthonormal Hadamard matrix (Sylvester's) times the fixed
+  sign flip: ``H @ diag(signs) / 4``."""
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < HADAMARD_SIZE:
+    h = np.block([[h, h], [h, -h]])
+  return (h * HADAMARD_SIGNS[None, :] / 4.0).astype(np.float32)
+
+
+HADAMARD = _hadamard_matrix()
+
+
 def hadamard_16(x: jax.Array, axis: int = -1) -> jax.Array:
   """The 16-wide random Hadamard transform of each 16 along ``axis`` (a
-  multiple of 16): signs flipped, then the Walsh-Hadamard transform by four
-  butterfly stages (adds, no GEMM) divided by 4 (orthonormal)."""
-  moved = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
-  shape = moved.shape
-  y = moved.reshape(-1, HADAMARD_SIZE) * HADAMARD_SIGNS
-  half = 1
-  while half < HADAMARD_SIZE:
-    pairs = y.reshape(-1, HADAMARD_SIZE // (2 * half), 2, half)
-    a, b = pairs[:, :, 0], pairs[:, :, 1]
-    y = jnp.stack([a + b, a - b], axis=2).reshape(-1, HADAMARD_SIZE)
-    half *= 2
-  y = (y * jnp.float32(0.25)).reshape(shape)
-  return jnp.moveaxis(y, -1, axis)
+  multiple of 16): signs flipped, then the orthonormal Walsh-Hadamard
+  transform; in ``x``'s dtype (the GEMM accumulates in fp32 and writes
+  ``x``'s dtype).
+
+  Written as a batched GEMM of the 16x16 matrix by each group of 16 (one
+  read of ``x`` and one write, in its layout, with no transposed copy),
+  not as four butterfly stages or a 16-term sum, which XLA compiled to
+  several passes over the tensor or to kernels that spill registers."""
+  axis = axis % x.ndim
+  lead = int(np.prod(x.shape[:axis]))
+  trail = int(np.prod(x.shape[axis + 1:]))
+  groups = x.reshape(lead * (x.shape[axis] // HADAMARD_SIZE), HADAMARD_SIZE,
+                     trail)
+  matrix = jnp.broadcast_to(jnp.asarray(HADAMARD, x.dtype),
+                            (groups.shape[0], HADAMARD_SIZE, HADAMARD_SIZE))
+  out = jax.lax.dot_general(matrix, groups, (((2,), (1,)), ((0,), (0,))),
+                            precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=x.dtype)
+  return out.reshape(x.shape)
 
 
 def content_uniform(x: jax.Array, salt: int) -> jax.Array:
-  """Uniform [0, 1) noise of ``x``'s shape for stochastic rounding, keyed by
-  ``x``'s own contents (the bits of its fp32 sum of squares) and ``salt``:
-  no key to pass, the same tensor rounds the same way (reproducible), and
-  a step's new gradients draw new noise."""
+  """Uniform [0, 1) noise of ``x``'s shape for stochastic rounding, from a
+  seed made of ``x``'s own contents (the bits of its fp32 sum of squares)
+  and ``salt``: no key to pass, the same tensor rounds the same way
+  (reproducible), and a step's new gradients draw new noise.
+
+  The bits are jmp_lab's counter-based hash of each element's index
+  (:func:`jmp_lab.rounding.counter_bits`, as the stochastic bf16 update
+  uses): integer arithmetic that XLA fuses into the quantizing kernel,
+  where a threefry generator (``jax.random``) was a kernel of its own whose
+  output the quantization then read back."""
   total = jnp.sum(jnp.square(x.astype(jnp.float32)))
-  bits = jax.lax.bitcast_convert_type(total, jnp.uint32)
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(salt), bits),
-                           x.size % (2**31))
-  return jax.random.uniform(key, x.shape, jnp.float32)
+  seed = rounding.hash32(jax.lax.bitcast_convert_type(total, jnp.uint32))
+  index = jnp.zeros(x.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(x.ndim)):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape,
+                                             axis) * jnp.uint32(stride)
+    stride *= x.shape[axis]
+  bits = rounding.counter_bits(seed, salt, index)
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
