@@ -90,12 +90,16 @@ CONFIGS = (
     Config("none-sr-m8v8", "p=bf16,c=bf16,o=f32",
            dict(master="none", rounding="stochastic", **_INT8_MOMENTS)),
     Config("fp8-current", "p=bf16,c=bf16,o=f32,matmul=fp8_current", {}),
+    # Blackwell's block-scaled matmuls (compile with --target b200).
+    Config("mxfp8", "mixed_mxfp8"),
+    Config("nvfp4", "mixed_nvfp4"),
     Config("fp8-delayed", "p=bf16,c=bf16,o=f32,matmul=fp8", {}),
 )
 
 #: The configurations the default run compiles (the fp8 ones on request).
 DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS if not c.name.startswith("fp8")
-                        and "m8v8" not in c.name)
+                        and "m8v8" not in c.name
+                        and c.name not in ("mxfp8", "nvfp4"))
 
 MESHES = ({"fsdp": 8}, {"fsdp": 4, "tensor": 2})
 
@@ -302,7 +306,8 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> list[Row]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--target", default="h100", choices=["h100", "h200"])
+  parser.add_argument("--target", default="h100",
+                      choices=["h100", "h200", "b200"])
   parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                       help="of: " + ", ".join(c.name for c in CONFIGS))
   parser.add_argument("--meshes", default="fsdp=8;fsdp=4,tensor=2",

@@ -21,6 +21,9 @@ Two steps, in two environments (jax's and torch's)::
   # torch 2.13 (CPU) and torchao
   python benchmarks/torchao_char.py train /tmp/char.npz --steps 2000 \\
       --batch-size 8 --seq-len 64 --json benchmarks/torchao_char.json
+  # MXFP8 training (torchao 0.18's MXTensor quantization), against bf16
+  python benchmarks/torchao_char.py train /tmp/char.npz --steps 2000 \\
+      --batch-size 8 --seq-len 64 --mxfp8 --json out.json
 """
 
 from __future__ import annotations
@@ -89,6 +92,62 @@ def build_model(seq_len: int, width: int = 128, depth: int = 2,
   return CharTransformer()
 
 
+def _mx_round_trip(x, axis: int):
+  """``x`` quantized to MXFP8 by torchao (``MXTensor.to_mx``: E4M3, 32 per
+  E8M0 scale, RCEIL: the scale rounded up) along ``axis``, dequantized."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from torchao.prototype.mx_formats.config import ScaleCalculationMode  # pylint: disable=import-outside-toplevel
+  from torchao.prototype.mx_formats.mx_tensor import MXTensor  # pylint: disable=import-outside-toplevel
+  moved = x.movedim(axis, -1).contiguous()
+  flat = moved.reshape(-1, moved.shape[-1])
+  mx = MXTensor.to_mx(flat, torch.float8_e4m3fn, 32,
+                      scaling_mode=ScaleCalculationMode.RCEIL)
+  return mx.dequantize(x.dtype).reshape(moved.shape).movedim(-1, axis)
+
+
+def mx_linear_function():
+  """torchao's emulated MXFP8 training of a Linear, written out as torchao's
+  ``MXLinear`` did (torchao 0.18 keeps the quantization, ``MXTensor``, and
+  moved its dense training recipe out): the forward, input-gradient and
+  weight-gradient GEMMs each read operands quantized along their own
+  contraction axis, E4M3 everywhere, multiplied in high precision."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  class MXLinear(torch.autograd.Function):
+    # Operands in bf16 (the autocast dtype), quantized from it, multiplied
+    # in fp32 (the dequantized products are exact there).
+    @staticmethod
+    def forward(ctx, x, w, b):
+      x, wq = x.to(torch.bfloat16), w.to(torch.bfloat16)
+      ctx.save_for_backward(x, wq)
+      ctx.dtypes = (w.dtype, None if b is None else b.dtype)
+      y = _mx_round_trip(x.float(), -1) @ _mx_round_trip(wq.float(), -1).t()
+      return (y if b is None else y + b.float()).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, g):
+      x, w = ctx.saved_tensors
+      g2 = g.to(torch.bfloat16).float().reshape(-1, g.shape[-1])
+      x2 = x.float().reshape(-1, x.shape[-1])
+      dx = _mx_round_trip(g2, -1) @ _mx_round_trip(w.float(), 0)  # along N
+      dw = _mx_round_trip(g2, 0).t() @ _mx_round_trip(x2, 0)      # along M
+      db = None if ctx.dtypes[1] is None else g2.sum(0).to(ctx.dtypes[1])
+      return (dx.reshape(x.shape).to(torch.bfloat16),
+              dw.to(ctx.dtypes[0]), db)
+
+  return MXLinear.apply
+
+
+def use_mx_linears(model) -> None:
+  """Every Linear of the blocks (not the head: jmp_lab's head is the loss
+  kernel's bf16 GEMM) runs :func:`mx_linear_function`."""
+  apply = mx_linear_function()
+  for block in model.blocks:
+    for linear in (block.q, block.k, block.v, block.out, block.fc,
+                   block.proj):
+      linear.forward = (lambda x, lin=linear: apply(x, lin.weight, lin.bias))
+
+
 def make_optimizer(name: str, params, lr: float):
   import torch  # pylint: disable=import-outside-toplevel
   kwargs = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -99,13 +158,19 @@ def make_optimizer(name: str, params, lr: float):
 
 
 def train(data: str, optimizer: str, steps: int, batch_size: int,
-          seq_len: int, lr: float, seed: int = 0) -> dict:
+          seq_len: int, lr: float, seed: int = 0, mx: bool = False,
+          bf16: bool = False) -> dict:
+  import contextlib  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   arrays = np.load(data)
   train_tokens, valid = arrays["train"], torch.as_tensor(
       arrays["valid"], dtype=torch.long)
   torch.manual_seed(seed)
   model = build_model(seq_len)
+  if mx:
+    use_mx_linears(model)
+  compute = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else (
+      contextlib.nullcontext)
   opt = make_optimizer(optimizer, model.parameters(), lr)
   total = max(steps, 100)
   warmup = 50
@@ -123,7 +188,8 @@ def train(data: str, optimizer: str, steps: int, batch_size: int,
     batch = torch.as_tensor(np.stack([train_tokens[s:s + window]
                                       for s in starts]), dtype=torch.long)
     model.train()
-    loss = model(batch[:, :-1], batch[:, 1:])
+    with compute():
+      loss = model(batch[:, :-1], batch[:, 1:])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -131,9 +197,10 @@ def train(data: str, optimizer: str, steps: int, batch_size: int,
     sched.step()
     if (step + 1) % 20 == 0:
       model.eval()
-      with torch.no_grad():
+      with torch.no_grad(), compute():
         curve.append((step + 1, float(model(valid[:, :-1], valid[:, 1:]))))
-  return {"optimizer": optimizer, "loss": curve[-1][1], "curve": curve}
+  return {"optimizer": optimizer, "mx": mx, "bf16": bf16,
+          "loss": curve[-1][1], "curve": curve}
 
 
 def main(argv=None):
@@ -145,17 +212,24 @@ def main(argv=None):
   parser.add_argument("--seq-len", type=int, default=128)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--optimizers", default="AdamW,AdamW8bit,AdamWFp8")
+  parser.add_argument("--mxfp8", action="store_true",
+                      help="the MXFP8 comparison instead: AdamW under bf16 "
+                           "autocast, without and with torchao's MXFP8 "
+                           "quantization of every block's Linear")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   if args.mode == "export":
     export(args.data, args.seq_len)
     return
   results = []
-  for name in args.optimizers.split(","):
+  runs = ([("AdamW", False), ("AdamW", True)] if args.mxfp8 else
+          [(name, False) for name in args.optimizers.split(",")])
+  for name, mx in runs:
     result = train(args.data, name, args.steps, args.batch_size, args.seq_len,
-                   args.lr)
+                   args.lr, mx=mx, bf16=args.mxfp8)
     results.append(result)
     base = results[0]["loss"]
+    name = f"{name}{' + MXFP8' if mx else ''}{' (bf16)' if args.mxfp8 else ''}"
     print(f"{name}: valid loss {result['loss']:.4f} "
           f"({result['loss'] / base - 1:+.2%} vs {results[0]['optimizer']})",
           flush=True)

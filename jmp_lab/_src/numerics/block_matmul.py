@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_quantize as bq
+from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,12 +200,24 @@ def _weight_for_input_gradient(w: jax.Array, qw: bq.Quantized,
   forward's quantization transposed (the scales of a tile are one), else
   quantized again."""
   if not recipe.weight_tiles:
-    return _quantized(jnp.swapaxes(w, 1, 2), recipe)
+    return _gathered_where_read(_quantized(jnp.swapaxes(w, 1, 2), recipe))
   values = jnp.swapaxes(qw.values, 1, 2)
   block = recipe.fmt.block
   tile_scales = qw.scales[:, ::block, :]            # (B, N/16, K/16)
   scales = jnp.repeat(jnp.swapaxes(tile_scales, 1, 2), block, axis=1)
   return bq.Quantized(values, scales, qw.global_scale)
+
+
+def _gathered_where_read(q: bq.Quantized) -> bq.Quantized:
+  """A quantized weight laid out as its GEMM reads it
+  (:func:`~jmp_lab._src.numerics.consumer_layout.laid_out_for_consumer`):
+  quantized on each device's FSDP shard, then gathered as values and
+  scales (one byte, or half of one, per weight), as the fp8 products
+  gather. The scales travel as their bytes (uint8)."""
+  scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+  scales = jax.lax.bitcast_convert_type(laid_out_for_consumer(scales),
+                                        q.scales.dtype)
+  return q._replace(values=laid_out_for_consumer(q.values), scales=scales)
 
 
 def _cropped(y: jax.Array, rows: int, columns: int) -> jax.Array:
@@ -220,7 +233,7 @@ def block_scaled_bmm(x: jax.Array, w: jax.Array, recipe: Recipe) -> jax.Array:
 
 def _bmm_fwd(x, w, recipe):
   qx = _quantized(x, recipe)
-  qw = _quantized(w, recipe, tiles=recipe.weight_tiles)
+  qw = _gathered_where_read(_quantized(w, recipe, tiles=recipe.weight_tiles))
   y = _cropped(scaled_product(qx, qw, x.dtype), x.shape[1], w.shape[1])
   residuals = (_weight_for_input_gradient(w, qw, recipe),
                _along_tokens(x, recipe),
