@@ -51,8 +51,8 @@ True
 """
 
 from jmp_lab._src.numerics.block_matmul import (RECIPES, Recipe, dot_general,
-                                                einsum, nvfp4_recipe,
-                                                recipe_for)
+                                                einsum, mxfp8_recipe,
+                                                nvfp4_recipe, recipe_for)
 from jmp_lab._src.numerics.block_quantize import (FORMATS, MXFP8, NVFP4,
                                                   BlockFormat, Quantized,
                                                   dequantize, hadamard_16,
@@ -71,6 +71,7 @@ __all__ = [
     "dot_general",
     "einsum",
     "hadamard_16",
+    "mxfp8_recipe",
     "nvfp4_recipe",
     "quantize_mxfp8",
     "quantize_nvfp4",

@@ -68,6 +68,36 @@ _OVERRIDES: dict[str, Recipe] = {}
 
 
 @contextlib.contextmanager
+def mxfp8_recipe(*, weight_tiles: bool = False) -> Iterator[Recipe]:
+  """MXFP8 matmuls traced inside the block run with 32x32 weight tiles
+  (one quantization of the weight serves its forward and input-gradient
+  GEMMs, so FSDP gathers it once per use) or, by default, with 1x32 blocks
+  along each GEMM's contraction (the OCP spec's, Transformer Engine's).
+
+  >>> with mxfp8_recipe(weight_tiles=True) as recipe:
+  ...   recipe.weight_tiles
+  True
+  """
+  if not isinstance(weight_tiles, bool):
+    raise TypeError(f"weight_tiles must be a bool, got {weight_tiles!r}")
+  with _overridden("mxfp8", Recipe(bq.MXFP8, weight_tiles)) as recipe:
+    yield recipe
+
+
+@contextlib.contextmanager
+def _overridden(name: str, recipe: Recipe) -> Iterator[Recipe]:
+  before = _OVERRIDES.get(name)
+  _OVERRIDES[name] = recipe
+  try:
+    yield recipe
+  finally:
+    if before is None:
+      del _OVERRIDES[name]
+    else:
+      _OVERRIDES[name] = before
+
+
+@contextlib.contextmanager
 def nvfp4_recipe(*, weight_tiles: bool = True,
                  stochastic_rounding: bool = True,
                  hadamard: bool = True) -> Iterator[Recipe]:
@@ -83,16 +113,9 @@ def nvfp4_recipe(*, weight_tiles: bool = True,
                       ("hadamard", hadamard)):
     if not isinstance(value, bool):
       raise TypeError(f"{name} must be a bool, got {value!r}")
-  recipe = Recipe(bq.NVFP4, weight_tiles, stochastic_rounding, hadamard)
-  before = _OVERRIDES.get("nvfp4")
-  _OVERRIDES["nvfp4"] = recipe
-  try:
+  with _overridden("nvfp4", Recipe(bq.NVFP4, weight_tiles,
+                                   stochastic_rounding, hadamard)) as recipe:
     yield recipe
-  finally:
-    if before is None:
-      del _OVERRIDES["nvfp4"]
-    else:
-      _OVERRIDES["nvfp4"] = before
 
 
 def recipe_for(name: str) -> Recipe:
@@ -196,7 +219,7 @@ def _along_tokens(x: jax.Array, recipe: Recipe, **kwargs) -> bq.Quantized:
 
 def _weight_for_input_gradient(w: jax.Array, qw: bq.Quantized,
                                recipe: Recipe) -> bq.Quantized:
-  """``w`` (B, N, K) as (B, K, N) quantized along N: under 16x16 tiles the
+  """``w`` (B, N, K) as (B, K, N) quantized along N: under tiles the
   forward's quantization transposed (the scales of a tile are one), else
   quantized again."""
   if not recipe.weight_tiles:

@@ -136,15 +136,35 @@ def e8m0_to_float32(scales: jax.Array) -> jax.Array:
   return jnp.where(bits == 255, nan, jnp.where(bits == 0, smallest, normal))
 
 
-def quantize_mxfp8(x: jax.Array, axis: int = -1) -> Quantized:
+def _tile_amax(amax: jax.Array, block: int) -> jax.Array:
+  """Block maxima (blocks along the last axis) made the maxima of
+  ``block`` x ``block`` tiles: each the max over its tile's ``block`` rows,
+  repeated down them."""
+  rows = amax.reshape(*amax.shape[:-2], amax.shape[-2] // block, block,
+                      amax.shape[-1])
+  return jnp.broadcast_to(jnp.max(rows, axis=-2, keepdims=True),
+                          rows.shape).reshape(amax.shape)
+
+
+def quantize_mxfp8(x: jax.Array, axis: int = -1, *,
+                   tiles: bool = False) -> Quantized:
   """``x`` (``axis`` a multiple of 32) in MXFP8: E4M3 values, one E8M0
   scale per 32 along ``axis``, rounded up (module doc). The values keep
   ``x``'s layout; the scales are ``x``'s shape with ``axis`` divided by 32.
   Blocking along the axis where it lies (rather than transposing first)
-  lets XLA read ``x`` as it is and write the quantized copy transposed."""
+  lets XLA read ``x`` as it is and write the quantized copy transposed.
+
+  With ``tiles`` (a weight's; ``axis`` the last), each 32 x 32 tile of the
+  last two axes shares one scale (still an MX encoding along either axis:
+  every 32 values have one E8M0 scale, the tile's), so that the
+  transposed weight is the same quantization."""
   axis = axis % x.ndim
+  if tiles and axis != x.ndim - 1:
+    raise ValueError(f"32x32 tiles block the last two axes, got axis={axis}")
   blocks = _blocked(x, MXFP8.block, axis)
   amax = _block_amax(blocks, axis).astype(jnp.float32)
+  if tiles:
+    amax = _tile_amax(amax, MXFP8.block)
   finite = jnp.isfinite(amax)
   e = _e8m0_exponent(jnp.where(finite, amax, 0.0))
   scales = _e8m0(e, finite)
@@ -205,10 +225,7 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
   blocks = _blocked(x, NVFP4.block, axis)
   amax = _block_amax(blocks, axis).astype(jnp.float32)
   if tiles:
-    rows = amax.reshape(*amax.shape[:-2], amax.shape[-2] // NVFP4.block,
-                        NVFP4.block, amax.shape[-1])
-    amax = jnp.broadcast_to(jnp.max(rows, axis=-2, keepdims=True),
-                            rows.shape).reshape(amax.shape)
+    amax = _tile_amax(amax, NVFP4.block)
   scales = _e4m3_scales(amax, global_scale)
   decode = jnp.expand_dims(scales.astype(jnp.float32), axis + 1) * global_scale
   scaled = jnp.where(decode > 0, blocks.astype(jnp.float32) / jnp.where(
@@ -226,7 +243,7 @@ def quantize(x: jax.Array, fmt: BlockFormat, *, tiles: bool = False,
              ) -> Quantized:
   """``x`` in ``fmt``, blocks along ``axis`` (see the two above)."""
   if fmt is MXFP8:
-    return quantize_mxfp8(x, axis)
+    return quantize_mxfp8(x, axis, tiles=tiles)
   return quantize_nvfp4(x, tiles=tiles, uniform=uniform, axis=axis)
 
 
