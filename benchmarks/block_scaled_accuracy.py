@@ -26,25 +26,29 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import char_transformer  # noqa: E402
 from jmp_lab import block_scaled  # noqa: E402
 
-# (row, policy, the NVFP4 recipe's switches or None). The first is the
-# baseline.
+# (row, policy, the recipe's switches: a context of jmp_lab.block_scaled,
+# or None). The first is the baseline.
 RUNS = [
     ("bf16", "mixed_bfloat16", None),
     ("mxfp8", "mixed_mxfp8", None),
+    ("mxfp8 with 1x32 weight blocks per GEMM", "mixed_mxfp8",
+     lambda: block_scaled.mxfp8_recipe(weight_tiles=False)),
     ("nvfp4 (full recipe)", "mixed_nvfp4", None),
     ("nvfp4 without RHT and SR", "mixed_nvfp4",
-     dict(hadamard=False, stochastic_rounding=False)),
-    ("nvfp4 without RHT", "mixed_nvfp4", dict(hadamard=False)),
-    ("nvfp4 without SR", "mixed_nvfp4", dict(stochastic_rounding=False)),
+     lambda: block_scaled.nvfp4_recipe(hadamard=False,
+                                       stochastic_rounding=False)),
+    ("nvfp4 without RHT", "mixed_nvfp4",
+     lambda: block_scaled.nvfp4_recipe(hadamard=False)),
+    ("nvfp4 without SR", "mixed_nvfp4",
+     lambda: block_scaled.nvfp4_recipe(stochastic_rounding=False)),
     ("nvfp4 without 16x16 weight tiles", "mixed_nvfp4",
-     dict(weight_tiles=False)),
+     lambda: block_scaled.nvfp4_recipe(weight_tiles=False)),
 ]
 
 
 def run(policy: str, recipe, steps: int, batch: int, seq_len: int,
         seed: int) -> float:
-  ablated = (block_scaled.nvfp4_recipe(**recipe) if recipe
-             else contextlib.nullcontext())
+  ablated = recipe() if recipe else contextlib.nullcontext()
   with tempfile.TemporaryDirectory() as ckpt, ablated:
     out = char_transformer.main(
         ["--policy", policy, "--steps", str(steps), "--batch-size",
@@ -61,13 +65,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--seq-len", type=int, default=64)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--only", default=None,
-                      help="comma-separated row names to run (bf16 always)")
+                      help="'|'-separated row names to run (bf16 always)")
   parser.add_argument("--bf16-loss", type=float, default=None,
                       help="the bf16 row's loss from an earlier run of the "
                            "same flags (skips running it again)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
-  wanted = None if args.only is None else set(args.only.split(","))
+  wanted = None if args.only is None else set(args.only.split("|"))
   losses = {} if args.bf16_loss is None else {"bf16": args.bf16_loss}
   for name, policy, recipe in RUNS:
     if name in losses:

@@ -156,7 +156,7 @@ def test_mxfp8_weight_tiles_share_one_scale_per_32x32_tile():
       tile = x[r:r + 32, 32 * c:32 * c + 32]
       assert np.all(bits[r:r + 32, c] == _mx_exponent(
           float(np.max(np.abs(tile)))) + 127)
-  with bs.mxfp8_recipe(weight_tiles=True):
+  with bs.mxfp8_recipe():   # the default: 32x32 weight tiles
     w = jax.random.normal(jax.random.key(1), (64, 32), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(2), (32, 64), jnp.bfloat16)
     dx = jax.jit(jax.grad(lambda x, w: bs.dot_general(
@@ -204,7 +204,9 @@ class ProductTest(chex.TestCase):
   def test_forward_is_the_exact_product_of_the_quantized_operands(self):
     x = jax.random.normal(jax.random.key(0), (16, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 24), jnp.bfloat16)
-    y = self.variant(lambda x, w: bs.dot_general(x, w, DIMS, fmt="mxfp8"))(x, w)
+    with bs.mxfp8_recipe(weight_tiles=False):   # 1x32 blocks, as x's
+      y = self.variant(lambda x, w: bs.dot_general(x, w, DIMS, fmt="mxfp8"))(
+          x, w)
     xv, xe = reference_mxfp8(np.asarray(x, np.float32))
     wv, we = reference_mxfp8(np.asarray(w, np.float32).T)
     xd = (xv * 2.0 ** xe[:, None]).reshape(16, 64)
@@ -220,9 +222,10 @@ class ProductTest(chex.TestCase):
     x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 32), jnp.bfloat16)
     g = jax.random.normal(jax.random.key(2), (32, 32), jnp.bfloat16)
-    _, vjp = jax.vjp(lambda x, w: bs.dot_general(x, w, DIMS, fmt="mxfp8"),
-                     x, w)
-    dx, dw = self.variant(vjp)(g)
+    with bs.mxfp8_recipe(weight_tiles=False):   # w quantized again along N
+      _, vjp = jax.vjp(lambda x, w: bs.dot_general(x, w, DIMS, fmt="mxfp8"),
+                       x, w)
+      dx, dw = self.variant(vjp)(g)
 
     def deq(a):   # a (R, C) quantized along C, by the reference
       v, e = reference_mxfp8(np.asarray(a, np.float32))
@@ -288,6 +291,10 @@ def test_a_gpu_without_block_scaled_cores_warns_once(monkeypatch):
 
 
 def test_the_nvfp4_recipe_can_be_ablated_and_restored():
+  assert block_matmul.recipe_for("mxfp8").weight_tiles
+  with bs.mxfp8_recipe(weight_tiles=False):
+    assert not block_matmul.recipe_for("mxfp8").weight_tiles
+  assert block_matmul.recipe_for("mxfp8") == bs.RECIPES["mxfp8"]
   assert block_matmul.recipe_for("nvfp4").hadamard
   with bs.nvfp4_recipe(hadamard=False, stochastic_rounding=False):
     recipe = block_matmul.recipe_for("nvfp4")
