@@ -6,12 +6,15 @@ cuDNN's block-scaled GEMM (``__cudnn$blockScaledDot``), their share of the
 GEMM FLOPs, the per-device memory, and the roofline step time
 (``CompiledReport.roofline_seconds``: bytes over the B200's bandwidth plus
 each GEMM's FLOPs over its math's data-sheet peak) as a ratio to bf16's.
-Every figure is a model of a compiled program, not a measurement::
+Every figure is a model of a compiled program, not a measurement. Spills
+are allowed: in NVFP4 steps XLA merges several quantizations into one
+multi-output kernel that spills 40 bytes on sm_100a (XLA's fusion choice;
+jmp_lab's own Pallas kernels compile for sm_100a without spills)::
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/block_scaled_compile.py \\
       --size gpt2-small
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/block_scaled_compile.py \\
-      --size 1.3b --lean
+      --size 1.3b --lean --per-layer
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import jmp_lab
 from benchmarks import train_step as ts
 from benchmarks.fp8_breakdown import SIZES
 
@@ -30,8 +39,76 @@ LEAN_CONFIGS = [ts.Config("bf16-lean", "mixed_bfloat16", "none", lean=True),
                 *ts.BLOCK_SCALED_LEAN_CONFIGS]
 
 
+class NnxBlock(nnx.Module):
+  """``train_step.Block`` in NNX: pre-LayerNorm attention and a 4x GELU
+  MLP, every projection a Linear/LinearGeneral."""
+
+  def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(heads, width, decode=False,
+                                            rngs=rngs)
+    self.ln2 = nnx.LayerNorm(width, rngs=rngs)
+    self.fc = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.proj = nnx.Linear(4 * width, width, rngs=rngs)
+
+  def __call__(self, x, mask):
+    h = self.ln1(x)
+    x = x + self.attention(h, h, h, mask=mask)
+    return x + self.proj(nnx.gelu(self.fc(self.ln2(x))))
+
+
+class NnxGPT(nnx.Module):
+  """``train_step.GPT`` in NNX (learned positions, an unbiased head)."""
+
+  def __init__(self, size: ts.ModelSize, rngs: nnx.Rngs):
+    self.tokens = nnx.Embed(size.vocab, size.width, rngs=rngs)
+    self.positions = nnx.Embed(size.seq_len, size.width, rngs=rngs)
+    self.blocks = nnx.List([NnxBlock(size.width, size.heads, rngs)
+                            for _ in range(size.layers)]) if hasattr(
+        nnx, "List") else [NnxBlock(size.width, size.heads, rngs)
+                           for _ in range(size.layers)]
+    self.ln = nnx.LayerNorm(size.width, rngs=rngs)
+    self.head = nnx.Linear(size.width, size.vocab, use_bias=False,
+                           rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[1]))
+    mask = nnx.make_causal_mask(tokens)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.head(self.ln(x))
+
+
+def gradient_step_report(front_end: str, policy: str, size: ts.ModelSize):
+  """The loss's gradient (cross-entropy of the next token) of GPT-2 at
+  ``size`` under ``policy``, on ``"linen"`` or ``"nnx"``, compiled for a
+  B200 (shapes only; spills allowed, see the module doc): the GEMMs of a
+  step without its optimizer update."""
+  from jmp_lab.diagnostics import compiled_report  # pylint: disable=import-outside-toplevel
+  batch = jax.ShapeDtypeStruct((size.batch, size.seq_len + 1), jnp.int32)
+
+  def loss_of(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch[:, 1:]).mean()
+
+  if front_end == "linen":
+    model = jmp_lab.linen.with_policy(ts.GPT(size), policy)
+    params = jax.eval_shape(model.init, jax.random.key(0),
+                            jnp.zeros((1, size.seq_len), jnp.int32))
+    step = jax.grad(lambda p, b: loss_of(model.apply(p, b[:, :-1]), b))
+    return compiled_report(step, params, batch, target="b200",
+                           fail_on_spill=False)
+  model = nnx.eval_shape(lambda: jmp_lab.nnx.with_policy(
+      NnxGPT(size, nnx.Rngs(0)), policy))
+  graph, state = nnx.split(model)
+  step = jax.grad(lambda s, b: loss_of(nnx.merge(graph, s)(b[:, :-1]), b))
+  return compiled_report(step, state, batch, target="b200",
+                         fail_on_spill=False)
+
+
 def row(config: ts.Config, size: ts.ModelSize) -> dict:
-  report = ts.compiled_step_report(config, size, "b200")
+  report = ts.compiled_step_report(config, size, "b200",
+                                   fail_on_spill=False)
   roof = report.roofline_seconds()
   return {
       "config": config.name,
@@ -46,6 +123,31 @@ def row(config: ts.Config, size: ts.ModelSize) -> dict:
       "gemm_ms": roof["gemm"] * 1e3,
       "memory_ms": roof["memory"] * 1e3,
   }
+
+
+def per_layer(configs, size: ts.ModelSize) -> dict:
+  """Each config's roofline at 1 and 2 layers, its per-layer cost (the
+  difference) and that extrapolated to ``size.layers``, printed."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  out = {}
+  for config in configs:
+    one, two = (ts.compiled_step_report(
+        config, dataclasses.replace(size, layers=n), "b200",
+        fail_on_spill=False).roofline_seconds() for n in (1, 2))
+    layer = {k: two[k] - one[k] for k in one}
+    whole = {k: one[k] + (size.layers - 1) * layer[k] for k in one}
+    out[config.name] = {"per_layer_ms": {k: v * 1e3 for k, v in layer.items()},
+                        "extrapolated_ms": {k: v * 1e3
+                                            for k, v in whole.items()}}
+  base = out[configs[0].name]["extrapolated_ms"]["total"]
+  print(f"{'config':<18} {'per layer ms (memory + GEMM)':>30} "
+        f"{f'{size.layers} layers ms':>14} {'vs first':>9}")
+  for name, r in out.items():
+    layer, whole = r["per_layer_ms"], r["extrapolated_ms"]
+    print(f"{name:<18} {layer['total']:>10.3f} ({layer['memory']:.3f} + "
+          f"{layer['gemm']:.3f}) {whole['total']:>14.2f} "
+          f"{whole['total'] / base:>8.3f}x", flush=True)
+  return out
 
 
 def table(rows: list[dict]) -> str:
@@ -68,15 +170,37 @@ def main(argv=None) -> dict:
   parser.add_argument("--size", action="append", choices=sorted(SIZES))
   parser.add_argument("--lean", action="store_true",
                       help="the lean step's configs (bf16-lean first)")
+  parser.add_argument("--per-layer", action="store_true",
+                      help="compile 1 and 2 layers of the size and give the "
+                           "roofline per layer and extrapolated to its "
+                           "layers (quicker than the whole model)")
+  parser.add_argument("--nnx", action="store_true",
+                      help="also: the loss gradient on NNX and linen, "
+                           "every GEMM listed")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   configs = LEAN_CONFIGS if args.lean else CONFIGS
   results = {}
   for name in args.size or ["gpt2-small"]:
+    if args.per_layer:
+      results[name] = per_layer(configs, SIZES[name])
+      continue
     rows = [row(config, SIZES[name]) for config in configs]
     results[name] = rows
     print(f"{name}, compiled for 1 x B200 (models, not measurements)")
     print(table(rows), flush=True)
+    if args.nnx:
+      for front_end in ("linen", "nnx"):
+        for policy in ("mixed_mxfp8", "mixed_nvfp4"):
+          report = gradient_step_report(front_end, policy, SIZES[name])
+          print(f"{front_end} {policy} gradient: "
+                f"{len(report.block_scaled_gemms)} block-scaled GEMMs of "
+                f"{len(report.gemms)}, "
+                f"{100 * report.block_scaled_flop_share():.1f}% of the GEMM "
+                f"FLOPs; the others: " + ", ".join(sorted(
+                    f"{g.kind} {g.operands} {g.lhs.dims}x{g.rhs.dims}"
+                    for g in report.gemms if g.block_scaled is None)),
+                flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

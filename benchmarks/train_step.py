@@ -261,7 +261,8 @@ def make_state(config: Config, size: ModelSize):
 
 
 def compiled_step_report(config: Config, size: ModelSize, target: str,
-                         devices: int = 1, zero1: bool = False):
+                         devices: int = 1, zero1: bool = False,
+                         fail_on_spill: bool = True):
   """The config's donated train step compiled for ``devices`` x ``target``.
 
   Shapes only: no parameter memory is allocated. With several devices the
@@ -278,7 +279,8 @@ def compiled_step_report(config: Config, size: ModelSize, target: str,
     if not zero1:
       return compiled_report(jmp_lab.make_train_step(loss_fn_of(config)),
                              state, batch, target=target, devices=devices,
-                             in_specs=(P(), P("data")))
+                             in_specs=(P(), P("data")),
+                             fail_on_spill=fail_on_spill)
     mesh = compiled.gpu_mesh(target, devices)
     layout = jmp_lab.sharding.state_shardings(state, mesh)
     step = jmp_lab.make_train_step(
@@ -286,7 +288,8 @@ def compiled_step_report(config: Config, size: ModelSize, target: str,
         batch_sharding=NamedSharding(mesh, P("data")))
     specs = jax.tree_util.tree_map(lambda s: s.spec, layout)
     return compiled_report(step, state, batch, target=target, devices=devices,
-                           in_specs=(specs, P("data")))
+                           in_specs=(specs, P("data")),
+                           fail_on_spill=fail_on_spill)
 
 
 def param_count(size: ModelSize) -> int:

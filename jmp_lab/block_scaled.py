@@ -20,7 +20,7 @@ block-scaled, each operand quantized along its own contraction axis.
   backward in bf16). :func:`nvfp4_recipe` switches pieces off.
 
 **No new RNG stream.** Stochastic rounding draws its noise from a key made
-of the gradient's own contents (the bits of its fp32 sum of squares): a
+of the gradient's own contents (the bits of its fp32 amax, hashed): a
 model's ``apply`` is called as before, a repeated computation rounds the
 same way, and each step's new gradients draw new noise. The Hadamard
 transform's signs are a fixed constant.

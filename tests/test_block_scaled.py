@@ -3,7 +3,9 @@ independent reference, the block-scaled products and their gradients, the
 policy keys on every route, and the B200 compile."""
 
 import fractions
+import pathlib
 import re
+import sys
 import warnings
 
 import chex
@@ -23,6 +25,7 @@ from jmp_lab.diagnostics import audit_step
 from cuda_compile import require_cuda_plugin  # noqa: E402
 
 DIMS = (((1,), (0,)), ((), ()))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 # --- an independent reference, from the OCP MX spec and the NVFP4 paper -------
@@ -449,3 +452,28 @@ def test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200(
       9e15, 4.5e15)
   assert "sm_100a" in report.table() and "block-scaled GEMMs: 12" in (
       report.table())
+
+
+@pytest.mark.model_compile
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("front_end", ["linen", "nnx"])
+def test_gpt2_small_layers_run_every_dense_gemm_block_scaled_on_a_b200(
+    fmt, front_end):
+  """One of GPT-2 small's layers at its widths (768, 12 heads, T 1024,
+  vocabulary 50,304; every layer is alike): every Dense/Linear GEMM (q, k, v, out, fc, proj per
+  layer, and the head; forward, input and weight gradients) is cuDNN's
+  block-scaled GEMM; the rest is attention's two matmuls per layer (and
+  NVFP4's Hadamard GEMMs)."""
+  require_cuda_plugin()
+  sys.path.insert(0, str(ROOT))
+  from benchmarks import block_scaled_compile as bsc
+  from benchmarks import train_step as ts
+  size = ts.ModelSize(layers=1)
+  report = bsc.gradient_step_report(front_end, f"mixed_{fmt}", size)
+  dense_layers = 6 * size.layers + 1
+  assert len(report.block_scaled_gemms) == 3 * dense_layers
+  assert {g.block_scaled for g in report.block_scaled_gemms} == {fmt}
+  others = [g for g in report.gemms if g.block_scaled is None]
+  attention = [g for g in others if 16 not in g.lhs.dims[-1:]]
+  assert all(g.operands.startswith("bf16") for g in attention)
+  assert report.block_scaled_flop_share() >= 0.85

@@ -202,9 +202,8 @@ def _quantized(x: jax.Array, recipe: Recipe, *, tiles: bool = False,
   x = bq.padded_to_block(x, recipe.fmt.block, axis)
   if tiles:
     x = bq.padded_to_block(x, recipe.fmt.block, axis=-2)
-  uniform = (None if stochastic_salt is None
-             else bq.content_uniform(x, stochastic_salt))
-  return bq.quantize(x, recipe.fmt, tiles=tiles, uniform=uniform, axis=axis)
+  return bq.quantize(x, recipe.fmt, tiles=tiles, axis=axis,
+                     stochastic_salt=stochastic_salt)
 
 
 def _along_tokens(x: jax.Array, recipe: Recipe, **kwargs) -> bq.Quantized:

@@ -174,10 +174,15 @@ def quantize_mxfp8(x: jax.Array, axis: int = -1, *,
   return Quantized(values.reshape(x.shape), scales, jnp.float32(1.0))
 
 
-def nvfp4_global_scale(x: jax.Array) -> jax.Array:
+def nvfp4_global_scale(x: jax.Array, *, amax: Optional[jax.Array] = None
+                       ) -> jax.Array:
   """The per-tensor fp32 decode scale ``amax / (448 * 6)`` (1 for a tensor
-  of zeros or a non-finite amax, whose blocks then carry the NaN)."""
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  of zeros or a non-finite amax, whose blocks then carry the NaN); ``amax``
+  if given (the max of the block maxima: the same value, from a tensor a
+  block's size smaller than ``x``)."""
+  if amax is None:
+    amax = jnp.max(jnp.abs(x))
+  amax = amax.astype(jnp.float32)
   usable = (amax > 0) & jnp.isfinite(amax)
   return jnp.where(usable, amax / jnp.float32(_E4M3_MAX * NVFP4.value_max),
                    jnp.float32(1.0))
@@ -204,7 +209,8 @@ def _round_e2m1_stochastic(scaled: jax.Array, uniform: jax.Array
 
 def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
                    uniform: Optional[jax.Array] = None,
-                   axis: int = -1) -> Quantized:
+                   axis: int = -1,
+                   stochastic_salt: Optional[int] = None) -> Quantized:
   """``x`` in NVFP4 (module doc): E2M1 values, one E4M3 scale per 16 along
   the last axis and an fp32 global scale from the tensor's amax.
 
@@ -217,13 +223,23 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
       None rounds to nearest even.
     axis: the axis the blocks run along (not with ``tiles``); the values
       keep ``x``'s layout, the scales are its shape with ``axis`` divided.
+    stochastic_salt: round stochastically with noise drawn inside
+      (:func:`counter_uniform` under :func:`content_seed` of ``x``'s amax
+      and this salt) instead of ``uniform``.
   """
   axis = axis % x.ndim
   if tiles and axis != x.ndim - 1:
     raise ValueError(f"16x16 tiles block the last two axes, got axis={axis}")
-  global_scale = nvfp4_global_scale(x)
   blocks = _blocked(x, NVFP4.block, axis)
   amax = _block_amax(blocks, axis).astype(jnp.float32)
+  # From the block maxima: one pass over x fewer (and XLA fused the
+  # tensor-wide reduction into its producer's kernel, which spilled on
+  # sm_100a).
+  tensor_amax = jnp.max(amax)
+  global_scale = nvfp4_global_scale(x, amax=tensor_amax)
+  if stochastic_salt is not None:
+    uniform = counter_uniform(content_seed(tensor_amax), stochastic_salt,
+                              x.shape)
   if tiles:
     amax = _tile_amax(amax, NVFP4.block)
   scales = _e4m3_scales(amax, global_scale)
@@ -239,12 +255,13 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
 
 
 def quantize(x: jax.Array, fmt: BlockFormat, *, tiles: bool = False,
-             uniform: Optional[jax.Array] = None, axis: int = -1
+             axis: int = -1, stochastic_salt: Optional[int] = None
              ) -> Quantized:
   """``x`` in ``fmt``, blocks along ``axis`` (see the two above)."""
   if fmt is MXFP8:
     return quantize_mxfp8(x, axis, tiles=tiles)
-  return quantize_nvfp4(x, tiles=tiles, uniform=uniform, axis=axis)
+  return quantize_nvfp4(x, tiles=tiles, axis=axis,
+                        stochastic_salt=stochastic_salt)
 
 
 def dequantize(q: Quantized, dtype=jnp.float32) -> jax.Array:
@@ -306,24 +323,29 @@ def hadamard_16(x: jax.Array, axis: int = -1) -> jax.Array:
   return out.reshape(x.shape)
 
 
-def content_uniform(x: jax.Array, salt: int) -> jax.Array:
-  """Uniform [0, 1) noise of ``x``'s shape for stochastic rounding, from a
-  seed made of ``x``'s own contents (the bits of its fp32 sum of squares)
-  and ``salt``: no key to pass, the same tensor rounds the same way
-  (reproducible), and a step's new gradients draw new noise.
-
-  The bits are jmp_lab's counter-based hash of each element's index
+def counter_uniform(seed: jax.Array, salt: int, shape) -> jax.Array:
+  """Uniform [0, 1) noise of ``shape`` for stochastic rounding: jmp_lab's
+  counter-based hash of each element's index
   (:func:`jmp_lab.rounding.counter_bits`, as the stochastic bf16 update
-  uses): integer arithmetic that XLA fuses into the quantizing kernel,
-  where a threefry generator (``jax.random``) was a kernel of its own whose
-  output the quantization then read back."""
-  total = jnp.sum(jnp.square(x.astype(jnp.float32)))
-  seed = rounding.hash32(jax.lax.bitcast_convert_type(total, jnp.uint32))
-  index = jnp.zeros(x.shape, jnp.uint32)
+  uses) under ``seed`` and ``salt``. Integer arithmetic that XLA fuses into
+  the quantizing kernel, where a threefry generator (``jax.random``) was a
+  kernel of its own whose output the quantization then read back."""
+  index = jnp.zeros(shape, jnp.uint32)
   stride = 1
-  for axis in reversed(range(x.ndim)):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape,
+  for axis in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape,
                                              axis) * jnp.uint32(stride)
-    stride *= x.shape[axis]
+    stride *= shape[axis]
   bits = rounding.counter_bits(seed, salt, index)
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def content_seed(amax: jax.Array) -> jax.Array:
+  """A seed made of a tensor's own contents: the bits of its fp32 amax,
+  hashed. No key to pass; the same tensor rounds the same way (a rerun is
+  bit for bit); a step's new gradients, whose amax differs, draw new noise.
+  (The amax is at hand: the quantization computes it anyway. A sum over
+  the tensor was one more pass, which XLA fused into kernels that spilled
+  registers on sm_100a.)"""
+  bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
+  return rounding.hash32(bits ^ jnp.uint32(0x5EED5EED))
