@@ -75,13 +75,14 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
     # A per-tensor fp8 GEMM needs to know where its scaling state lives (and
     # the delayed one keeps state): an op-level rule does not.
     raise ValueError(
-        f"autocast has no per-tensor fp8 matmuls: policy {str(policy)!r} "
+        f"autocast has no fp8 matmuls: policy {str(policy)!r} "
         f"asks for "
         f"matmul={policy.matmul}, which would be silently left out. Use "
         f"jmp_lab.linen.with_policy or jmp_lab.nnx.with_policy for Flax "
         f"models, or call jmp_lab.fp8.dot_general / jmp_lab.fp8.einsum in "
         f"your own layers (they compose with autocast), and give autocast "
-        f"the policy without matmul=")
+        f"the policy without matmul= (autocast does run the block-scaled "
+        f"matmul=mxfp8 and matmul=nvfp4, which keep no scaling state)")
   rules = make_rules(policy.compute_dtype, fp32_ops=fp32_ops,
                      extra_fp32_ops=extra_fp32_ops, exclude=exclude,
                      block_scaled=policy.matmul)
