@@ -212,6 +212,8 @@ def main(argv=None):
   parser.add_argument("--seq-len", type=int, default=128)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--optimizers", default="AdamW,AdamW8bit,AdamWFp8")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="torch's seed (the initial weights, dropout)")
   parser.add_argument("--mxfp8", action="store_true",
                       help="the MXFP8 comparison instead: AdamW under bf16 "
                            "autocast, without and with torchao's MXFP8 "
@@ -226,7 +228,7 @@ def main(argv=None):
           [(name, False) for name in args.optimizers.split(",")])
   for name, mx in runs:
     result = train(args.data, name, args.steps, args.batch_size, args.seq_len,
-                   args.lr, mx=mx, bf16=args.mxfp8)
+                   args.lr, seed=args.seed, mx=mx, bf16=args.mxfp8)
     results.append(result)
     base = results[0]["loss"]
     name = f"{name}{' + MXFP8' if mx else ''}{' (bf16)' if args.mxfp8 else ''}"

@@ -50,22 +50,20 @@ without one (``target="b200"``).
 True
 """
 
-from jmp_lab._src.numerics.block_matmul import (RECIPES, Recipe, dot_general,
-                                                einsum, mxfp8_recipe,
-                                                nvfp4_recipe, recipe_for)
-from jmp_lab._src.numerics.block_quantize import (FORMATS, MXFP8, NVFP4,
-                                                  BlockFormat, Quantized,
+from jmp_lab._src.numerics.block_matmul import (Recipe, dot_general, einsum,
+                                                mxfp8_recipe, nvfp4_recipe,
+                                                recipe_for)
+from jmp_lab._src.numerics.block_quantize import (MXFP8, NVFP4, BlockFormat,
+                                                  Quantized,
                                                   dequantize, hadamard_16,
                                                   quantize_mxfp8,
                                                   quantize_nvfp4)
 
 __all__ = [
     "BlockFormat",
-    "FORMATS",
     "MXFP8",
     "NVFP4",
     "Quantized",
-    "RECIPES",
     "Recipe",
     "dequantize",
     "dot_general",

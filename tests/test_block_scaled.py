@@ -297,12 +297,12 @@ def test_the_nvfp4_recipe_can_be_ablated_and_restored():
   assert block_matmul.recipe_for("mxfp8").weight_tiles
   with bs.mxfp8_recipe(weight_tiles=False):
     assert not block_matmul.recipe_for("mxfp8").weight_tiles
-  assert block_matmul.recipe_for("mxfp8") == bs.RECIPES["mxfp8"]
+  assert block_matmul.recipe_for("mxfp8") == block_matmul.RECIPES["mxfp8"]
   assert block_matmul.recipe_for("nvfp4").hadamard
   with bs.nvfp4_recipe(hadamard=False, stochastic_rounding=False):
     recipe = block_matmul.recipe_for("nvfp4")
     assert not recipe.hadamard and not recipe.stochastic_gradients
-  assert block_matmul.recipe_for("nvfp4") == bs.RECIPES["nvfp4"]
+  assert block_matmul.recipe_for("nvfp4") == block_matmul.RECIPES["nvfp4"]
   with pytest.raises(TypeError, match="hadamard must be a bool"):
     with bs.nvfp4_recipe(hadamard="no"):
       pass
