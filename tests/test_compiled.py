@@ -368,6 +368,26 @@ def test_pallas_kernel_compiles_for_sm90a_without_spills(backend, keep_master):
   assert report.custom_call_bytes >= elements * (2 + 12 + 12 + (2 if keep_master else 4))
 
 
+@pytest.mark.floor_lane  # jax 0.10.2 has both Pallas GPU backends
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_pallas_update_compiles_for_a_b200_without_spills(backend):
+  """Blackwell (sm_100a): the fused update's kernel compiles as on Hopper,
+  without spills (the B200's block-scaled steps use the same backends)."""
+  require_cuda_plugin()
+  rows = 132 * 8 * 4
+  config = AdamWConfig(0.9, 0.999, 1e-8, 1e-4, np.dtype(jnp.bfloat16))
+  args = ((SDS((rows, 256), jnp.bfloat16),)
+          + tuple(SDS((rows, 256), jnp.float32) for _ in range(3))
+          + (SDS((5,), jnp.float32), SDS((2,), jnp.int32)))
+  report = compiled.compiled_report(
+      lambda *a: jmp_lab.kernels.fused_update(backend, config, *a), *args,
+      donate_argnums=(1, 2, 3), fail_on_spill=True, target="b200")
+  (kernel,) = report.pallas_kernels
+  assert kernel.backend == backend
+  assert kernel.spill_bytes in (0, None)   # ptxas's log, where one is found
+  assert "sm_100a" in report.table()
+
+
 # Per mode: (param dtype, master, moment dtype) and the update kernel's bytes
 # per param: g + state read, state + params written.
 MULTI_TENSOR_MODES = {
