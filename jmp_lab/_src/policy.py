@@ -60,8 +60,6 @@ _KEY_TO_FIELD = {
 # Blackwell's block-scaled GEMMs (``"mxfp8"``, ``"nvfp4"``: current scaling
 # per block, no state), see jmp_lab.block_scaled.
 MATMUL_MODES = ("fp8", "fp8_current", "mxfp8", "nvfp4")
-#: The modes whose matmuls keep no scaling state.
-STATELESS_MATMUL_MODES = ("fp8_current", "mxfp8", "nvfp4")
 #: The block-scaled modes (Blackwell's formats).
 BLOCK_SCALED_MODES = ("mxfp8", "nvfp4")
 
