@@ -478,3 +478,36 @@ def test_gpt2_small_layers_run_every_dense_gemm_block_scaled_on_a_b200(
   attention = [g for g in others if 16 not in g.lhs.dims[-1:]]
   assert all(g.operands.startswith("bf16") for g in attention)
   assert report.block_scaled_flop_share() >= 0.85
+
+
+class PlainMLP(nn.Module):
+  """An MLP as users write it: a layer pinned to float32, one with bf16
+  params."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.gelu(nn.Dense(64, dtype=jnp.float32)(x))
+    x = nn.Dense(64, param_dtype=jnp.bfloat16)(x)
+    return nn.Dense(32)(x)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_with_policy_and_autocast_block_scale_the_same_gemms(fmt):
+  """One semantics on both routes: the same model's gradient runs the same
+  block-scaled GEMMs (shapes and formats) through linen's with_policy and
+  through autocast of its plain apply."""
+  x = jax.random.normal(jax.random.key(0), (32, 48))
+  params = PlainMLP().init(jax.random.key(1), x)
+  policed = jmp_lab.linen.with_policy(PlainMLP(), f"mixed_{fmt}")
+  routes = {
+      "with_policy": jax.grad(lambda p: policed.apply(p, x).sum()),
+      "autocast": jax.grad(jmp_lab.autocast(
+          lambda p: PlainMLP().apply(p, x).sum(), f"mixed_{fmt}")),
+  }
+  gemms = {name: sorted((r.kind, r.lhs_shape, r.rhs_shape)
+                        for r in audit_step(step, params).matmuls
+                        if r.kind != "hadamard")
+           for name, step in routes.items()}
+  assert gemms["with_policy"] == gemms["autocast"]
+  assert {kind for kind, _, _ in gemms["autocast"]} == {fmt}
+  assert len(gemms["autocast"]) == 9   # 3 layers x 3 GEMMs
