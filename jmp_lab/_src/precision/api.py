@@ -52,8 +52,9 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
       matmuls (``matmul=mxfp8``/``nvfp4``) are supported: every
       ``dot_general`` whose right operand is a stored value (an argument
       as passed in, such as a weight: ``x @ w``) is block-scaled; one whose
-      right operand was computed (attention's) runs in the compute dtype, as under the Flax front
-      ends, where only Dense/Linear/Einsum layers are block-scaled.
+      right operand was computed (attention's) runs in the compute dtype,
+      as under the Flax front ends, where only Dense/Linear/Einsum layers
+      are block-scaled.
 
   Example::
 
