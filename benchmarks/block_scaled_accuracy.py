@@ -27,7 +27,7 @@ import char_transformer  # noqa: E402
 from jmp_lab import block_scaled  # noqa: E402
 
 # (row, policy, the recipe's switches: a context of jmp_lab.block_scaled,
-# or None). The first is the baseline.
+# or None[, the layers kept in bf16]). The first is the baseline.
 RUNS = [
     ("bf16", "mixed_bfloat16", None),
     ("mxfp8", "mixed_mxfp8", None),
@@ -43,18 +43,22 @@ RUNS = [
      lambda: block_scaled.nvfp4_recipe(stochastic_rounding=False)),
     ("nvfp4 without 16x16 weight tiles", "mixed_nvfp4",
      lambda: block_scaled.nvfp4_recipe(weight_tiles=False)),
+    # The paper's layer choice: its last blocks in bf16 (here the last of
+    # two blocks; the head is bf16 in every row).
+    ("nvfp4, the last block bf16", "mixed_nvfp4", None, "Block_1"),
 ]
 
 
 def run(policy: str, recipe, steps: int, batch: int, seq_len: int,
-        seed: int) -> float:
+        seed: int, bf16_layers: str = "") -> float:
   ablated = recipe() if recipe else contextlib.nullcontext()
+  kept = ["--bf16-layers", bf16_layers] if bf16_layers else []
   with tempfile.TemporaryDirectory() as ckpt, ablated:
     out = char_transformer.main(
         ["--policy", policy, "--steps", str(steps), "--batch-size",
          str(batch), "--seq-len", str(seq_len), "--seed", str(seed),
          "--ckpt-dir", ckpt, "--ckpt-every", str(10**9), "--no-progress",
-         "--sample-len", "0"])
+         "--sample-len", "0", *kept])
   return out["valid_loss"]
 
 
@@ -73,13 +77,13 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   wanted = None if args.only is None else set(args.only.split("|"))
   losses = {} if args.bf16_loss is None else {"bf16": args.bf16_loss}
-  for name, policy, recipe in RUNS:
+  for name, policy, recipe, *kept in RUNS:
     if name in losses:
       continue
     if wanted is not None and name != "bf16" and name not in wanted:
       continue
     losses[name] = run(policy, recipe, args.steps, args.batch_size,
-                       args.seq_len, args.seed)
+                       args.seq_len, args.seed, *kept)
     print(f"{name:<34} valid loss {losses[name]:.4f}  vs bf16 "
           f"{losses[name] / losses['bf16']:.4f}x", flush=True)
   if args.json:

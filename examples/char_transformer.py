@@ -168,6 +168,11 @@ def sample(model, variables, prompt: bytes, length: int, max_len: int,
   return bytes(tokens[len(prompt):])
 
 
+def bf16_layers(args) -> dict:
+  """``--bf16-layers`` as ``with_policy``'s path overrides."""
+  return {args.bf16_layers: "mixed_bfloat16"} if args.bf16_layers else {}
+
+
 def make_parser(description: str, ckpt_dir: str) -> argparse.ArgumentParser:
   """The options of this example, which the NNX one shares."""
   parser = argparse.ArgumentParser(description=description)
@@ -175,6 +180,12 @@ def make_parser(description: str, ckpt_dir: str) -> argparse.ArgumentParser:
                       help="a text file (default: the stdlib's own sources)")
   parser.add_argument("--policy", default="mixed_bfloat16", type=policy_spec,
                       help=POLICY_HELP)
+  parser.add_argument("--bf16-layers", default=None, metavar="REGEX",
+                      help="layers whose path matches keep mixed_bfloat16 "
+                           "(a path override), e.g. the last block under "
+                           "mixed_nvfp4, as NVIDIA's NVFP4 recipe keeps its "
+                           "last blocks: Block_1 here, blocks/1 in the NNX "
+                           "example")
   parser.add_argument("--loss-scale", default="auto",
                       choices=["auto", "dynamic", "none"],
                       help="auto: dynamic for fp16 compute, none for bf16 and "
@@ -231,6 +242,8 @@ def checked_run_config(args, policy, resuming: bool) -> dict:
             "loss_scale": args.loss_scale, "master": args.master,
             "rounding": args.rounding, "mu_dtype": args.mu_dtype,
             "nu_dtype": args.nu_dtype}
+  if args.bf16_layers:  # (only when set: older checkpoints still resume)
+    config["bf16_layers"] = args.bf16_layers
   path = os.path.join(os.path.abspath(args.ckpt_dir), "run_config.json")
   if resuming and os.path.exists(path):
     with open(path) as f:
@@ -274,7 +287,8 @@ def main(argv=None):
   tokens = load_tokens(args.data)
   split = int(0.95 * len(tokens))
   train_tokens, valid_tokens = tokens[:split], tokens[split:]
-  model = jl.with_policy(CharTransformer(max_len=args.seq_len), policy)
+  model = jl.with_policy(CharTransformer(max_len=args.seq_len), policy,
+                        path_overrides=bf16_layers(args))
   variables = model.init(jax.random.key(args.seed),
                          jnp.zeros((1, args.seq_len), jnp.int32))
   params = variables["params"]

@@ -31,7 +31,8 @@ from flax import nnx
 from tqdm import tqdm
 
 import jmp_lab
-from char_transformer import (checked_run_config, load_tokens, make_optimizer,
+from char_transformer import (bf16_layers, checked_run_config, load_tokens,
+                              make_optimizer,
                               make_parser, validation_batch)
 
 
@@ -120,7 +121,8 @@ def main(argv=None):
   # The two lines that make an NNX loop mixed precision:
   model = jmp_lab.nnx.with_policy(
       CharTransformer(max_len=args.seq_len,
-                      rngs=nnx.Rngs(args.seed, dropout=args.seed + 1)), policy)
+                      rngs=nnx.Rngs(args.seed, dropout=args.seed + 1)), policy,
+      path_overrides=bf16_layers(args))
   optimizer = jmp_lab.nnx.Optimizer(model, make_optimizer(args, policy),
                                     wrt=nnx.Param)
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(

@@ -198,6 +198,39 @@ def test_the_hadamard_transform_is_orthonormal_and_keeps_a_product():
                               a.T @ b, atol=1e-4)
 
 
+# --- the one-pass MXFP8 kernel (Pallas interpret mode here) ----------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_one_pass_mxfp8_kernel_writes_xlas_two_quantizations(dtype):
+  """mx_cast_transpose (run by the Pallas interpreter) writes both layouts
+  bit for bit as XLA's path and the OCP MX reference do: wide magnitudes,
+  exact powers of two, a block just above 448, zeros, and blocks with a NaN
+  and an infinity (their scales NaN, as XLA's)."""
+  from jmp_lab.kernels import mx_cast_transpose as mx
+  x = _awkward((96, 256), 3) * (1e-3 if dtype == jnp.float16 else 1.0)
+  x[40, 70] = np.nan
+  x[75, 200] = np.inf
+  x = jnp.asarray(x, dtype)
+  kernel = mx.mx_cast_transpose(x, interpret=True)
+  xla = block_matmul._mxfp8_both_ways(x)
+  for got, want in zip(kernel, xla):
+    chex.assert_type(got, want.dtype)
+    chex.assert_shape(got, want.shape)
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
+        np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
+  q, s, q_t, s_t = kernel
+  finite = np.isfinite(np.asarray(x, np.float32)).all(axis=1)
+  values, exponents = reference_mxfp8(np.asarray(x, np.float32)[finite])
+  np.testing.assert_array_equal(
+      np.asarray(q, np.float64)[finite].reshape(-1, 32), values)
+  np.testing.assert_array_equal(np.asarray(s)[finite].reshape(-1),
+                                exponents + 127)
+  assert int(s[40, 2]) == 255 and int(s_t[70, 1]) == 255   # the NaN's blocks
+  assert int(s[75, 6]) == 255 and int(s_t[200, 2]) == 255  # the infinity's
+
+
 # --- the products ---------------------------------------------------------------
 
 
@@ -453,6 +486,51 @@ def test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200(
       9e15, 4.5e15)
   assert "sm_100a" in report.table() and "block-scaled GEMMs: 12" in (
       report.table())
+  # MXFP8 quantizes each activation and output gradient of whole blocks into
+  # both layouts in one Pallas kernel (x: 256 tokens; the 48-wide NNX input
+  # and NVFP4 take XLA's passes): the 4 layers' inputs and the 3 output
+  # gradients above the first layer's input.
+  kernels = [k for k in report.pallas_kernels
+             if k.name == "mxfp8_cast_transpose"]
+  assert len(kernels) == (7 if (fmt, front_end) == ("mxfp8", "linen") else
+                          6 if fmt == "mxfp8" else 0), report.pallas_summary()
+  assert all(k.spill_bytes in (0, None) for k in kernels), kernels
+
+
+@pytest.mark.parametrize("axes, x_spec, w_spec", [
+    ({"data": 8}, ("data",), ()),
+    ({"data": 4, "tensor": 2}, ("data",), (None, "tensor")),
+], ids=["data", "data-tensor"])
+def test_on_8_b200s_each_device_quantizes_its_own_tokens_both_ways(
+    axes, x_spec, w_spec):
+  """Data (and tensor) parallel over 8 B200s: the one-pass MXFP8 kernel runs
+  on each device's own tokens for the input and for the output gradient
+  (its partitioning rule: blocks of 32 never straddle devices), no device
+  gathers the batch or any 16-bit tensor, and every GEMM is block-scaled."""
+  require_cuda_plugin()
+  from jax.sharding import PartitionSpec as P
+  tokens, width, features = 4096, 1024, 2048
+
+  def step(x, w):
+    return jax.value_and_grad(lambda x, w: bs.dot_general(
+        x, w, DIMS, fmt="mxfp8").astype(jnp.float32).sum(),
+        argnums=(0, 1))(x, w)
+
+  report = jmp_lab.diagnostics.compiled_report(
+      step, jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16),
+      jax.ShapeDtypeStruct((width, features), jnp.bfloat16),
+      target="b200", devices=8, axes=axes,
+      in_specs=(P(*x_spec), P(*w_spec)))
+  assert [k.name for k in report.pallas_kernels] == ["mxfp8_cast_transpose"] * 2
+  # No 16-bit tensor is gathered (under tensor parallel, jax's scaled_matmul
+  # gathers the 8-bit weight's halves with their scales).
+  gathers = [c for c in report.collectives if c.kind == "all-gather"]
+  assert all(set(c.dtypes) <= {"f8e4m3fn", "u8"} for c in gathers), gathers
+  assert not gathers or "tensor" in axes
+  rows = tokens // axes["data"]
+  # Each device's input, blocked along the tokens and written transposed.
+  assert f"f8e4m3fn[{width},{rows}]" in report.hlo_text
+  assert len(report.block_scaled_gemms) == 3 and len(report.gemms) == 3
 
 
 @pytest.mark.model_compile

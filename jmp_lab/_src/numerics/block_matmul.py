@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_quantize as bq
 from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
+from jmp_lab.kernels import mx_cast_transpose as mx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +222,42 @@ def _along_tokens(x: jax.Array, recipe: Recipe, **kwargs) -> bq.Quantized:
                     scales=jnp.swapaxes(q.scales, 1, 2))
 
 
+def _mxfp8_both_ways(x: jax.Array) -> tuple[jax.Array, ...]:
+  """XLA's path of :func:`jmp_lab.kernels.mx_cast_transpose.quantize_both_ways`
+  for a 2-D ``x``: the two quantizations, the scales as their bits."""
+  along_columns = bq.quantize_mxfp8(x)
+  along_rows = bq.quantize_mxfp8(x, axis=0)
+  bits = lambda s: jax.lax.bitcast_convert_type(s, jnp.uint8)  # noqa: E731
+  return (along_columns.values, bits(along_columns.scales),
+          along_rows.values.T, bits(along_rows.scales).T)
+
+
+def _fused_both_ways(x: jax.Array, recipe: Recipe, salt) -> bool:
+  # The one-pass kernel writes MXFP8 rounded to nearest, one matrix, whole
+  # blocks (padding and NVFP4's transform and noise take XLA's passes).
+  return (recipe.fmt == bq.MXFP8 and not recipe.hadamard and salt is None
+          and x.shape[0] == 1 and mx.fits(x.shape[1:]))
+
+
+def _both_ways(x: jax.Array, recipe: Recipe, salt: Optional[int] = None
+               ) -> tuple[bq.Quantized, bq.Quantized]:
+  """``x`` (B, M, K) as the forward or input-gradient GEMM reads it
+  (quantized along K) and as the weight-gradient GEMM does
+  (:func:`_along_tokens`). Under MXFP8 one kernel writes both from one
+  read of ``x`` on a GPU (:mod:`jmp_lab.kernels.mx_cast_transpose`)."""
+  if not _fused_both_ways(x, recipe, salt):
+    return (_quantized(x, recipe, stochastic_salt=salt),
+            _along_tokens(x, recipe, stochastic_salt=None if salt is None
+                          else salt + 1))
+  with jax.named_scope(QUANTIZE_SCOPE):
+    q, s, q_t, s_t = mx.quantize_both_ways(x[0], _mxfp8_both_ways)
+  one = jnp.float32(1.0)
+  scales = lambda bits: jax.lax.bitcast_convert_type(  # noqa: E731
+      bits, bq.MXFP8.scale_dtype)[None]
+  return (bq.Quantized(q[None], scales(s), one),
+          bq.Quantized(q_t[None], scales(s_t), one))
+
+
 def _weight_for_input_gradient(w: jax.Array, qw: bq.Quantized,
                                recipe: Recipe) -> bq.Quantized:
   """``w`` (B, N, K) as (B, K, N) quantized along N: under tiles the
@@ -259,11 +296,10 @@ def block_scaled_bmm(x: jax.Array, w: jax.Array, recipe: Recipe) -> jax.Array:
 
 
 def _bmm_fwd(x, w, recipe):
-  qx = _quantized(x, recipe)
+  qx, qx_t = _both_ways(x, recipe)
   qw = _gathered_where_read(_quantized(w, recipe, tiles=recipe.weight_tiles))
   y = _cropped(scaled_product(qx, qw, x.dtype), x.shape[1], w.shape[1])
-  residuals = (_weight_for_input_gradient(w, qw, recipe),
-               _along_tokens(x, recipe),
+  residuals = (_weight_for_input_gradient(w, qw, recipe), qx_t,
                jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype),
                jnp.zeros((0, x.shape[2]), jnp.int8))
   return y, residuals
@@ -272,11 +308,9 @@ def _bmm_fwd(x, w, recipe):
 def _bmm_bwd(recipe, residuals, g):
   qw_t, qx_t, x_like, w_like, k_like = residuals
   salt = (None if not recipe.stochastic_gradients else 1)
-  qg = _quantized(g, recipe, stochastic_salt=salt)
+  qg, qg_t = _both_ways(g, recipe, salt)
   dx = scaled_product(qg, qw_t, x_like.dtype)
   dx = _cropped(dx, g.shape[1], k_like.shape[1])
-  qg_t = _along_tokens(g, recipe,
-                       stochastic_salt=None if salt is None else salt + 1)
   dw = scaled_product(qg_t, qx_t, w_like.dtype)
   dw = _cropped(dw, g.shape[2], k_like.shape[1])
   return dx, dw
