@@ -533,6 +533,27 @@ def test_on_8_b200s_each_device_quantizes_its_own_tokens_both_ways(
   assert len(report.block_scaled_gemms) == 3 and len(report.gemms) == 3
 
 
+def test_without_pallas_triton_mxfp8_quantizes_by_xlas_passes(monkeypatch):
+  """Once jax removes Pallas' Triton backend (deprecated in 0.11), MXFP8's
+  activations and output gradients are quantized by XLA: the step still
+  compiles for a B200, every GEMM block-scaled."""
+  require_cuda_plugin()
+  from jmp_lab.kernels import platform
+  real = platform.importable
+  monkeypatch.setattr(platform, "importable", lambda module: False
+                      if "triton" in module else real(module))
+
+  def step(x, w):
+    return jax.value_and_grad(lambda x, w: bs.dot_general(
+        x, w, DIMS, fmt="mxfp8").astype(jnp.float32).sum(),
+        argnums=(0, 1))(x, w)
+  report = jmp_lab.diagnostics.compiled_report(
+      step, jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+      jax.ShapeDtypeStruct((128, 64), jnp.bfloat16), target="b200")
+  assert not report.pallas_kernels
+  assert len(report.block_scaled_gemms) == 3
+
+
 @pytest.mark.model_compile
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("front_end", ["linen", "nnx"])

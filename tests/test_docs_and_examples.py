@@ -123,6 +123,44 @@ def test_char_transformer_example_smoke_with_fused_fp16_and_resume(tmp_path):
   assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0
 
 
+def test_char_transformer_keeps_the_named_layers_bf16_and_resumes_only_so(
+    tmp_path):
+  """``--bf16-layers`` (a path override, as the NVFP4 paper keeps its last
+  blocks in bf16) keeps those layers' matmuls bf16, and is recorded with the
+  checkpoints: resuming without it is refused by name rather than silently
+  training the block in 8 or 4 bits."""
+  import jax
+  import jax.numpy as jnp
+  import jmp_lab
+  from jmp_lab.diagnostics import audit_step
+  sys.path.insert(0, str(ROOT / "examples"))
+  try:
+    example = runpy.run_path(str(ROOT / "examples" / "char_transformer.py"))
+  finally:
+    sys.path.pop(0)
+  parser = example["make_parser"]("char", str(tmp_path / "ckpt"))
+  common = ["--policy", "mixed_mxfp8", "--ckpt-dir", str(tmp_path / "ckpt")]
+  kept = parser.parse_args(common + ["--bf16-layers", "Block_1"])
+  tokens = jnp.zeros((2, 32), jnp.int32)
+
+  def block_scaled_matmuls(args):
+    model = jmp_lab.linen.with_policy(
+        example["CharTransformer"](max_len=32), args.policy,
+        path_overrides=example["bf16_layers"](args))
+    params = model.init(jax.random.key(0), tokens)
+    audit = audit_step(lambda p: model.apply(p, tokens, targets=tokens).mean(),
+                       params)
+    return sum(r.kind == "mxfp8" for r in audit.matmuls)
+  # Six Dense-like layers a block (q, k, v, out, and the MLP's two).
+  assert block_scaled_matmuls(parser.parse_args(common)) == 12
+  assert block_scaled_matmuls(kept) == 6
+  policy = jmp_lab.get_policy("mixed_mxfp8")
+  example["checked_run_config"](kept, policy, resuming=False)
+  with pytest.raises(ValueError, match="bf16_layers"):
+    example["checked_run_config"](parser.parse_args(common), policy,
+                                  resuming=True)
+
+
 @pytest.mark.newest_lane
 def test_char_transformer_nnx_example_smoke_with_remainder_and_resume(tmp_path):
   text = tmp_path / "text.txt"
