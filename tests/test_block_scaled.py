@@ -388,7 +388,7 @@ def test_every_matmul_layer_is_block_scaled_on_linen_and_nnx(fmt):
   policy = f"mixed_{fmt}"
   linen = jmp_lab.linen.with_policy(Layers(), policy,
                                     path_overrides={"head": "mixed_bfloat16"})
-  params = linen.init(jax.random.key(0), x)   # no new RNG stream
+  params = jax.jit(linen.init)(jax.random.key(0), x)   # no new RNG stream
   report = audit_step(jax.grad(lambda p: linen.apply(p, x).sum()), params)
   # three layers x three GEMMs block-scaled; the head kept in bf16 (3 GEMMs
   # in jax's transpose: forward, input and weight gradients).
@@ -441,7 +441,7 @@ def test_scanned_and_rematerialized_layers_are_block_scaled():
                   split_rngs={"params": True}, length=3)
   model = jmp_lab.linen.with_policy(stack(), "mixed_nvfp4")
   x = jnp.ones((16, 64))
-  params = model.init(jax.random.key(0), x, None)
+  params = jax.jit(model.init)(jax.random.key(0), x, None)
   report = audit_step(jax.grad(
       lambda p: model.apply(p, x, None)[0].sum()), params)
   assert {r.kind for r in report.matmuls} == {"nvfp4", "hadamard"}
