@@ -181,7 +181,7 @@ def run_sharded(mesh_name, optimizer, policy, *, keep_boxes=False, steps=4,
   axes = MESHES[mesh_name]
   mesh, init, layout = sharded_init(mesh_name, optimizer, policy)
   state = jax.jit(init, out_shardings=layout)(jax.random.key(0))
-  single = nn.unbox(init(jax.random.key(0)))
+  single = nn.unbox(jax.jit(init)(jax.random.key(0)))
   if not keep_boxes:
     state = nn.unbox(state)
   batch_axes = rules_for(axes)[0][1]
