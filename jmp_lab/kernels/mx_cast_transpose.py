@@ -10,9 +10,9 @@ maxima, then the values), so a 16-bit tensor is read four times to write two
 both E4M3 copies (the second transposed) with their E8M0 scales, as
 Transformer Engine's MXFP8 ``quantize`` writes its row-wise and
 column-wise data in one kernel. It is :mod:`jmp_lab.kernels.cast_transpose`
-(Hopper's per-tensor fp8) made block-scaled, and shares its dispatch: the
-kernel in a step compiled for CUDA, split by rows across devices
-(``custom_partitioning``), XLA's path elsewhere and under ``vmap``.
+(Hopper's per-tensor fp8) made block-scaled, dispatched as that one is: the
+kernel in a step compiled for CUDA, split by rows and columns across
+devices (``custom_partitioning``), XLA's path elsewhere and under ``vmap``.
 
 The numbers are those of
 :func:`jmp_lab._src.numerics.block_quantize.quantize_mxfp8` bit for bit
