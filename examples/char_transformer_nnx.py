@@ -32,8 +32,7 @@ from tqdm import tqdm
 
 import jmp_lab
 from char_transformer import (bf16_layers, checked_run_config, load_tokens,
-                              make_optimizer,
-                              make_parser, validation_batch)
+                              make_optimizer, make_parser, validation_batch)
 
 
 class Block(nnx.Module):
