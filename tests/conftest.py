@@ -19,11 +19,43 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # for an H100 (jmp_lab.diagnostics.compile_for_gpu) pin level 3 too, so the
 # compiled reports are those of a production build. JMP_LAB_TEST_LLVM_O3=1
 # keeps the default everywhere.
-# Subprocesses that set XLA_FLAGS of their own add this to keep the level.
+# Subprocesses that set XLA_FLAGS of their own add CPU_COMPILE_FLAGS to keep
+# these choices.
 LLVM_LEVEL_FLAG = ("" if os.environ.get("JMP_LAB_TEST_LLVM_O3")
                    else "--xla_backend_optimization_level=0")
+
+
+def _jaxlib_before_0_11() -> bool:
+  """Whether the installed jaxlib is older than 0.11 (read without importing
+  jax: XLA reads XLA_FLAGS once, when its first backend starts)."""
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  try:
+    major, minor = metadata.version("jaxlib").split(".")[:2]
+  except metadata.PackageNotFoundError:
+    return False
+  return (int(major), int(minor)) < (0, 11)
+
+
+# CI time on the floor lane: jax 0.10.2's XLA:CPU emits its fusions through
+# its MLIR fusion emitters, which take about half of each small compile
+# (60 small jits: 118 -> 64 ms each without them; a 6-layer MLP's gradient
+# 206 -> 138 ms; the floor lane's tests 1,293 -> 914 s, 2026-11-29). Its
+# older LLVM-IR emitters compute the same ops, but they let LLVM contract
+# a*b+c into one FMA wherever it finds one, so two programs that compute
+# the same sum in different fusions round it differently, and the tests
+# that hold two programs to the same bits (a kernel and its reference, the
+# flat and the tree state) would fail. Capping the instruction set at AVX
+# (FMA3 arrived with AVX2) keeps every sum as the new emitters round it.
+# jax 0.11 and later have only the new emitters and refuse the flag (an
+# unknown XLA flag aborts the process), so both are set on jaxlib < 0.11
+# only. JMP_LAB_TEST_CPU_EMITTERS=default keeps XLA's defaults.
+EMITTER_FLAGS = ("--xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX"
+                 if _jaxlib_before_0_11()
+                 and os.environ.get("JMP_LAB_TEST_CPU_EMITTERS") != "default"
+                 else "")
+CPU_COMPILE_FLAGS = f"{LLVM_LEVEL_FLAG} {EMITTER_FLAGS}".strip()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
-                           + LLVM_LEVEL_FLAG).strip()
+                           + CPU_COMPILE_FLAGS).strip()
 
 # CI time: a persistent compilation cache for each test process. Many tests
 # build the same small programs from fresh functions (a step per test, the
@@ -53,6 +85,23 @@ if _XLA_CACHE_MADE_HERE is not None:
   jax.config.update("jax_compilation_cache_dir", _XLA_CACHE_MADE_HERE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+def run_under_xla_cpu_defaults(nodeid: str) -> None:
+  """Runs the test ``nodeid`` in a fresh process with XLA:CPU's default
+  emitters and instruction set (EMITTER_FLAGS off): for the few checks that
+  hold two different programs to the same bits only as XLA's default
+  compiler rounds them."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  env = dict(os.environ, JMP_LAB_TEST_CPU_EMITTERS="default",
+             XLA_FLAGS=LLVM_LEVEL_FLAG)
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      env=env, capture_output=True, text=True, timeout=1200)
+  tail = (result.stdout + result.stderr)[-4000:]
+  assert result.returncode == 0 and " passed" in result.stdout, tail
+
 
 # 2 CPU devices; tests/test_fsdp.py starts a process with 8.
 chex.set_n_cpu_devices(int(os.environ.get("JMP_LAB_TEST_CPU_DEVICES", "2")))

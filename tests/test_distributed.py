@@ -7,15 +7,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import LLVM_LEVEL_FLAG
+from conftest import CPU_COMPILE_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run(tmp_path, processes, devices_per_process, *extra):
   out = tmp_path / f"{processes}x{devices_per_process}.json"
-  # The processes set their own device count; keep only the LLVM level.
-  env = dict(os.environ, XLA_FLAGS=LLVM_LEVEL_FLAG)
+  # The processes set their own device count; keep only the CPU compile flags.
+  env = dict(os.environ, XLA_FLAGS=CPU_COMPILE_FLAGS)
   # Timeouts guard against a hang only (about 2 minutes on an idle 2-core
   # machine, several on a busy one).
   subprocess.run(

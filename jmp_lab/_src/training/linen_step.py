@@ -343,12 +343,16 @@ def _gradient_metrics(state: TrainState, loss_scale: LossScale,
   if not (grad_norm or grads):
     return {}
   unscaled = loss_scale.unscale(scaled.unmarked(scaled_grads))
+  # The norm of the tree, also for a flat state: the same sums in the same
+  # order whatever the layout, so both give the same bits (one reduction over
+  # the flat buffer would add in another order).
+  tree = (fused.unflatten_params(state.opt_state, unscaled) if state.flat
+          else unscaled)
   found = {}
   if grad_norm:
-    found["grad_norm"] = optax.tree.norm(unscaled)
+    found["grad_norm"] = optax.tree.norm(tree)
   if grads:
-    found["grads"] = (fused.unflatten_params(state.opt_state, unscaled)
-                      if state.flat else unscaled)
+    found["grads"] = tree
   return found
 
 
