@@ -45,7 +45,8 @@ def _jaxlib_before_0_11() -> bool:
 # the same sum in different fusions round it differently, and the tests
 # that hold two programs to the same bits (a kernel and its reference, the
 # flat and the tree state) would fail. Capping the instruction set at AVX
-# (FMA3 arrived with AVX2) keeps every sum as the new emitters round it.
+# (FMA3 arrived with AVX2) rounds every a*b+c in two steps, in every
+# program alike.
 # jax 0.11 and later have only the new emitters and refuse the flag (an
 # unknown XLA flag aborts the process), so both are set on jaxlib < 0.11
 # only. JMP_LAB_TEST_CPU_EMITTERS=default keeps XLA's defaults.
@@ -85,6 +86,7 @@ if _XLA_CACHE_MADE_HERE is not None:
   jax.config.update("jax_compilation_cache_dir", _XLA_CACHE_MADE_HERE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 def run_under_xla_cpu_defaults(nodeid: str) -> None:
   """Runs the test ``nodeid`` in a fresh process with XLA:CPU's default
