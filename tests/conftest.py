@@ -38,8 +38,9 @@ def _jaxlib_before_0_11() -> bool:
 
 # CI time on the floor lane: jax 0.10.2's XLA:CPU emits its fusions through
 # its MLIR fusion emitters, which take about half of each small compile
-# (60 small jits: 118 -> 64 ms each without them; a 6-layer MLP's gradient
-# 206 -> 138 ms; the floor lane's tests 1,293 -> 978 s, 2026-11-29). Its
+# (60 small jits: 118 -> 64 ms each without them, 73 with the AVX cap below;
+# a 6-layer MLP's gradient 206 -> 138 ms, 153 with the cap; the floor lane's
+# tests 1,293 -> 978 s with both, 2026-11-29). Its
 # older LLVM-IR emitters compute the same ops, but they let LLVM contract
 # a*b+c into one FMA wherever it finds one, so two programs that compute
 # the same sum in different fusions round it differently, and the tests
