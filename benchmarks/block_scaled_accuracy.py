@@ -50,7 +50,7 @@ RUNS = [
 
 
 def run(policy: str, recipe, steps: int, batch: int, seq_len: int,
-        seed: int, bf16_layers: str = "") -> float:
+        seed: int, model_flags: list[str], bf16_layers: str = "") -> float:
   ablated = recipe() if recipe else contextlib.nullcontext()
   kept = ["--bf16-layers", bf16_layers] if bf16_layers else []
   with tempfile.TemporaryDirectory() as ckpt, ablated:
@@ -58,7 +58,7 @@ def run(policy: str, recipe, steps: int, batch: int, seq_len: int,
         ["--policy", policy, "--steps", str(steps), "--batch-size",
          str(batch), "--seq-len", str(seq_len), "--seed", str(seed),
          "--ckpt-dir", ckpt, "--ckpt-every", str(10**9), "--no-progress",
-         "--sample-len", "0", *kept])
+         "--sample-len", "0", *model_flags, *kept])
   return out["valid_loss"]
 
 
@@ -73,8 +73,14 @@ def main(argv=None) -> dict:
   parser.add_argument("--bf16-loss", type=float, default=None,
                       help="the bf16 row's loss from an earlier run of the "
                            "same flags (skips running it again)")
+  parser.add_argument("--width", type=int, default=None,
+                      help="the example's --width (default: its own)")
+  parser.add_argument("--depth", type=int, default=None,
+                      help="the example's --depth (default: its own)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
+  model_flags = [f"--{flag}={getattr(args, flag)}" for flag in
+                 ("width", "depth") if getattr(args, flag) is not None]
   wanted = None if args.only is None else set(args.only.split("|"))
   losses = {} if args.bf16_loss is None else {"bf16": args.bf16_loss}
   for name, policy, recipe, *kept in RUNS:
@@ -83,7 +89,7 @@ def main(argv=None) -> dict:
     if wanted is not None and name != "bf16" and name not in wanted:
       continue
     losses[name] = run(policy, recipe, args.steps, args.batch_size,
-                       args.seq_len, args.seed, *kept)
+                       args.seq_len, args.seed, model_flags, *kept)
     print(f"{name:<34} valid loss {losses[name]:.4f}  vs bf16 "
           f"{losses[name] / losses['bf16']:.4f}x", flush=True)
   if args.json:

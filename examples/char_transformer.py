@@ -76,6 +76,9 @@ class Block(nn.Module):
     return x + nn.Dropout(self.dropout, deterministic=not train)(h)
 
 
+# The model's size as main()'s flags (the NNX example has its own model).
+MODEL_SIZE_FLAGS = ("width", "depth", "heads")
+
 # Block-quantized 8-bit moments (jmp_lab.kernels.quantized).
 EIGHT_BIT = ("int8", "float8_e4m3fn")
 
@@ -244,6 +247,9 @@ def checked_run_config(args, policy, resuming: bool) -> dict:
             "nu_dtype": args.nu_dtype}
   if args.bf16_layers:  # (only when set: older checkpoints still resume)
     config["bf16_layers"] = args.bf16_layers
+  for flag in MODEL_SIZE_FLAGS:  # (likewise only when not the default)
+    if getattr(args, flag, None) not in (None, getattr(CharTransformer, flag)):
+      config[flag] = getattr(args, flag)
   path = os.path.join(os.path.abspath(args.ckpt_dir), "run_config.json")
   if resuming and os.path.exists(path):
     with open(path) as f:
@@ -279,15 +285,29 @@ def main(argv=None):
   parser.add_argument("--valid-windows", type=int, default=16,
                       help="held-out windows of --seq-len bytes the "
                            "validation loss averages over")
+  parser.add_argument("--width", type=int, default=CharTransformer.width,
+                      help="model width (a multiple of --heads)")
+  parser.add_argument("--depth", type=int, default=CharTransformer.depth,
+                      help="transformer blocks")
+  parser.add_argument("--heads", type=int, default=CharTransformer.heads,
+                      help="attention heads")
   args = parser.parse_args(argv)
   if args.valid_windows < 1:
     parser.error(f"--valid-windows must be at least 1, got {args.valid_windows}")
+  for flag in MODEL_SIZE_FLAGS:
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+  if args.width % args.heads:
+    parser.error(f"--width {args.width} must be a multiple of --heads "
+                 f"{args.heads}")
 
   policy = jmp_lab.get_policy(args.policy)
   tokens = load_tokens(args.data)
   split = int(0.95 * len(tokens))
   train_tokens, valid_tokens = tokens[:split], tokens[split:]
-  model = jl.with_policy(CharTransformer(max_len=args.seq_len), policy,
+  model = jl.with_policy(
+      CharTransformer(width=args.width, depth=args.depth, heads=args.heads,
+                      max_len=args.seq_len), policy,
                         path_overrides=bf16_layers(args))
   variables = model.init(jax.random.key(args.seed),
                          jnp.zeros((1, args.seq_len), jnp.int32))

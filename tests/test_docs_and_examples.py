@@ -161,6 +161,31 @@ def test_char_transformer_keeps_the_named_layers_bf16_and_resumes_only_so(
                                   resuming=True)
 
 
+def test_char_transformer_size_flags_are_checked_and_kept_with_checkpoints(
+    tmp_path):
+  """--width/--depth/--heads (the block-scaled size study) are refused by
+  name when they cannot build a model, and a checkpoint written at one size
+  is not resumed at another."""
+  sys.path.insert(0, str(ROOT / "examples"))
+  try:
+    example = runpy.run_path(str(ROOT / "examples" / "char_transformer.py"))
+  finally:
+    sys.path.pop(0)
+  with pytest.raises(SystemExit):
+    example["main"](["--width", "100", "--heads", "3"])
+  with pytest.raises(SystemExit):
+    example["main"](["--depth", "0"])
+  parser = example["make_parser"]("char", str(tmp_path / "ckpt"))
+  args = parser.parse_args(["--ckpt-dir", str(tmp_path / "ckpt")])
+  policy = "mixed_nvfp4"
+  args.width, args.depth, args.heads = 256, 2, 4
+  assert example["checked_run_config"](args, policy, resuming=False)[
+      "width"] == 256
+  args.width = 128   # the default: not recorded, so not the saved config
+  with pytest.raises(ValueError, match="width"):
+    example["checked_run_config"](args, policy, resuming=True)
+
+
 @pytest.mark.newest_lane
 def test_char_transformer_nnx_example_smoke_with_remainder_and_resume(tmp_path):
   text = tmp_path / "text.txt"

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import hashlib
 import importlib.metadata
 import importlib.resources
 import math
@@ -250,7 +251,10 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
     triton_gemm: let XLA emit GEMMs as Triton fusions. Without a device there
       is no autotuning, so the default sends them to cuBLAS, as they mostly
       go on a real H100.
-    fail_on_spill: make a register spill in XLA's kernels a compile error.
+    fail_on_spill: make a register spill in XLA's kernels a compile error,
+      a ``RuntimeError`` that names them. Compiling the same program again
+      with ``fail_on_spill=False`` then returns the compile that named them,
+      without compiling a third time.
     dump_to: a folder for XLA's and Mosaic's dumps (PTX, ptxas logs).
   """
   mesh = gpu_mesh(target, devices, axes=axes)
@@ -260,8 +264,7 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
              # A production build's LLVM level, whatever XLA_FLAGS say (the
              # test suite lowers it for its CPU programs).
              "xla_backend_optimization_level": 3,
-             "xla_gpu_fail_ptx_compilation_on_register_spilling":
-                 bool(fail_on_spill)}
+             _SPILL_OPTION: bool(fail_on_spill)}
   if dump_to:
     options.update(_dump_options(dump_to))
   specs = abstract_args(args, mesh, in_specs)
@@ -275,12 +278,16 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
   with (mosaic_dumps(dump_to) if dump_to else contextlib.nullcontext(),
         compat.lowering_for(mesh), compat.without_persistent_cache()):
     lowered = jitted.trace(*specs).lower()
+    if not fail_on_spill and _REFUSED_FOR_SPILLS:
+      retried = _take_refused(_program_key(lowered, mesh, options), dump_to)
+      if retried is not None:
+        return retried
     try:
       return lowered.compile(compiler_options=options)
     except Exception as e:  # pylint: disable=broad-except  (XLA's own type)
       if "register spilling" not in str(e):
         raise
-    spilling = _spilling_kernels(lowered, options)
+    spilling = _name_spilling_kernels(lowered, mesh, options, dump_to)
   raise RuntimeError(
       f"compiled for {target if isinstance(target, str) else target.name}, "
       f"{spilling}, which compile_for_gpu and "
@@ -289,25 +296,71 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
       f"fail_on_spill=False to compile and report it anyway") from None
 
 
-def _spilling_kernels(lowered, options) -> str:
-  """Which of XLA's kernels spill: compiled again with spills allowed, and
-  the PTX read back through ``ptxas -v``."""
-  with tempfile.TemporaryDirectory(prefix="jmp_lab_spills_") as dump_dir:
+# The last program compile_for_gpu refused for its spills, as compiled with
+# spills allowed to name them (XLA's error names no kernel), with a copy of
+# its dumps when it was asked for some. The retry that the error suggests,
+# fail_on_spill=False, takes it instead of compiling the program a third
+# time; one entry, held until that retry or the next refusal.
+_REFUSED_FOR_SPILLS: dict[tuple, tuple[Any, Any]] = {}
+_SPILL_OPTION = "xla_gpu_fail_ptx_compilation_on_register_spilling"
+_PTX_KEEPING_DIR = "cuda_keeping_ptx"
+# Options that say where a compile's dumps go, not what it compiles.
+_DUMP_OPTIONS = ("xla_dump_to", "xla_gpu_cuda_data_dir")
+
+
+def _program_key(lowered, mesh, options) -> tuple:
+  """What makes two compiles the same program: the module, the target and
+  devices (the cached mesh), and XLA's options but the spill check and the
+  dump folders."""
+  text = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+  return (text, mesh, tuple(sorted(
+      (k, v) for k, v in options.items()
+      if k != _SPILL_OPTION and k not in _DUMP_OPTIONS)))
+
+
+def _take_refused(key: tuple, dump_to: Optional[str]):
+  """The refused program's compile for its retry (its dumps copied into
+  ``dump_to``), or None if it is another program or its dumps are wanted
+  and were not kept."""
+  compiled, dumps = _REFUSED_FOR_SPILLS.get(key, (None, None))
+  if compiled is None or (dump_to and dumps is None):
+    return None
+  del _REFUSED_FOR_SPILLS[key]
+  if dump_to:
+    shutil.copytree(dumps.name, dump_to, symlinks=True, dirs_exist_ok=True)
+  return compiled
+
+
+def _name_spilling_kernels(lowered, mesh, options,
+                           dump_to: Optional[str]) -> str:
+  """Which of XLA's kernels spill: compiled again with spills allowed and
+  dumped (into ``dump_to`` when given), and the PTX read back through
+  ``ptxas -v``. That compile is kept for the retry (_REFUSED_FOR_SPILLS)."""
+  unnamed = "some of XLA's kernels spill registers"
+  _REFUSED_FOR_SPILLS.clear()
+  with (contextlib.nullcontext(dump_to) if dump_to else
+        tempfile.TemporaryDirectory(prefix="jmp_lab_spills_")) as dump_dir:
     try:
-      lowered.compile(compiler_options={
-          **options, "xla_gpu_fail_ptx_compilation_on_register_spilling":
-              False, **_dump_options(dump_dir)})
+      compiled = lowered.compile(compiler_options={
+          **options, _SPILL_OPTION: False, **_dump_options(dump_dir)})
     except Exception:  # pylint: disable=broad-except
-      return "some of XLA's kernels spill registers"
+      return unnamed
     spilling = sorted(name for name, (_, spill) in register_usage(
         dump_dir, None).items() if spill)
+    dumps = None
+    if dump_to:
+      dumps = tempfile.TemporaryDirectory(prefix="jmp_lab_spills_")
+      # The dumps, not the ptxas wrapper that _dump_options puts beside them.
+      shutil.copytree(dump_to, dumps.name, symlinks=True, dirs_exist_ok=True,
+                      ignore=shutil.ignore_patterns(_PTX_KEEPING_DIR))
+  _REFUSED_FOR_SPILLS[_program_key(lowered, mesh, options)] = (compiled,
+                                                               dumps)
   if not spilling:
-    return "some of XLA's kernels spill registers"
+    return unnamed
   names = ", ".join(spilling[:5]) + (f" and {len(spilling) - 5} more"
                                      if len(spilling) > 5 else "")
   return (f"XLA's kernels {names} spill registers" if len(spilling) > 1
           else f"XLA's kernel {names} spills registers")
-
 
 
 def _dump_options(dump_dir: str) -> dict:
@@ -335,7 +388,7 @@ def _ptx_keeping_cuda_dir(dump_dir: str) -> Optional[str]:
   real = _nvcc_root()
   if real is None:
     return None
-  mirror = os.path.join(dump_dir, "cuda_keeping_ptx")
+  mirror = os.path.join(dump_dir, _PTX_KEEPING_DIR)
   os.makedirs(os.path.join(mirror, "bin"), exist_ok=True)
   for entry in os.listdir(real):
     if entry != "bin" and not os.path.exists(os.path.join(mirror, entry)):
