@@ -5,9 +5,10 @@ Runs ``examples/char_transformer.py`` (the standard library's Python
 sources as bytes) under ``mixed_bfloat16``, ``mixed_mxfp8`` and
 ``mixed_nvfp4``, the last also with :func:`jmp_lab.block_scaled.nvfp4_recipe`
 switching off 16x16 weight tiles, stochastic rounding, the Hadamard
-transform, and both of the last two. On a CPU the block-scaled GEMMs are
-emulated with the GPU's numbers (``jmp_lab.block_scaled``). Prints the
-validation losses and their ratios to bf16's::
+transform, and both of the last two, and switching on Four Over Six. On a
+CPU the block-scaled GEMMs are emulated with the GPU's numbers
+(``jmp_lab.block_scaled``). Prints the validation losses and their ratios
+to bf16's; ``--width`` and ``--depth`` train a larger model::
 
   PYTHONPATH=.:examples python benchmarks/block_scaled_accuracy.py \\
       --steps 2000 --batch-size 8 --seq-len 64 --json out.json
@@ -46,6 +47,8 @@ RUNS = [
     # The paper's layer choice: its last blocks in bf16 (here the last of
     # two blocks; the head is bf16 in every row).
     ("nvfp4, the last block bf16", "mixed_nvfp4", None, "Block_1"),
+    ("nvfp4 with four over six", "mixed_nvfp4",
+     lambda: block_scaled.nvfp4_recipe(four_over_six=True)),
 ]
 
 

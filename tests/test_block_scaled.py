@@ -3,6 +3,7 @@ independent reference, the block-scaled products and their gradients, the
 policy keys on every route, and the B200 compile."""
 
 import fractions
+import functools
 import pathlib
 import re
 import sys
@@ -98,6 +99,47 @@ def reference_nvfp4(x: np.ndarray):
   return values, scales, float(g)
 
 
+def reference_nvfp4_four_over_six(x: np.ndarray, tiles: bool = False):
+  """Four Over Six (arXiv 2512.02010, section 3; the MSE rule of its
+  reference, mit-han-lab/fouroversix ``quantize/reference.py``): global
+  scale amax/(256*6); each block (16x16 tile) quantized twice, its amax
+  mapped to 6 (scale amax_b/(6 g)) and to 4 (that scale times 1.5), and
+  the candidate with the smaller sum of squared errors of the dequantized
+  values (float64, in x's units) kept, 6 on a tie."""
+  f32 = np.float32
+  x = x.astype(f32)
+  amax = f32(np.max(np.abs(x)))
+  g = f32(amax / f32(1536.0))
+  rows, columns = x.shape
+  if tiles:
+    blocks = x.reshape(rows // 16, 16, columns // 16, 16).transpose(
+        0, 2, 1, 3).reshape(-1, 256)
+  else:
+    blocks = x.reshape(-1, 16)
+  decode = np.max(np.abs(blocks), axis=1) / f32(g * f32(6.0))
+  candidates = []
+  for factor in (f32(1.0), f32(1.5)):
+    scales = _round_nearest_even(np.minimum(f32(decode * factor), f32(448.0)),
+                                 E4M3)
+    d = (scales.astype(f32) * g).astype(f32)[:, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+      scaled = np.clip((blocks / d).astype(f32), -6, 6)
+    values = np.where(d == 0, 0.0, _round_nearest_even(
+        np.nan_to_num(scaled), E2M1))
+    error = np.sum((values * d.astype(np.float64) - blocks) ** 2, axis=1)
+    candidates.append((values, scales, error))
+  (v6, s6, e6), (v4, s4, e4) = candidates
+  take_4 = e4 < e6
+  values = np.where(take_4[:, None], v4, v6)
+  scales = np.where(take_4, s4, s6)
+  if tiles:   # back to rows of 16, one scale per row of a tile
+    values = values.reshape(rows // 16, columns // 16, 16, 16).transpose(
+        0, 2, 1, 3).reshape(-1, 16)
+    scales = np.repeat(scales.reshape(rows // 16, 1, columns // 16), 16,
+                       axis=1).reshape(-1)
+  return values, scales, float(g), take_4
+
+
 def _awkward(shape, seed):
   """Normal values over a wide range of magnitudes, with exact powers of two,
   448 * 2**k and just above it, and an all-zero block."""
@@ -133,6 +175,42 @@ def test_nvfp4_matches_the_paper_reference_bit_for_bit():
                                 scales)
   np.testing.assert_array_equal(
       np.asarray(q.values, np.float64).reshape(-1, 16), values)
+
+
+def test_nvfp4_rounds_just_off_a_tie_to_the_nearer_value_when_jitted():
+  """jmp_lab rounds into E2M1 itself: XLA's fp32-to-E2M1 convert in jax
+  0.10's older CPU emitters (the floor lane's) rounds through bf16 first,
+  so 0.7499 became 1 and 5.0001 became 4."""
+  block = np.array([6.0, 0.7499, 5.0001, 0.2501, 2.4999, 1.2501, 3.5001,
+                    4.9999, 0.75, 5.0, 2.5, -0.7499, 0, 1, 2, 3], np.float32)
+  nearest = [6.0, 0.5, 6.0, 0.5, 2.0, 1.5, 4.0, 4.0, 1.0, 4.0, 2.0, -0.5,
+             0, 1, 2, 3]   # the last ties to the even code
+  q = jax.jit(bs.quantize_nvfp4)(jnp.asarray(block[None]))
+  assert float(q.scales[0, 0]) * float(q.global_scale) == pytest.approx(1.0)
+  np.testing.assert_array_equal(np.asarray(q.values, np.float32)[0], nearest)
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["blocks", "tiles"])
+def test_four_over_six_matches_its_reference_bit_for_bit(tiles):
+  rng = np.random.default_rng(7)
+  x = (rng.standard_t(3, (64, 64)) * 2.0 ** rng.integers(-6, 6, (64, 1))
+       ).astype(np.float32)
+  # A tile of near-maximal values (scaled to 6 they fall between 4 and 6,
+  # where E2M1 has no value): scaled to 4 it is nearer, as a tile too.
+  x[:16, :16] = rng.uniform(0.7, 1.0, (16, 16)) * rng.choice([-1, 1], (16, 16))
+  q = jax.jit(functools.partial(bs.quantize_nvfp4, tiles=tiles,
+                                four_over_six=True))(jnp.asarray(x))
+  values, scales, g, take_4 = reference_nvfp4_four_over_six(x, tiles)
+  assert float(q.global_scale) == g
+  np.testing.assert_array_equal(np.asarray(q.scales, np.float64).reshape(-1),
+                                scales)
+  np.testing.assert_array_equal(
+      np.asarray(q.values, np.float64).reshape(-1, 16), values)
+  assert take_4.any() and not take_4.all()    # both candidates are taken
+  # Nearer than the paper's quantization (every block scaled to 6).
+  error = lambda q: float(jnp.sum(jnp.square(  # noqa: E731
+      bs.dequantize(q) - x)))
+  assert error(q) < error(bs.quantize_nvfp4(jnp.asarray(x), tiles=tiles))
 
 
 def test_nvfp4_weight_tiles_share_one_scale_per_16x16_tile():

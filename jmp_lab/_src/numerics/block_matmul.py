@@ -52,12 +52,15 @@ class Recipe:
     stochastic_gradients: output gradients rounded stochastically.
     hadamard: the random Hadamard transform on the weight-gradient GEMM's
       operands.
+    four_over_six: NVFP4 blocks scaled to 4 or 6, whichever is nearer
+      (:mod:`.block_quantize`; off in the paper's recipe).
   """
 
   fmt: bq.BlockFormat
   weight_tiles: bool = False
   stochastic_gradients: bool = False
   hadamard: bool = False
+  four_over_six: bool = False
 
 
 RECIPES = {
@@ -106,21 +109,26 @@ def _overridden(name: str, recipe: Recipe) -> Iterator[Recipe]:
 @contextlib.contextmanager
 def nvfp4_recipe(*, weight_tiles: bool = True,
                  stochastic_rounding: bool = True,
-                 hadamard: bool = True) -> Iterator[Recipe]:
+                 hadamard: bool = True,
+                 four_over_six: bool = False) -> Iterator[Recipe]:
   """NVFP4 matmuls traced inside the block run with pieces of the recipe
-  switched off (the ablation of ``benchmarks/block_scaled_accuracy.py``).
+  switched off (the ablation of ``benchmarks/block_scaled_accuracy.py``),
+  or with Four Over Six switched on (arXiv 2512.02010: each block scaled
+  to 4 or to 6, whichever dequantizes nearer; every NVFP4 operand).
 
   >>> with nvfp4_recipe(hadamard=False) as recipe:
-  ...   recipe.hadamard, recipe.stochastic_gradients
-  (False, True)
+  ...   recipe.hadamard, recipe.stochastic_gradients, recipe.four_over_six
+  (False, True, False)
   """
   for name, value in (("weight_tiles", weight_tiles),
                       ("stochastic_rounding", stochastic_rounding),
-                      ("hadamard", hadamard)):
+                      ("hadamard", hadamard),
+                      ("four_over_six", four_over_six)):
     if not isinstance(value, bool):
       raise TypeError(f"{name} must be a bool, got {value!r}")
   with _overridden("nvfp4", Recipe(bq.NVFP4, weight_tiles,
-                                   stochastic_rounding, hadamard)) as recipe:
+                                   stochastic_rounding, hadamard,
+                                   four_over_six)) as recipe:
     yield recipe
 
 
@@ -204,7 +212,8 @@ def _quantized(x: jax.Array, recipe: Recipe, *, tiles: bool = False,
   if tiles:
     x = bq.padded_to_block(x, recipe.fmt.block, axis=-2)
   return bq.quantize(x, recipe.fmt, tiles=tiles, axis=axis,
-                     stochastic_salt=stochastic_salt)
+                     stochastic_salt=stochastic_salt,
+                     four_over_six=recipe.four_over_six)
 
 
 def _along_tokens(x: jax.Array, recipe: Recipe, **kwargs) -> bq.Quantized:

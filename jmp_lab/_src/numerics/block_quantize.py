@@ -17,6 +17,13 @@ source agrees bit for bit (``tests/test_block_scaled.py`` has one):
   blocks of 16 values (or 16x16 tiles for weights), each with the E4M3 scale
   ``s = e4m3(amax(block) / (6 * g))``; values ``x / (s * g)`` rounded into
   E2M1, to nearest even or stochastically (gradients).
+* **Four Over Six** (Cook et al., arXiv 2512.02010, and its reference
+  ``fouroversix/quantize/reference.py``; optional): the global scale is
+  ``amax(tensor) / (256 * 6)``, and each block (a weight's 16x16 tile)
+  takes the E4M3 scale that maps its amax to 6 or the one 1.5 times as
+  large, which maps it to 4, whichever gives the smaller sum of squared
+  errors once dequantized. E2M1 has no value between 4 and 6, so a
+  block's near-maximal values round less coarsely scaled to 4.
 * The **random Hadamard transform** (the paper's section 4.2): a 16x16
   Hadamard matrix, normalized, after a fixed random sign flip, applied to
   the two operands of the weight-gradient GEMM along their shared
@@ -174,23 +181,90 @@ def quantize_mxfp8(x: jax.Array, axis: int = -1, *,
   return Quantized(values.reshape(x.shape), scales, jnp.float32(1.0))
 
 
-def nvfp4_global_scale(x: jax.Array, *, amax: Optional[jax.Array] = None
-                       ) -> jax.Array:
-  """The per-tensor fp32 decode scale ``amax / (448 * 6)`` (1 for a tensor
-  of zeros or a non-finite amax, whose blocks then carry the NaN); ``amax``
-  if given (the max of the block maxima: the same value, from a tensor a
-  block's size smaller than ``x``)."""
+# Four Over Six's largest block scale for a block scaled to 6: scaled to 4
+# instead, the block's scale is 1.5 times that, 384, still an E4M3 value.
+FOUR_OVER_SIX_SCALE_MAX = 256.0
+
+
+def nvfp4_global_scale(x: jax.Array, *, amax: Optional[jax.Array] = None,
+                       scale_max: float = _E4M3_MAX) -> jax.Array:
+  """The per-tensor fp32 decode scale ``amax / (scale_max * 6)``: ``scale_max``
+  448 (E4M3's largest, the paper's), or 256 under Four Over Six (1 for a
+  tensor of zeros or a non-finite amax, whose blocks then carry the NaN);
+  ``amax`` if given (the max of the block maxima: the same value, from a
+  tensor a block's size smaller than ``x``)."""
   if amax is None:
     amax = jnp.max(jnp.abs(x))
   amax = amax.astype(jnp.float32)
   usable = (amax > 0) & jnp.isfinite(amax)
-  return jnp.where(usable, amax / jnp.float32(_E4M3_MAX * NVFP4.value_max),
+  return jnp.where(usable, amax / jnp.float32(scale_max * NVFP4.value_max),
                    jnp.float32(1.0))
 
 
-def _e4m3_scales(amax: jax.Array, global_scale: jax.Array) -> jax.Array:
-  decode = amax / (global_scale * jnp.float32(NVFP4.value_max))
+def _e4m3_decode(amax: jax.Array, global_scale: jax.Array) -> jax.Array:
+  """Each block's scale before rounding: its amax maps to 6."""
+  return amax / (global_scale * jnp.float32(NVFP4.value_max))
+
+
+def _e4m3(decode: jax.Array) -> jax.Array:
   return jnp.clip(decode, 0.0, _E4M3_MAX).astype(NVFP4.scale_dtype)
+
+
+def _e2m1_values(blocks: jax.Array, scales: jax.Array,
+                 global_scale: jax.Array, axis: int,
+                 uniform: Optional[jax.Array]) -> jax.Array:
+  """``blocks`` over their scales times the global scale, rounded into E2M1
+  (stochastically with ``uniform``, blocked as ``blocks``)."""
+  decode = jnp.expand_dims(scales.astype(jnp.float32), axis + 1) * global_scale
+  scaled = jnp.where(decode > 0, blocks.astype(jnp.float32) / jnp.where(
+      decode > 0, decode, 1.0), 0.0)
+  scaled = jnp.clip(scaled, -NVFP4.value_max, NVFP4.value_max)
+  if uniform is None:
+    scaled = _round_e2m1_nearest(scaled)
+  else:
+    scaled = _round_e2m1_stochastic(scaled, uniform)
+  # Exact: the values are on E2M1's grid already.
+  return scaled.astype(NVFP4.value_dtype)
+
+
+def _e2m1_step(magnitude: jax.Array) -> jax.Array:
+  """The gap between E2M1's neighbours around ``magnitude``: 0.5 below 2,
+  1 below 4, 2 up to 6."""
+  return jnp.where(magnitude < 2.0, 0.5, jnp.where(magnitude < 4.0, 1.0, 2.0))
+
+
+def _round_e2m1_nearest(scaled: jax.Array) -> jax.Array:
+  """``scaled`` (within +-6) rounded to the nearest E2M1 value, a tie to
+  the even code, in fp32, so that the cast to E2M1 after it is exact.
+
+  XLA's own fp32-to-E2M1 convert is not relied on: XLA:CPU's older
+  emitters (jax 0.10, ``--xla_cpu_use_fusion_emitters=false``) convert
+  through bf16 and round twice (0.7499 became 1, 5.0001 became 4).
+  Within each step the grid is the step's multiples, and an even multiple
+  is an even code, so half-to-even on ``m / step`` is E2M1's rounding."""
+  magnitude = jnp.abs(scaled)
+  step = _e2m1_step(magnitude)
+  rounded = jnp.minimum(jnp.round(magnitude / step) * step, NVFP4.value_max)
+  return jnp.where(scaled < 0, -rounded, rounded)
+
+
+def _block_squared_error(values: jax.Array, scales: jax.Array,
+                         target: jax.Array, axis: int) -> jax.Array:
+  """Each block's sum of squared errors, in units of the global scale
+  (``target`` is the blocks over it; the same for both candidates)."""
+  dequantized = values.astype(jnp.float32) * jnp.expand_dims(
+      scales.astype(jnp.float32), axis + 1)
+  return jnp.sum(jnp.square(dequantized - target), axis=axis + 1)
+
+
+def _tile_sum(per_block: jax.Array, block: int) -> jax.Array:
+  """Per-block figures (blocks along the last axis) summed over each
+  ``block`` x ``block`` tile, repeated down its rows (as :func:`_tile_amax`)."""
+  rows = per_block.reshape(*per_block.shape[:-2],
+                           per_block.shape[-2] // block, block,
+                           per_block.shape[-1])
+  return jnp.broadcast_to(jnp.sum(rows, axis=-2, keepdims=True),
+                          rows.shape).reshape(per_block.shape)
 
 
 def _round_e2m1_stochastic(scaled: jax.Array, uniform: jax.Array
@@ -199,7 +273,7 @@ def _round_e2m1_stochastic(scaled: jax.Array, uniform: jax.Array
   with probability its distance from the lower one over their gap: E2M1's
   grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6."""
   magnitude = jnp.abs(scaled)
-  step = jnp.where(magnitude < 2.0, 0.5, jnp.where(magnitude < 4.0, 1.0, 2.0))
+  step = _e2m1_step(magnitude)
   # floor(m / step + u) is m / step's floor plus one with probability its
   # fraction (the divisions by powers of two are exact).
   rounded = jnp.minimum(jnp.floor(magnitude / step + uniform) * step,
@@ -210,7 +284,8 @@ def _round_e2m1_stochastic(scaled: jax.Array, uniform: jax.Array
 def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
                    uniform: Optional[jax.Array] = None,
                    axis: int = -1,
-                   stochastic_salt: Optional[int] = None) -> Quantized:
+                   stochastic_salt: Optional[int] = None,
+                   four_over_six: bool = False) -> Quantized:
   """``x`` in NVFP4 (module doc): E2M1 values, one E4M3 scale per 16 along
   the last axis and an fp32 global scale from the tensor's amax.
 
@@ -226,6 +301,10 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
     stochastic_salt: round stochastically with noise drawn inside
       (:func:`counter_uniform` under :func:`content_seed` of ``x``'s amax
       and this salt) instead of ``uniform``.
+    four_over_six: Four Over Six (module doc): each block (tile) scaled so
+      that its amax maps to 6 or to 4, whichever dequantizes with the
+      smaller sum of squared errors; the global scale leaves room for the
+      larger scale (``scale_max`` 256).
   """
   axis = axis % x.ndim
   if tiles and axis != x.ndim - 1:
@@ -236,32 +315,56 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
   # tensor-wide reduction into its producer's kernel, which spilled on
   # sm_100a).
   tensor_amax = jnp.max(amax)
-  global_scale = nvfp4_global_scale(x, amax=tensor_amax)
+  global_scale = nvfp4_global_scale(
+      x, amax=tensor_amax,
+      scale_max=FOUR_OVER_SIX_SCALE_MAX if four_over_six else _E4M3_MAX)
   if stochastic_salt is not None:
     uniform = counter_uniform(content_seed(tensor_amax), stochastic_salt,
                               x.shape)
+  if uniform is not None:
+    uniform = _blocked(uniform, NVFP4.block, axis)
   if tiles:
     amax = _tile_amax(amax, NVFP4.block)
-  scales = _e4m3_scales(amax, global_scale)
-  decode = jnp.expand_dims(scales.astype(jnp.float32), axis + 1) * global_scale
-  scaled = jnp.where(decode > 0, blocks.astype(jnp.float32) / jnp.where(
-      decode > 0, decode, 1.0), 0.0)
-  scaled = jnp.clip(scaled, -NVFP4.value_max, NVFP4.value_max)
-  if uniform is not None:
-    scaled = _round_e2m1_stochastic(scaled, _blocked(uniform, NVFP4.block,
-                                                     axis))
-  values = scaled.astype(NVFP4.value_dtype)
+  decode = _e4m3_decode(amax, global_scale)
+  scales = _e4m3(decode)
+  values = _e2m1_values(blocks, scales, global_scale, axis, uniform)
+  if four_over_six:
+    values, scales = _four_over_six(blocks, (values, scales), decode,
+                                    global_scale, axis, uniform, tiles)
   return Quantized(values.reshape(x.shape), scales, global_scale)
 
 
+def _four_over_six(blocks: jax.Array, to_six: tuple[jax.Array, jax.Array],
+                   decode: jax.Array, global_scale: jax.Array, axis: int,
+                   uniform: Optional[jax.Array], tiles: bool
+                   ) -> tuple[jax.Array, jax.Array]:
+  """The values and scales of each block (tile) scaled to 6 (``to_six``) or
+  to 4 (its scale 1.5 times as large), whichever has the smaller squared
+  error (arXiv 2512.02010's MSE rule; a tie keeps 6). Both candidates are
+  rounded with the same noise."""
+  scales_4 = _e4m3(decode * jnp.float32(1.5))
+  values_4 = _e2m1_values(blocks, scales_4, global_scale, axis, uniform)
+  target = blocks.astype(jnp.float32) / global_scale
+  error_6 = _block_squared_error(*to_six, target, axis)
+  error_4 = _block_squared_error(values_4, scales_4, target, axis)
+  if tiles:
+    error_6 = _tile_sum(error_6, NVFP4.block)
+    error_4 = _tile_sum(error_4, NVFP4.block)
+  take_4 = error_4 < error_6
+  values = jnp.where(jnp.expand_dims(take_4, axis + 1), values_4, to_six[0])
+  return values, jnp.where(take_4, scales_4, to_six[1])
+
+
 def quantize(x: jax.Array, fmt: BlockFormat, *, tiles: bool = False,
-             axis: int = -1, stochastic_salt: Optional[int] = None
-             ) -> Quantized:
-  """``x`` in ``fmt``, blocks along ``axis`` (see the two above)."""
+             axis: int = -1, stochastic_salt: Optional[int] = None,
+             four_over_six: bool = False) -> Quantized:
+  """``x`` in ``fmt``, blocks along ``axis`` (see the two above; Four Over
+  Six is NVFP4's)."""
   if fmt is MXFP8:
     return quantize_mxfp8(x, axis, tiles=tiles)
   return quantize_nvfp4(x, tiles=tiles, axis=axis,
-                        stochastic_salt=stochastic_salt)
+                        stochastic_salt=stochastic_salt,
+                        four_over_six=four_over_six)
 
 
 def dequantize(q: Quantized, dtype=jnp.float32) -> jax.Array:
