@@ -15,11 +15,15 @@ jmp_lab's own Pallas kernels compile for sm_100a without spills)::
       --size gpt2-small
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/block_scaled_compile.py \\
       --size 1.3b --lean --per-layer
+
+``--four-over-six`` adds each NVFP4 config under Four Over Six.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 
 import jax
@@ -106,9 +110,27 @@ def gradient_step_report(front_end: str, policy: str, size: ts.ModelSize):
                          fail_on_spill=False)
 
 
+FOUR_OVER_SIX = "+4/6"
+
+
+def with_four_over_six(configs) -> list:
+  """``configs`` and, after them, each NVFP4 one under Four Over Six."""
+  return [*configs, *(dataclasses.replace(c, name=c.name + FOUR_OVER_SIX)
+                      for c in configs if c.policy == "mixed_nvfp4")]
+
+
+def compiled_report_of(config: ts.Config, size: ts.ModelSize):
+  """``config``'s step compiled for a B200 (spills allowed, see the module
+  doc), traced under Four Over Six where its name says so."""
+  recipe = (jmp_lab.block_scaled.nvfp4_recipe(four_over_six=True)
+            if config.name.endswith(FOUR_OVER_SIX)
+            else contextlib.nullcontext())
+  with recipe:
+    return ts.compiled_step_report(config, size, "b200", fail_on_spill=False)
+
+
 def row(config: ts.Config, size: ts.ModelSize) -> dict:
-  report = ts.compiled_step_report(config, size, "b200",
-                                   fail_on_spill=False)
+  report = compiled_report_of(config, size)
   roof = report.roofline_seconds()
   return {
       "config": config.name,
@@ -128,12 +150,11 @@ def row(config: ts.Config, size: ts.ModelSize) -> dict:
 def per_layer(configs, size: ts.ModelSize) -> dict:
   """Each config's roofline at 1 and 2 layers, its per-layer cost (the
   difference) and that extrapolated to ``size.layers``, printed."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
   out = {}
   for config in configs:
-    one, two = (ts.compiled_step_report(
-        config, dataclasses.replace(size, layers=n), "b200",
-        fail_on_spill=False).roofline_seconds() for n in (1, 2))
+    one, two = (compiled_report_of(
+        config, dataclasses.replace(size, layers=n)).roofline_seconds()
+                for n in (1, 2))
     layer = {k: two[k] - one[k] for k in one}
     whole = {k: one[k] + (size.layers - 1) * layer[k] for k in one}
     out[config.name] = {"per_layer_ms": {k: v * 1e3 for k, v in layer.items()},
@@ -193,9 +214,14 @@ def main(argv=None) -> dict:
   parser.add_argument("--nnx", action="store_true",
                       help="also: the loss gradient on NNX and linen, "
                            "every GEMM listed")
+  parser.add_argument("--four-over-six", action="store_true",
+                      help="also each NVFP4 config under Four Over Six "
+                           "(nvfp4_recipe(four_over_six=True)), named +4/6")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   configs = LEAN_CONFIGS if args.lean else CONFIGS
+  if args.four_over_six:
+    configs = with_four_over_six(configs)
   results = {}
   for name in args.size or ["gpt2-small"]:
     if args.per_layer:
