@@ -49,6 +49,9 @@ RUNS = [
     ("nvfp4, the last block bf16", "mixed_nvfp4", None, "Block_1"),
     ("nvfp4 with four over six", "mixed_nvfp4",
      lambda: block_scaled.nvfp4_recipe(four_over_six=True)),
+    ("nvfp4 with four over six, without RHT and SR", "mixed_nvfp4",
+     lambda: block_scaled.nvfp4_recipe(four_over_six=True, hadamard=False,
+                                       stochastic_rounding=False)),
 ]
 
 
