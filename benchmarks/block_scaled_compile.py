@@ -217,11 +217,21 @@ def main(argv=None) -> dict:
   parser.add_argument("--four-over-six", action="store_true",
                       help="also each NVFP4 config under Four Over Six "
                            "(nvfp4_recipe(four_over_six=True)), named +4/6")
+  parser.add_argument("--configs", default=None,
+                      help="','-separated config names to run (the first of "
+                           "the list is the baseline)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   configs = LEAN_CONFIGS if args.lean else CONFIGS
   if args.four_over_six:
     configs = with_four_over_six(configs)
+  if args.configs:
+    wanted = args.configs.split(",")
+    unknown = set(wanted) - {c.name for c in configs}
+    if unknown:
+      parser.error(f"--configs: unknown {sorted(unknown)}; accepted: "
+                   f"{', '.join(c.name for c in configs)}")
+    configs = [c for c in configs if c.name in wanted]
   results = {}
   for name in args.size or ["gpt2-small"]:
     if args.per_layer:

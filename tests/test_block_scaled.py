@@ -23,6 +23,7 @@ from jmp_lab import block_scaled as bs
 from jmp_lab._src.numerics import block_matmul
 from jmp_lab.diagnostics import audit_step
 
+from conftest import EMITTER_FLAGS, run_under_xla_cpu_defaults
 from cuda_compile import require_cuda_plugin  # noqa: E402
 
 DIMS = (((1,), (0,)), ((), ()))
@@ -188,6 +189,30 @@ def test_nvfp4_rounds_just_off_a_tie_to_the_nearer_value_when_jitted():
   q = jax.jit(bs.quantize_nvfp4)(jnp.asarray(block[None]))
   assert float(q.scales[0, 0]) * float(q.global_scale) == pytest.approx(1.0)
   np.testing.assert_array_equal(np.asarray(q.values, np.float32)[0], nearest)
+
+
+def test_xlas_e2m1_convert_rounds_as_jmp_lab_does(request):
+  """On CUDA the quantization leaves the rounding into E2M1 to XLA's
+  convert; elsewhere it rounds itself. XLA's MLIR emitters, the GPU's and
+  XLA:CPU's default, round the two ways alike: ties, just off them, and
+  between (on the floor lane in a process with XLA:CPU's defaults)."""
+  if EMITTER_FLAGS:
+    run_under_xla_cpu_defaults(request.node.nodeid)
+    return
+  ties = np.arange(0, 6.25, 0.25)
+  near = np.concatenate([ties + d for d in (0, 1e-4, -1e-4, 1e-6, -1e-6)])
+  rng = np.random.default_rng(0)
+  values = np.concatenate([near, -near, rng.uniform(-6, 6, 4096)])
+  values = np.clip(values, -6, 6).astype(np.float32)
+  values = np.resize(values, (values.size // 15 + 1) * 15).reshape(-1, 15)
+  blocks = np.concatenate([np.full((len(values), 1), 6, np.float32), values],
+                          axis=1)   # amax 6 in every block: scale x g = 1
+  q = jax.jit(bs.quantize_nvfp4)(jnp.asarray(blocks.reshape(1, -1)))
+  assert np.float32(q.scales[0, 0]) * np.float32(q.global_scale) == 1.0
+  convert = jax.jit(lambda v: v.astype(jnp.float4_e2m1fn).astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(q.values, np.float32).reshape(-1),
+                                np.asarray(convert(jnp.asarray(blocks))
+                                           ).reshape(-1))
 
 
 @pytest.mark.parametrize("tiles", [False, True], ids=["blocks", "tiles"])

@@ -223,7 +223,6 @@ def _e2m1_values(blocks: jax.Array, scales: jax.Array,
     scaled = _round_e2m1_nearest(scaled)
   else:
     scaled = _round_e2m1_stochastic(scaled, uniform)
-  # Exact: the values are on E2M1's grid already.
   return scaled.astype(NVFP4.value_dtype)
 
 
@@ -234,14 +233,26 @@ def _e2m1_step(magnitude: jax.Array) -> jax.Array:
 
 
 def _round_e2m1_nearest(scaled: jax.Array) -> jax.Array:
-  """``scaled`` (within +-6) rounded to the nearest E2M1 value, a tie to
-  the even code, in fp32, so that the cast to E2M1 after it is exact.
+  """``scaled`` (within +-6) as its cast to E2M1 rounds it, to the nearest
+  value, a tie to the even code: XLA's own convert on CUDA, and in fp32
+  before the cast elsewhere, so that the cast after it is exact.
 
-  XLA's own fp32-to-E2M1 convert is not relied on: XLA:CPU's older
-  emitters (jax 0.10, ``--xla_cpu_use_fusion_emitters=false``) convert
-  through bf16 and round twice (0.7499 became 1, 5.0001 became 4).
-  Within each step the grid is the step's multiples, and an even multiple
-  is an even code, so half-to-even on ``m / step`` is E2M1's rounding."""
+  XLA's MLIR emitters (every GPU fusion; XLA:CPU's default) convert fp32 to
+  E2M1 rounding once (``test_xlas_e2m1_convert_rounds_as_jmp_lab_does``, on XLA:CPU).
+  XLA:CPU's older emitters (jax 0.10, ``--xla_cpu_use_fusion_emitters=false``)
+  convert through bf16 and round twice (0.7499 became 1, 5.0001 became 4),
+  so off CUDA the rounding is jmp_lab's; on CUDA XLA's, whose fused quantize
+  kernels then move 4% fewer bytes than with this rounding in them
+  (``benchmarks/RESULTS.md``)."""
+  return jax.lax.platform_dependent(scaled, cuda=lambda s: s,
+                                    default=_e2m1_grid_nearest)
+
+
+def _e2m1_grid_nearest(scaled: jax.Array) -> jax.Array:
+  """``scaled`` (within +-6) rounded to the nearest E2M1 value in fp32, a
+  tie to the even code. Within each step the grid is the step's multiples,
+  and an even multiple is an even code, so half-to-even on ``m / step`` is
+  E2M1's rounding."""
   magnitude = jnp.abs(scaled)
   step = _e2m1_step(magnitude)
   rounded = jnp.minimum(jnp.round(magnitude / step) * step, NVFP4.value_max)
@@ -327,32 +338,35 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
     amax = _tile_amax(amax, NVFP4.block)
   decode = _e4m3_decode(amax, global_scale)
   scales = _e4m3(decode)
-  values = _e2m1_values(blocks, scales, global_scale, axis, uniform)
   if four_over_six:
-    values, scales = _four_over_six(blocks, (values, scales), decode,
-                                    global_scale, axis, uniform, tiles)
+    scales = _four_over_six_scales(blocks, decode, global_scale, axis,
+                                   uniform, tiles)
+  values = _e2m1_values(blocks, scales, global_scale, axis, uniform)
   return Quantized(values.reshape(x.shape), scales, global_scale)
 
 
-def _four_over_six(blocks: jax.Array, to_six: tuple[jax.Array, jax.Array],
-                   decode: jax.Array, global_scale: jax.Array, axis: int,
-                   uniform: Optional[jax.Array], tiles: bool
-                   ) -> tuple[jax.Array, jax.Array]:
-  """The values and scales of each block (tile) scaled to 6 (``to_six``) or
-  to 4 (its scale 1.5 times as large), whichever has the smaller squared
-  error (arXiv 2512.02010's MSE rule; a tie keeps 6). Both candidates are
-  rounded with the same noise."""
+def _four_over_six_scales(blocks: jax.Array, decode: jax.Array,
+                          global_scale: jax.Array, axis: int,
+                          uniform: Optional[jax.Array], tiles: bool
+                          ) -> jax.Array:
+  """Each block's (tile's) scale that maps its amax to 6 or the one 1.5
+  times as large (to 4), whichever dequantizes with the smaller sum of
+  squared errors (arXiv 2512.02010's MSE rule; a tie keeps 6). Both
+  candidates are rounded with the same noise, as the values then are.
+
+  Only the choice is taken here (a reduction per block): the values are
+  then quantized once, with the chosen scale, so that XLA reads the input
+  once more rather than writing both candidates out."""
+  scales_6 = _e4m3(decode)
   scales_4 = _e4m3(decode * jnp.float32(1.5))
-  values_4 = _e2m1_values(blocks, scales_4, global_scale, axis, uniform)
   target = blocks.astype(jnp.float32) / global_scale
-  error_6 = _block_squared_error(*to_six, target, axis)
-  error_4 = _block_squared_error(values_4, scales_4, target, axis)
-  if tiles:
-    error_6 = _tile_sum(error_6, NVFP4.block)
-    error_4 = _tile_sum(error_4, NVFP4.block)
-  take_4 = error_4 < error_6
-  values = jnp.where(jnp.expand_dims(take_4, axis + 1), values_4, to_six[0])
-  return values, jnp.where(take_4, scales_4, to_six[1])
+
+  def error(scales):
+    values = _e2m1_values(blocks, scales, global_scale, axis, uniform)
+    error = _block_squared_error(values, scales, target, axis)
+    return _tile_sum(error, NVFP4.block) if tiles else error
+
+  return jnp.where(error(scales_4) < error(scales_6), scales_4, scales_6)
 
 
 def quantize(x: jax.Array, fmt: BlockFormat, *, tiles: bool = False,
