@@ -188,11 +188,11 @@ FOUR_OVER_SIX_SCALE_MAX = 256.0
 
 def nvfp4_global_scale(x: jax.Array, *, amax: Optional[jax.Array] = None,
                        scale_max: float = _E4M3_MAX) -> jax.Array:
-  """The per-tensor fp32 decode scale ``amax / (scale_max * 6)``: ``scale_max``
-  448 (E4M3's largest, the paper's), or 256 under Four Over Six (1 for a
-  tensor of zeros or a non-finite amax, whose blocks then carry the NaN);
-  ``amax`` if given (the max of the block maxima: the same value, from a
-  tensor a block's size smaller than ``x``)."""
+  """The per-tensor fp32 decode scale ``amax / (scale_max * 6)``, with
+  ``scale_max`` 448 (E4M3's largest, the paper's) or 256 (Four Over Six).
+  It is 1 for a tensor of zeros or a non-finite amax, whose blocks then
+  carry the NaN. ``amax`` if given: the max of the block maxima, the same
+  value from a tensor a block's size smaller than ``x``."""
   if amax is None:
     amax = jnp.max(jnp.abs(x))
   amax = amax.astype(jnp.float32)
@@ -237,13 +237,14 @@ def _round_e2m1_nearest(scaled: jax.Array) -> jax.Array:
   value, a tie to the even code: XLA's own convert on CUDA, and in fp32
   before the cast elsewhere, so that the cast after it is exact.
 
-  XLA's MLIR emitters (every GPU fusion; XLA:CPU's default) convert fp32 to
-  E2M1 rounding once (``test_xlas_e2m1_convert_rounds_as_jmp_lab_does``, on XLA:CPU).
-  XLA:CPU's older emitters (jax 0.10, ``--xla_cpu_use_fusion_emitters=false``)
-  convert through bf16 and round twice (0.7499 became 1, 5.0001 became 4),
-  so off CUDA the rounding is jmp_lab's; on CUDA XLA's, whose fused quantize
-  kernels then move 4% fewer bytes than with this rounding in them
-  (``benchmarks/RESULTS.md``)."""
+  XLA:CPU's default emitters, the MLIR ones, round fp32 to E2M1 once, as
+  jmp_lab does (``test_xlas_e2m1_convert_rounds_as_jmp_lab_does``); XLA's
+  GPU fusions are MLIR-emitted too and are taken to round the same (not
+  checked on a GPU: none was available). XLA:CPU's older emitters (jax 0.10,
+  ``--xla_cpu_use_fusion_emitters=false``) convert through bf16 and round
+  twice (0.7499 became 1, 5.0001 became 4), so off CUDA the rounding is
+  jmp_lab's; on CUDA XLA's, whose fused quantize kernels then move 4% fewer
+  bytes than with this rounding in them (``benchmarks/RESULTS.md``)."""
   return jax.lax.platform_dependent(scaled, cuda=lambda s: s,
                                     default=_e2m1_grid_nearest)
 
@@ -314,8 +315,9 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
       and this salt) instead of ``uniform``.
     four_over_six: Four Over Six (module doc): each block (tile) scaled so
       that its amax maps to 6 or to 4, whichever dequantizes with the
-      smaller sum of squared errors; the global scale leaves room for the
-      larger scale (``scale_max`` 256).
+      smaller sum of squared errors rounded to nearest (then rounded as
+      asked); the global scale leaves room for the larger scale
+      (``scale_max`` 256).
   """
   axis = axis % x.ndim
   if tiles and axis != x.ndim - 1:
@@ -340,33 +342,36 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
   scales = _e4m3(decode)
   if four_over_six:
     scales = _four_over_six_scales(blocks, decode, global_scale, axis,
-                                   uniform, tiles)
+                                   tiles)
   values = _e2m1_values(blocks, scales, global_scale, axis, uniform)
   return Quantized(values.reshape(x.shape), scales, global_scale)
 
 
 def _four_over_six_scales(blocks: jax.Array, decode: jax.Array,
                           global_scale: jax.Array, axis: int,
-                          uniform: Optional[jax.Array], tiles: bool
-                          ) -> jax.Array:
+                          tiles: bool) -> jax.Array:
   """Each block's (tile's) scale that maps its amax to 6 or the one 1.5
   times as large (to 4), whichever dequantizes with the smaller sum of
-  squared errors (arXiv 2512.02010's MSE rule; a tie keeps 6). Both
-  candidates are rounded with the same noise, as the values then are.
+  squared errors (arXiv 2512.02010's MSE rule; a tie keeps 6).
 
-  Only the choice is taken here (a reduction per block): the values are
-  then quantized once, with the chosen scale, so that XLA reads the input
-  once more rather than writing both candidates out."""
+  The candidates are compared rounded to nearest, even where the values are
+  then rounded stochastically: a choice made on noisy candidates would
+  depend on the noise, and the rounding would no longer be unbiased (the
+  paper's reference compares the stochastically rounded ones). Only the
+  choice is taken here, in a reduction per block; the values are then
+  quantized once, with the chosen scale, so that XLA reads the input once
+  more rather than writing both candidates out."""
   scales_6 = _e4m3(decode)
   scales_4 = _e4m3(decode * jnp.float32(1.5))
   target = blocks.astype(jnp.float32) / global_scale
 
-  def error(scales):
-    values = _e2m1_values(blocks, scales, global_scale, axis, uniform)
-    error = _block_squared_error(values, scales, target, axis)
-    return _tile_sum(error, NVFP4.block) if tiles else error
+  def squared_error(scales):
+    values = _e2m1_values(blocks, scales, global_scale, axis, None)
+    per_block = _block_squared_error(values, scales, target, axis)
+    return _tile_sum(per_block, NVFP4.block) if tiles else per_block
 
-  return jnp.where(error(scales_4) < error(scales_6), scales_4, scales_6)
+  return jnp.where(squared_error(scales_4) < squared_error(scales_6),
+                   scales_4, scales_6)
 
 
 def quantize(x: jax.Array, fmt: BlockFormat, *, tiles: bool = False,
