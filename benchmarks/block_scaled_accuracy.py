@@ -8,7 +8,7 @@ switching off 16x16 weight tiles, stochastic rounding, the Hadamard
 transform, and both of the last two, and switching on Four Over Six. On a
 CPU the block-scaled GEMMs are emulated with the GPU's numbers
 (``jmp_lab.block_scaled``). Prints the validation losses and their ratios
-to bf16's; ``--width`` and ``--depth`` train a larger model::
+to bf16's; ``--width``, ``--depth`` and ``--heads`` train another size::
 
   PYTHONPATH=.:examples python benchmarks/block_scaled_accuracy.py \\
       --steps 2000 --batch-size 8 --seq-len 64 --json out.json
@@ -83,10 +83,12 @@ def main(argv=None) -> dict:
                       help="the example's --width (default: its own)")
   parser.add_argument("--depth", type=int, default=None,
                       help="the example's --depth (default: its own)")
+  parser.add_argument("--heads", type=int, default=None,
+                      help="the example's --heads (default: its own)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   model_flags = [f"--{flag}={getattr(args, flag)}" for flag in
-                 ("width", "depth") if getattr(args, flag) is not None]
+                 ("width", "depth", "heads") if getattr(args, flag) is not None]
   wanted = None if args.only is None else set(args.only.split("|"))
   losses = {} if args.bf16_loss is None else {"bf16": args.bf16_loss}
   for name, policy, recipe, *kept in RUNS:

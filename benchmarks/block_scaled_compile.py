@@ -162,13 +162,13 @@ def per_layer(configs, size: ts.ModelSize) -> dict:
                                             for k, v in whole.items()}}
   first = out[configs[0].name]
   base = first["extrapolated_ms"]["total"]
-  print(f"{'config':<18} {'per layer ms (memory + GEMM)':>30} "
+  print(f"{'config':<20} {'per layer ms (memory + GEMM)':>30} "
         f"{f'{size.layers} layers ms':>14} {'vs first':>9} "
         f"{'floor':>8}")
   for name, r in out.items():
     layer, whole = r["per_layer_ms"], r["extrapolated_ms"]
     r["floor_ms"] = free_quantization_floor(r, first, size.layers)
-    print(f"{name:<18} {layer['total']:>10.3f} ({layer['memory']:.3f} + "
+    print(f"{name:<20} {layer['total']:>10.3f} ({layer['memory']:.3f} + "
           f"{layer['gemm']:.3f}) {whole['total']:>14.2f} "
           f"{whole['total'] / base:>8.3f}x {r['floor_ms'] / base:>7.3f}x",
           flush=True)
@@ -231,7 +231,8 @@ def main(argv=None) -> dict:
     if unknown:
       parser.error(f"--configs: unknown {sorted(unknown)}; accepted: "
                    f"{', '.join(c.name for c in configs)}")
-    configs = [c for c in configs if c.name in wanted]
+    by_name = {c.name: c for c in configs}
+    configs = [by_name[name] for name in wanted]
   results = {}
   for name in args.size or ["gpt2-small"]:
     if args.per_layer:

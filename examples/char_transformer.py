@@ -308,7 +308,7 @@ def main(argv=None):
   model = jl.with_policy(
       CharTransformer(width=args.width, depth=args.depth, heads=args.heads,
                       max_len=args.seq_len), policy,
-                        path_overrides=bf16_layers(args))
+      path_overrides=bf16_layers(args))
   variables = model.init(jax.random.key(args.seed),
                          jnp.zeros((1, args.seq_len), jnp.int32))
   params = variables["params"]

@@ -101,11 +101,13 @@ def reference_nvfp4(x: np.ndarray):
 
 
 def reference_nvfp4_four_over_six(x: np.ndarray, tiles: bool = False):
-  """Four Over Six (arXiv 2512.02010, section 3; the MSE rule of its
-  reference, mit-han-lab/fouroversix ``quantize/reference.py``): global
-  scale amax/(256*6); each block (16x16 tile) quantized twice, its amax
-  mapped to 6 (scale amax_b/(6 g)) and to 4 (that scale times 1.5), and
-  the candidate with the smaller sum of squared errors of the dequantized
+  """Four Over Six's rule (arXiv 2512.02010, section 3; the MSE rule of
+  mit-han-lab/fouroversix ``quantize/reference.py``), in the arithmetic of
+  ``reference_nvfp4`` above (that code computes the same scales as
+  ``amax_b * 256 / amax``, which can differ in the last bit): global scale
+  amax/(256*6); each block (16x16 tile) quantized twice, its amax mapped
+  to 6 (scale amax_b/(6 g)) and to 4 (that scale times 1.5), and the
+  candidate with the smaller sum of squared errors of the dequantized
   values (float64, in x's units) kept, 6 on a tie."""
   f32 = np.float32
   x = x.astype(f32)
@@ -232,6 +234,11 @@ def test_four_over_six_matches_its_reference_bit_for_bit(tiles):
   np.testing.assert_array_equal(
       np.asarray(q.values, np.float64).reshape(-1, 16), values)
   assert take_4.any() and not take_4.all()    # both candidates are taken
+  if not tiles:   # blocks along another axis: the same quantization
+    along_rows = bs.quantize_nvfp4(jnp.asarray(x.T), axis=0,
+                                   four_over_six=True)
+    chex.assert_trees_all_equal(
+        (along_rows.values.T, along_rows.scales.T), (q.values, q.scales))
   # Nearer than the paper's quantization (every block scaled to 6).
   error = lambda q: float(jnp.sum(jnp.square(  # noqa: E731
       bs.dequantize(q) - x)))

@@ -523,6 +523,9 @@ def test_a_spilling_kernel_is_named_with_the_way_out(monkeypatch):
     monkeypatch.setattr(jax.stages.Lowered, "compile",
                         lambda self, *a, **k: compiles.append(1) or
                         real_compile(self, *a, **k))
-    assert compiled.compiled_report(step, state, batch,
-                                    fail_on_spill=False).kernels > 100
+    report = compiled.compiled_report(step, state, batch, fail_on_spill=False)
     assert not compiles
+    assert report.kernels > 100
+    # The kept compile's dumps came along: its thunk sequence, one in the
+    # retry's own dump folder (two would read as none).
+    assert report.thunks

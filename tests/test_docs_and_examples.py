@@ -162,7 +162,7 @@ def test_char_transformer_keeps_the_named_layers_bf16_and_resumes_only_so(
 
 
 def test_char_transformer_size_flags_are_checked_and_kept_with_checkpoints(
-    tmp_path):
+    tmp_path, capsys):
   """--width/--depth/--heads (the block-scaled size study) are refused by
   name when they cannot build a model, and a checkpoint written at one size
   is not resumed at another."""
@@ -171,10 +171,12 @@ def test_char_transformer_size_flags_are_checked_and_kept_with_checkpoints(
     example = runpy.run_path(str(ROOT / "examples" / "char_transformer.py"))
   finally:
     sys.path.pop(0)
-  with pytest.raises(SystemExit):
-    example["main"](["--width", "100", "--heads", "3"])
-  with pytest.raises(SystemExit):
-    example["main"](["--depth", "0"])
+  for flags, message in ((["--width", "100", "--heads", "3"],
+                           "--width 100 must be a multiple of --heads 3"),
+                          (["--depth", "0"], "--depth must be at least 1")):
+    with pytest.raises(SystemExit) as exited:
+      example["main"](flags)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
   parser = example["make_parser"]("char", str(tmp_path / "ckpt"))
   args = parser.parse_args(["--ckpt-dir", str(tmp_path / "ckpt")])
   policy = "mixed_nvfp4"

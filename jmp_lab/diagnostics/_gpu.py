@@ -297,10 +297,11 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
 
 
 # The last program compile_for_gpu refused for its spills, as compiled with
-# spills allowed to name them (XLA's error names no kernel), with a copy of
-# its dumps when it was asked for some. The retry that the error suggests,
+# spills allowed to name them (XLA's error names no kernel), and the folder
+# of that compile's dumps. The retry that the error suggests,
 # fail_on_spill=False, takes it instead of compiling the program a third
-# time; one entry, held until that retry or the next refusal.
+# time. One entry (one executable and its dumps on disk), held until that
+# retry, the next refusal or the end of the process.
 _REFUSED_FOR_SPILLS: dict[tuple, tuple[Any, Any]] = {}
 _SPILL_OPTION = "xla_gpu_fail_ptx_compilation_on_register_spilling"
 _PTX_KEEPING_DIR = "cuda_keeping_ptx"
@@ -318,41 +319,46 @@ def _program_key(lowered, mesh, options) -> tuple:
       if k != _SPILL_OPTION and k not in _DUMP_OPTIONS)))
 
 
+def _copy_dumps(source: str, dump_to: str) -> None:
+  # The dumps, not the ptxas wrapper that _dump_options puts beside them.
+  shutil.copytree(source, dump_to, symlinks=True, dirs_exist_ok=True,
+                  ignore=shutil.ignore_patterns(_PTX_KEEPING_DIR))
+
+
 def _take_refused(key: tuple, dump_to: Optional[str]):
   """The refused program's compile for its retry (its dumps copied into
-  ``dump_to``), or None if it is another program or its dumps are wanted
-  and were not kept."""
-  compiled, dumps = _REFUSED_FOR_SPILLS.get(key, (None, None))
-  if compiled is None or (dump_to and dumps is None):
+  ``dump_to``), or None if it is another program."""
+  if key not in _REFUSED_FOR_SPILLS:
     return None
-  del _REFUSED_FOR_SPILLS[key]
+  compiled, dumps = _REFUSED_FOR_SPILLS.pop(key)
   if dump_to:
-    shutil.copytree(dumps.name, dump_to, symlinks=True, dirs_exist_ok=True)
+    _copy_dumps(dumps.name, dump_to)
+  dumps.cleanup()
   return compiled
 
 
 def _name_spilling_kernels(lowered, mesh, options,
                            dump_to: Optional[str]) -> str:
-  """Which of XLA's kernels spill: compiled again with spills allowed and
-  dumped (into ``dump_to`` when given), and the PTX read back through
-  ``ptxas -v``. That compile is kept for the retry (_REFUSED_FOR_SPILLS)."""
+  """Which of XLA's kernels spill: compiled again with spills allowed, into
+  a folder of its own (so that nothing else there is read as this
+  program's), and the PTX read back through ``ptxas -v``. That compile and
+  its dumps are kept for the retry (_REFUSED_FOR_SPILLS), and the dumps
+  copied into ``dump_to`` when given."""
   unnamed = "some of XLA's kernels spill registers"
+  for _, kept in _REFUSED_FOR_SPILLS.values():
+    kept.cleanup()
   _REFUSED_FOR_SPILLS.clear()
-  with (contextlib.nullcontext(dump_to) if dump_to else
-        tempfile.TemporaryDirectory(prefix="jmp_lab_spills_")) as dump_dir:
-    try:
-      compiled = lowered.compile(compiler_options={
-          **options, _SPILL_OPTION: False, **_dump_options(dump_dir)})
-    except Exception:  # pylint: disable=broad-except
-      return unnamed
-    spilling = sorted(name for name, (_, spill) in register_usage(
-        dump_dir, None).items() if spill)
-    dumps = None
-    if dump_to:
-      dumps = tempfile.TemporaryDirectory(prefix="jmp_lab_spills_")
-      # The dumps, not the ptxas wrapper that _dump_options puts beside them.
-      shutil.copytree(dump_to, dumps.name, symlinks=True, dirs_exist_ok=True,
-                      ignore=shutil.ignore_patterns(_PTX_KEEPING_DIR))
+  dumps = tempfile.TemporaryDirectory(prefix="jmp_lab_spills_")
+  try:
+    compiled = lowered.compile(compiler_options={
+        **options, _SPILL_OPTION: False, **_dump_options(dumps.name)})
+  except Exception:  # pylint: disable=broad-except
+    dumps.cleanup()
+    return unnamed
+  spilling = sorted(name for name, (_, spill) in register_usage(
+      dumps.name, None).items() if spill)
+  if dump_to:
+    _copy_dumps(dumps.name, dump_to)
   _REFUSED_FOR_SPILLS[_program_key(lowered, mesh, options)] = (compiled,
                                                                dumps)
   if not spilling:

@@ -17,8 +17,8 @@ source agrees bit for bit (``tests/test_block_scaled.py`` has one):
   blocks of 16 values (or 16x16 tiles for weights), each with the E4M3 scale
   ``s = e4m3(amax(block) / (6 * g))``; values ``x / (s * g)`` rounded into
   E2M1, to nearest even or stochastically (gradients).
-* **Four Over Six** (Cook et al., arXiv 2512.02010, and its reference
-  ``fouroversix/quantize/reference.py``; optional): the global scale is
+* **Four Over Six** (Cook et al., arXiv 2512.02010, and the rule of its
+  reference code, ``fouroversix/quantize/reference.py``; optional): the global scale is
   ``amax(tensor) / (256 * 6)``, and each block (a weight's 16x16 tile)
   takes the E4M3 scale that maps its amax to 6 or the one 1.5 times as
   large, which maps it to 4, whichever gives the smaller sum of squared
