@@ -384,7 +384,8 @@ def test_pallas_update_compiles_for_a_b200_without_spills(backend):
       donate_argnums=(1, 2, 3), fail_on_spill=True, target="b200")
   (kernel,) = report.pallas_kernels
   assert kernel.backend == backend
-  assert kernel.spill_bytes in (0, None)   # ptxas's log, where one is found
+  # ptxas's log for sm_100a: read back from the PTX on both backends.
+  assert kernel.spill_bytes == 0 and kernel.registers > 0
   assert "sm_100a" in report.table()
 
 

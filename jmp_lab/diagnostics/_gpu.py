@@ -491,7 +491,11 @@ def register_usage(dump_dir: str, names: Optional[Sequence[str]]
     if names is not None and not any(f".entry {name}(" in text
                                      for name in names):
       continue
-    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+    # The GPU the PTX was written for (sm_100a for a B200), not always the
+    # H100's: ptxas refuses PTX for a newer GPU than -arch.
+    target = re.search(r"^\.target\s+(sm_\w+)", text, re.M)
+    arch = target.group(1) if target else "sm_90a"
+    run = subprocess.run([ptxas, f"-arch={arch}", "-v", ptx, "-o", os.devnull],
                          capture_output=True, text=True, check=False)
     usage.update(_ptxas_usage(run.stdout + run.stderr))
   return usage
