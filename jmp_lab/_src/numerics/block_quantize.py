@@ -143,14 +143,19 @@ def e8m0_to_float32(scales: jax.Array) -> jax.Array:
   return jnp.where(bits == 255, nan, jnp.where(bits == 0, smallest, normal))
 
 
+def _over_tiles(per_block: jax.Array, block: int, reduce) -> jax.Array:
+  """Per-block figures (blocks along the last axis) reduced over each
+  ``block`` x ``block`` tile's ``block`` rows, repeated down them."""
+  rows = per_block.reshape(*per_block.shape[:-2],
+                           per_block.shape[-2] // block, block,
+                           per_block.shape[-1])
+  return jnp.broadcast_to(reduce(rows, axis=-2, keepdims=True),
+                          rows.shape).reshape(per_block.shape)
+
+
 def _tile_amax(amax: jax.Array, block: int) -> jax.Array:
-  """Block maxima (blocks along the last axis) made the maxima of
-  ``block`` x ``block`` tiles: each the max over its tile's ``block`` rows,
-  repeated down them."""
-  rows = amax.reshape(*amax.shape[:-2], amax.shape[-2] // block, block,
-                      amax.shape[-1])
-  return jnp.broadcast_to(jnp.max(rows, axis=-2, keepdims=True),
-                          rows.shape).reshape(amax.shape)
+  """Block maxima made the maxima of ``block`` x ``block`` tiles."""
+  return _over_tiles(amax, block, jnp.max)
 
 
 def quantize_mxfp8(x: jax.Array, axis: int = -1, *,
@@ -269,16 +274,6 @@ def _block_squared_error(values: jax.Array, scales: jax.Array,
   return jnp.sum(jnp.square(dequantized - target), axis=axis + 1)
 
 
-def _tile_sum(per_block: jax.Array, block: int) -> jax.Array:
-  """Per-block figures (blocks along the last axis) summed over each
-  ``block`` x ``block`` tile, repeated down its rows (as :func:`_tile_amax`)."""
-  rows = per_block.reshape(*per_block.shape[:-2],
-                           per_block.shape[-2] // block, block,
-                           per_block.shape[-1])
-  return jnp.broadcast_to(jnp.sum(rows, axis=-2, keepdims=True),
-                          rows.shape).reshape(per_block.shape)
-
-
 def _round_e2m1_stochastic(scaled: jax.Array, uniform: jax.Array
                            ) -> jax.Array:
   """``scaled`` (within +-6) rounded to one of its two E2M1 neighbours, up
@@ -368,7 +363,8 @@ def _four_over_six_scales(blocks: jax.Array, decode: jax.Array,
   def squared_error(scales):
     values = _e2m1_values(blocks, scales, global_scale, axis, None)
     per_block = _block_squared_error(values, scales, target, axis)
-    return _tile_sum(per_block, NVFP4.block) if tiles else per_block
+    return (_over_tiles(per_block, NVFP4.block, jnp.sum) if tiles
+            else per_block)
 
   return jnp.where(squared_error(scales_4) < squared_error(scales_6),
                    scales_4, scales_6)
