@@ -506,6 +506,34 @@ def test_lean_master_modes_shrink_the_step_arguments_on_h100():
   assert saved["bf16-o2+fused-none-sr-m16v16"] == pytest.approx(8, abs=0.01)
 
 
+def test_the_step_compiles_to_the_program_xlas_autotuner_would_choose(
+    monkeypatch):
+  """compile_for_gpu turns XLA's fusion autotuner off (nothing can be timed
+  without a device; jax 0.12's XLA spends half a compile compiling configs
+  it cannot time). The program must be the one the autotuner leaves: the
+  same kernels, bytes and memory. A small GPT step: reductions, transposes,
+  GEMMs and the update's fusions, what the autotuner tries configs for."""
+  size = train_step.ModelSize(layers=1, width=128, heads=2, seq_len=64,
+                              vocab=512, batch=2)
+  config = next(c for c in train_step.CONFIGS if c.name == "bf16-o2")
+  skipped = train_step.compiled_step_report(config, size, "h100")
+  real_compile = jax.stages.Lowered.compile
+
+  def autotuned(self, compiler_options=None, **kwargs):
+    options = dict(compiler_options or {})
+    assert options.pop("xla_gpu_experimental_enable_fusion_autotuner") is False
+    return real_compile(self, compiler_options=options, **kwargs)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", autotuned)
+  tuned = train_step.compiled_step_report(config, size, "h100")
+  kernels = lambda r: sorted((k.name, k.opcode, k.io_bytes, k.times)  # noqa: E731
+                             for k in r.kernel_records)
+  assert kernels(skipped) == kernels(tuned)
+  assert skipped.bytes_accessed == tuned.bytes_accessed
+  assert skipped.memory == tuned.memory
+  assert [g.operands for g in skipped.gemms] == [g.operands for g in tuned.gemms]
+
+
 def test_a_spilling_kernel_is_named_with_the_way_out(monkeypatch):
   """A small fp32 GPT step whose XLA reduction fusion spills registers on
   the H100 (it did with jax 0.10.2): the error names the kernel and

@@ -264,6 +264,13 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
              # A production build's LLVM level, whatever XLA_FLAGS say (the
              # test suite lowers it for its CPU programs).
              "xla_backend_optimization_level": 3,
+             # Nothing can be timed without a device, so XLA's fusion
+             # autotuner keeps each fusion's default config; jax 0.12's XLA
+             # still compiles every candidate first (its "config-assigner"
+             # pass), about half of a step's compile. Off, the defaults are
+             # taken directly: the same kernels, bytes and memory. (GEMMs'
+             # autotuning stays on: it sets cuBLAS's workspace.)
+             _FUSION_AUTOTUNER_OPTION: False,
              _SPILL_OPTION: bool(fail_on_spill)}
   if dump_to:
     options.update(_dump_options(dump_to))
@@ -304,6 +311,7 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
 # retry, the next refusal or the end of the process.
 _REFUSED_FOR_SPILLS: dict[tuple, tuple[Any, Any]] = {}
 _SPILL_OPTION = "xla_gpu_fail_ptx_compilation_on_register_spilling"
+_FUSION_AUTOTUNER_OPTION = "xla_gpu_experimental_enable_fusion_autotuner"
 _PTX_KEEPING_DIR = "cuda_keeping_ptx"
 # Options that say where a compile's dumps go, not what it compiles.
 _DUMP_OPTIONS = ("xla_dump_to", "xla_gpu_cuda_data_dir")
