@@ -237,8 +237,9 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
   """``fn`` compiled for ``devices`` GPUs of ``target``, without a GPU.
 
   XLA's fusion autotuner is off: with no device to time its candidates on,
-  it would keep each fusion's default config after compiling them all (half
-  of jax 0.12's compile of a GPT step), so the program is the same.
+  it would keep each fusion's default config after compiling them all (a
+  third of jax 0.12's compile of GPT-2-small's step), so the program is the
+  same.
 
   Args:
     fn: a function, or a ``jax.jit``-ed one (its donation is kept).
@@ -271,7 +272,7 @@ def compile_for_gpu(fn: Callable[..., Any], *args, target="h100",
              # Nothing can be timed without a device, so XLA's fusion
              # autotuner keeps each fusion's default config; jax 0.12's XLA
              # still compiles every candidate first (its "config-assigner"
-             # pass), about half of a step's compile. Off, the defaults are
+             # pass), a third of a GPT step's compile. Off, the defaults are
              # taken directly: the same kernels, bytes and memory. (GEMMs'
              # autotuning stays on: it sets cuBLAS's workspace.)
              _FUSION_AUTOTUNER_OPTION: False,
