@@ -29,7 +29,7 @@ def run(tmp_path, processes, devices_per_process, *extra):
   return json.loads(out.read_text())
 
 
-@pytest.mark.newest_lane
+@pytest.mark.floor_lane
 def test_two_processes_of_four_devices_equal_one_process_of_eight(tmp_path):
   """ZeRO-1, reduce=float32, bf16 params: an inf in process 1's rows of one
   batch makes both processes skip that step, and the run is bit for bit the

@@ -58,7 +58,7 @@ def _losses(name, policy, steps=12):
                    if bool(m["grads_finite"])])
 
 
-@pytest.mark.newest_lane
+@pytest.mark.floor_lane
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_trains_under_every_policy_as_fp32_does(name, policy):

@@ -126,7 +126,7 @@ def test_fp8_reaches_layers_with_their_own_float32_dtype(name, policy):
     ("resnet", 100, 4),   # its small loss is noisy from seed to seed
     ("linen_lm", 60, 1), ("linen_lm_custom", 60, 1), ("griffin", 60, 1),
     ("gemma", 60, 1), ("equinox", 60, 1)])
-@pytest.mark.newest_lane
+@pytest.mark.floor_lane
 def test_loss_within_2_percent_of_fp32_on_the_same_data(name, steps, seeds):
   def loss(policy):
     return mr.train_on_seeds(mr.CASES[name], policy, steps, seeds)
@@ -385,7 +385,7 @@ def test_nnx_model_not_wrapped_is_warned_about():
 # ---- checkpoints ---------------------------------------------------------------
 
 
-@pytest.mark.newest_lane
+@pytest.mark.floor_lane
 def test_flax_pure_dict_checkpoint_route_restores_the_fp32_master_exactly(
     tmp_path):
   """Flax's documented route: nnx.to_pure_dict -> orbax -> replace_by_pure_dict."""
