@@ -176,12 +176,17 @@ def scaled_grads(params, loss_scale, step, poison=False):
 # distributed file last. The rest keep their collection order.
 # ---------------------------------------------------------------------------
 
+# Ordered by each file's worker time, the larger of its two lanes' (measured
+# 2026-11-30 with --durations=0): test_fsdp.py, the floor lane's largest
+# (its 8-device process), starts first there, and the whole-model compiles
+# first on the newest lane.
 LONGEST_FIRST = (
-    "test_compiled_gpt2.py", "test_real_models.py", "test_docs_and_examples.py",
-    "test_distributed.py",
-    "test_fused.py", "test_lean.py", "test_reduce.py", "test_compiled.py",
-    "test_sharding.py", "test_kernels.py", "test_nnx.py", "test_fp8.py",
-    "test_training.py", "test_benchmarks.py",
+    "test_compiled_gpt2.py", "test_real_models.py", "test_fsdp.py",
+    "test_block_scaled.py", "test_fp8.py", "test_docs_and_examples.py",
+    "test_kernels.py", "test_sharding.py", "test_compiled.py",
+    "test_quantized_moments.py", "test_losses.py", "test_reduce.py",
+    "test_nnx_llm.py", "test_distributed.py", "test_nnx.py", "test_lean.py",
+    "test_training.py", "test_benchmarks.py", "test_fused.py",
 )
 
 

@@ -181,7 +181,10 @@ def run_sharded(mesh_name, optimizer, policy, *, keep_boxes=False, steps=4,
   axes = MESHES[mesh_name]
   mesh, init, layout = sharded_init(mesh_name, optimizer, policy)
   state = jax.jit(init, out_shardings=layout)(jax.random.key(0))
-  single = nn.unbox(jax.jit(init)(jax.random.key(0)))
+  # One device's run starts from a copy of the same state (a second init,
+  # compiled for one device, gives the same values: asserted once, in
+  # test_the_state_layout_follows_the_params_and_adds_zero1_over_data).
+  single = _host_copy(nn.unbox(state), jax.devices()[0])
   if not keep_boxes:
     state = nn.unbox(state)
   batch_axes = rules_for(axes)[0][1]
@@ -196,6 +199,18 @@ def run_sharded(mesh_name, optimizer, policy, *, keep_boxes=False, steps=4,
     state, _ = step(state, batch)
     single, _ = single_step(single, batch)
   return nn.unbox(state), single, layout
+
+
+def _host_copy(tree, device):
+  """``tree``'s values on ``device``, through the host: buffers of their own
+  (a ``device_put`` may hand back the very shard that the sharded step then
+  donates)."""
+  def copy(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(copy(jax.random.key_data(x)),
+                                      impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), device)
+  return jax.tree_util.tree_map(copy, tree)
 
 
 def _as_f32(tree):
@@ -284,6 +299,14 @@ def test_a_sharded_run_matches_one_device_and_skips_globally(
 def test_the_state_layout_follows_the_params_and_adds_zero1_over_data():
   _, _, layout = run_sharded("data2-fsdp2-tensor2", "fused_adamw",
                              "p=bf16,c=bf16,o=f32", steps=1, poison_step=-1)
+  # Initialized on the mesh, the state holds the values one device's init
+  # gives (jax's partitionable threefry): the sharded runs above compare
+  # against a copy of it.
+  _, init, init_layout = sharded_init("data2-fsdp2-tensor2", "fused_adamw",
+                                      "p=bf16,c=bf16,o=f32")
+  chex.assert_trees_all_equal(
+      nn.unbox(jax.jit(init, out_shardings=init_layout)(jax.random.key(0))),
+      nn.unbox(jax.jit(init)(jax.random.key(0))))
   kernel = layout.params["Block_0"]["Dense_0"]["kernel"].spec
   assert kernel == P("fsdp", "tensor")
   mu = layout.opt_state.mu["Block_0"]["Dense_0"]["kernel"].spec
