@@ -8,7 +8,10 @@ switching off 16x16 weight tiles, stochastic rounding, the Hadamard
 transform, and both of the last two, and switching on Four Over Six. On a
 CPU the block-scaled GEMMs are emulated with the GPU's numbers
 (``jmp_lab.block_scaled``). Prints the validation losses and their ratios
-to bf16's; ``--width``, ``--depth`` and ``--heads`` train another size::
+to bf16's, each measured twice: in the run's own policy (the forward
+quantized as in training) and with the trained weights' matmuls in bf16 (how
+well the format trained them). ``--width``, ``--depth`` and ``--heads``
+train another size::
 
   PYTHONPATH=.:examples python benchmarks/block_scaled_accuracy.py \\
       --steps 2000 --batch-size 8 --seq-len 64 --json out.json
@@ -56,7 +59,10 @@ RUNS = [
 
 
 def run(policy: str, recipe, steps: int, batch: int, seq_len: int,
-        seed: int, model_flags: list[str], bf16_layers: str = "") -> float:
+        seed: int, model_flags: list[str], bf16_layers: str = ""
+        ) -> tuple[float, float]:
+  """The run's validation loss in its own policy, and its trained weights'
+  with bf16 matmuls."""
   ablated = recipe() if recipe else contextlib.nullcontext()
   kept = ["--bf16-layers", bf16_layers] if bf16_layers else []
   with tempfile.TemporaryDirectory() as ckpt, ablated:
@@ -65,7 +71,7 @@ def run(policy: str, recipe, steps: int, batch: int, seq_len: int,
          str(batch), "--seq-len", str(seq_len), "--seed", str(seed),
          "--ckpt-dir", ckpt, "--ckpt-every", str(10**9), "--no-progress",
          "--sample-len", "0", *model_flags, *kept])
-  return out["valid_loss"]
+  return out["valid_loss"], out["valid_loss_bf16"]
 
 
 def main(argv=None) -> dict:
@@ -91,18 +97,25 @@ def main(argv=None) -> dict:
                  ("width", "depth", "heads") if getattr(args, flag) is not None]
   wanted = None if args.only is None else set(args.only.split("|"))
   losses = {} if args.bf16_loss is None else {"bf16": args.bf16_loss}
+  # The trained weights' loss with bf16 matmuls: how well the format trained
+  # them, without its forward's quantization at evaluation.
+  weights_in_bf16 = dict(losses)
   for name, policy, recipe, *kept in RUNS:
     if name in losses:
       continue
     if wanted is not None and name != "bf16" and name not in wanted:
       continue
-    losses[name] = run(policy, recipe, args.steps, args.batch_size,
-                       args.seq_len, args.seed, model_flags, *kept)
+    losses[name], weights_in_bf16[name] = run(
+        policy, recipe, args.steps, args.batch_size, args.seq_len, args.seed,
+        model_flags, *kept)
     print(f"{name:<34} valid loss {losses[name]:.4f}  vs bf16 "
-          f"{losses[name] / losses['bf16']:.4f}x", flush=True)
+          f"{losses[name] / losses['bf16']:.4f}x;  its weights with bf16 "
+          f"matmuls {weights_in_bf16[name]:.4f}  vs bf16 "
+          f"{weights_in_bf16[name] / losses['bf16']:.4f}x", flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "valid_loss": losses}, f, indent=1)
+      json.dump({"args": vars(args), "valid_loss": losses,
+                 "valid_loss_weights_in_bf16": weights_in_bf16}, f, indent=1)
   return losses
 
 

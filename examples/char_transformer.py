@@ -374,16 +374,31 @@ def main(argv=None):
   manager.wait_until_finished()
 
   valid_loss = float(valid_loss_of(state))
+  # Under quantized matmuls (fp8, mxfp8, nvfp4) the figure above includes
+  # the forward's own quantization; the same weights with bf16 matmuls say
+  # how well the format trained them, apart from how it runs them.
+  valid_loss_bf16 = valid_loss
+  if policy.matmul is not None:
+    bf16_model = jl.with_policy(
+        CharTransformer(width=args.width, depth=args.depth, heads=args.heads,
+                        max_len=args.seq_len), "mixed_bfloat16")
+    valid_loss_bf16 = float(jax.jit(lambda params: bf16_model.apply(
+        {"params": params}, valid[:, :-1], targets=valid[:, 1:]).mean())(
+            state.params))
   tokens_per_s = timed_steps * args.batch_size * args.seq_len / max(seconds, 1e-9)
   print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
         f"{valid_loss:.3f} nats/char, skipped {int(state.skipped_steps)}, "
         f"{tokens_per_s:,.0f} tokens/s")
+  if policy.matmul is not None:
+    print(f"the same weights with bf16 matmuls: valid loss "
+          f"{valid_loss_bf16:.3f} nats/char")
   print(f"this run: {recorder.describe()}")
   text = sample(model, {"params": state.params, **state.model_state}, b"def ",
                 args.sample_len, args.seq_len, jax.random.key(7))
   print("--- sample ---")
   print("def " + text.decode("utf-8", errors="replace"))
   return {"step": final_step, "valid_loss": valid_loss,
+          "valid_loss_bf16": valid_loss_bf16,
           "tokens_per_s": tokens_per_s, "state": state,
           "train_losses": np.asarray(jax.device_get(train_losses), np.float64),
           "valid_curve": [(s, float(v)) for s, v in valid_curve]}

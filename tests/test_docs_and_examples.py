@@ -121,6 +121,42 @@ def test_char_transformer_example_smoke_with_fused_fp16_and_resume(tmp_path):
   assert first["step"] == 3 and resumed["step"] == 5
   assert int(resumed["state"].step) + int(resumed["state"].skipped_steps) == 5
   assert np.isfinite(resumed["valid_loss"]) and resumed["tokens_per_s"] > 0
+  # fp16 matmuls are not quantized: one figure, reported under both names.
+  assert resumed["valid_loss_bf16"] == resumed["valid_loss"]
+
+
+@pytest.mark.floor_lane
+def test_char_transformer_reports_nvfp4_weights_evaluated_with_bf16_matmuls(
+    tmp_path):
+  """Under a quantized policy the example also reports its trained weights'
+  validation loss with bf16 matmuls (how well the format trained them),
+  apart from the loss in its own policy (the forward quantized as in
+  training). The figure is the bf16 model's loss on the same windows."""
+  import jax
+  import jmp_lab
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+  result = run_example(
+      "char_transformer.py", "--data", str(text), "--policy", "mixed_nvfp4",
+      "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--sample-len",
+      "0", "--no-progress", "--ckpt-dir", str(tmp_path / "ckpt"))
+  sys.path.insert(0, str(ROOT / "examples"))
+  try:
+    example = runpy.run_path(str(ROOT / "examples" / "char_transformer.py"))
+  finally:
+    sys.path.pop(0)
+  tokens = example["load_tokens"](str(text))
+  valid = example["validation_batch"](tokens[int(0.95 * len(tokens)):], 32)
+  bf16_model = jmp_lab.linen.with_policy(
+      example["CharTransformer"](max_len=32), "mixed_bfloat16")
+  expected = jax.jit(lambda params: bf16_model.apply(
+      {"params": params}, valid[:, :-1], targets=valid[:, 1:]).mean())(
+          result["state"].params)
+  np.testing.assert_allclose(result["valid_loss_bf16"], float(expected),
+                             rtol=1e-5)
+  # The NVFP4 forward's own figure is another number: its quantization.
+  assert result["valid_loss_bf16"] != result["valid_loss"]
+  assert abs(result["valid_loss_bf16"] / result["valid_loss"] - 1) < 0.05
 
 
 def test_char_transformer_keeps_the_named_layers_bf16_and_resumes_only_so(
