@@ -16,7 +16,9 @@ downloaded. The example shows:
   ``--mu-dtype``, and ``--nu-dtype`` with ``--fused``) with bf16 params
   (``--policy p=bf16,c=bf16,o=f32``);
 * orbax checkpointing (``--ckpt-dir``) and ``--resume``;
-* tokens/s, and a sample of generated text at the end.
+* tokens/s, and a sample of generated text at the end; under quantized
+  matmuls (fp8, mxfp8, nvfp4) also the trained weights' validation loss
+  with bf16 matmuls (how well the format trained them).
 
   python examples/char_transformer.py --steps 300
   python examples/char_transformer.py --policy mixed_float16 --fused
