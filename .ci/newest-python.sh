@@ -57,8 +57,10 @@ system_mounts() {
   done
   mkdir -p "$ROOT/dev/shm"
   mountpoint -q "$ROOT/dev/shm" || mount -t tmpfs tmpfs "$ROOT/dev/shm"
-  # pip inside must trust what the host's pip trusts and resolve names as the host does.
-  install -m 644 /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
+  # pip inside must trust what the host's pip trusts and resolve names as the host does. A new
+  # minbase root has no /etc/ssl/certs until its ca-certificates package is installed, after
+  # these mounts: -D makes the directory.
+  install -D -m 644 /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
   install -m 644 /etc/resolv.conf "$ROOT/etc/resolv.conf" 2>/dev/null || true
   # gloo (jax's CPU collectives, the multi-process tests) resolves this machine's host name.
   install -m 644 /etc/hosts "$ROOT/etc/hosts" 2>/dev/null || true
