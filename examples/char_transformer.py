@@ -279,6 +279,21 @@ def validation_batch(valid_tokens: np.ndarray, seq_len: int,
   return np.stack([valid_tokens[s:s + window] for s in starts])
 
 
+def build_model(args, policy, path_overrides=None) -> nn.Module:
+  """The model of ``--width``/``--depth``/``--heads`` under ``policy``."""
+  return jl.with_policy(
+      CharTransformer(width=args.width, depth=args.depth, heads=args.heads,
+                      max_len=args.seq_len), policy,
+      path_overrides=path_overrides)
+
+
+def held_out_loss(model, valid: np.ndarray):
+  """A jitted function of ``model``'s variables: its mean loss on ``valid``
+  (windows of inputs and next tokens)."""
+  return jax.jit(lambda variables: model.apply(
+      variables, valid[:, :-1], targets=valid[:, 1:]).mean())
+
+
 def main(argv=None):
   parser = make_parser(__doc__.splitlines()[0], "char_ckpt")
   parser.add_argument("--eval-every", type=int, default=0,
@@ -307,10 +322,7 @@ def main(argv=None):
   tokens = load_tokens(args.data)
   split = int(0.95 * len(tokens))
   train_tokens, valid_tokens = tokens[:split], tokens[split:]
-  model = jl.with_policy(
-      CharTransformer(width=args.width, depth=args.depth, heads=args.heads,
-                      max_len=args.seq_len), policy,
-      path_overrides=bf16_layers(args))
+  model = build_model(args, policy, path_overrides=bf16_layers(args))
   variables = model.init(jax.random.key(args.seed),
                          jnp.zeros((1, args.seq_len), jnp.int32))
   params = variables["params"]
@@ -341,9 +353,11 @@ def main(argv=None):
   step_fn = jmp_lab.make_train_step(loss_fn)
   window = args.seq_len + 1  # inputs and the next token
   valid = validation_batch(valid_tokens, args.seq_len, args.valid_windows)
-  valid_loss_of = jax.jit(lambda state: model.apply(
-      {"params": state.params, **state.model_state}, valid[:, :-1],
-      targets=valid[:, 1:]).mean())
+  loss_on_valid = held_out_loss(model, valid)
+
+  def valid_loss_of(state):
+    return loss_on_valid({"params": state.params, **state.model_state})
+
   train_losses, valid_curve = [], []
   recorder = jmp_lab.diagnostics.TrainingRecorder()
   rng = np.random.default_rng(start_step)  # a resumed run draws new batches
@@ -381,12 +395,9 @@ def main(argv=None):
   # how well the format trained them, apart from how it runs them.
   valid_loss_bf16 = valid_loss
   if policy.matmul is not None:
-    bf16_model = jl.with_policy(
-        CharTransformer(width=args.width, depth=args.depth, heads=args.heads,
-                        max_len=args.seq_len), "mixed_bfloat16")
-    valid_loss_bf16 = float(jax.jit(lambda params: bf16_model.apply(
-        {"params": params}, valid[:, :-1], targets=valid[:, 1:]).mean())(
-            state.params))
+    bf16_model = build_model(args, "mixed_bfloat16")
+    valid_loss_bf16 = float(held_out_loss(bf16_model, valid)(
+        {"params": state.params}))
   tokens_per_s = timed_steps * args.batch_size * args.seq_len / max(seconds, 1e-9)
   print(f"step {final_step}: train loss {float(metrics['loss']):.3f}, valid loss "
         f"{valid_loss:.3f} nats/char, skipped {int(state.skipped_steps)}, "
