@@ -356,6 +356,84 @@ def test_the_one_pass_mxfp8_kernel_writes_xlas_two_quantizations(dtype):
   assert int(s[75, 6]) == 255 and int(s_t[200, 2]) == 255  # the infinity's
 
 
+def _e2m1_codes(values):
+  """E2M1 values as their 4-bit codes, two to a byte (exact, signs of zeros
+  too)."""
+  pairs = values.reshape(*values.shape[:-1], values.shape[-1] // 2, 2)
+  return np.asarray(jax.lax.bitcast_convert_type(pairs, jnp.uint8))
+
+
+def _nvfp4_by_kernels(x, salt, **shard):
+  """NVFP4's two quantizations of ``x`` by the kernels (the Pallas
+  interpreter), with the global scales and noise keys XLA's path uses."""
+  from jmp_lab.kernels import nvfp4_cast_transpose as nv
+  from jmp_lab._src.numerics import block_quantize as bq
+  amax, amax_t = nv.nvfp4_amaxes(x, bq.HADAMARD, interpret=True)
+  scales, keys = block_matmul.nvfp4_scales_and_keys(amax, amax_t, salt)
+  return nv.nvfp4_cast_transpose(
+      shard.pop("part", x), bq.HADAMARD, scales, keys,
+      stochastic=salt is not None, interpret=True, **shard), scales
+
+
+def _nvfp4_input(seed):
+  """bf16 rows over a wide range of magnitudes, blocks of zeros, and a
+  block of E2M1's ties: the tensor's amax 168 makes the global scale
+  2**-4, so that block (amax 6) has the scale 16 and decodes by 1."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((96, 64)) * 2.0 ** rng.integers(-6, 4, (96, 1))
+  x[0, 0] = 168.0
+  x[5, 16:32] = 0.0
+  x[7, :16] = [6.0, 2.5, -5.0, 0.25, 0.75, -1.25, 1.75, 3.5] * 2
+  x[8:40, 48] = 0.0
+  return jnp.asarray(x, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("salt", [None, 1], ids=["nearest", "stochastic"])
+def test_the_nvfp4_kernels_write_xlas_two_quantizations(salt):
+  """nvfp4_amaxes and nvfp4_cast_transpose (run by the Pallas interpreter)
+  write both layouts bit for bit as XLA's path does: blocked along the
+  features, and after the Hadamard transform along the tokens, transposed;
+  rounded to nearest (ties to even) or stochastically with XLA's path's
+  noise."""
+  from jmp_lab.kernels import nvfp4_cast_transpose as nv
+  x = _nvfp4_input(0)
+  (q, s, q_t, s_t), scales = _nvfp4_by_kernels(x, salt)
+  along_features, along_tokens = block_matmul._xla_both_ways(
+      x[None], block_matmul.recipe_for("nvfp4"), salt)
+  np.testing.assert_array_equal(q, _e2m1_codes(along_features.values[0]))
+  np.testing.assert_array_equal(q_t, _e2m1_codes(along_tokens.values[0]))
+  for got, want in ((s, along_features.scales[0]),
+                    (s_t, along_tokens.scales[0])):
+    chex.assert_type(got, jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
+        np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
+  chex.assert_trees_all_equal(
+      scales, jnp.stack([along_features.global_scale,
+                         along_tokens.global_scale]))
+  values = nv.as_e2m1(q)
+  chex.assert_type(values, jnp.float4_e2m1fn)
+  assert values.shape == x.shape and not np.all(np.asarray(q) == 0)
+
+
+def test_a_shard_of_the_nvfp4_kernels_draws_the_whole_tensors_noise():
+  """A device's tokens (a shard of rows, given the whole tensor's scales
+  and its first token) quantize as those rows of the whole tensor do,
+  stochastic noise included (each element's noise is its index's in the
+  whole tensor)."""
+  x = _nvfp4_input(1)
+  (q, s, q_t, s_t), _ = _nvfp4_by_kernels(x, 1)
+  rows = slice(32, 96)
+  (q_1, s_1, q_t1, s_t1), _ = _nvfp4_by_kernels(
+      x, 1, part=x[rows], first_token=jnp.array([32, 64], jnp.int32))
+  np.testing.assert_array_equal(q_1, q[rows])
+  np.testing.assert_array_equal(q_t1, q_t[:, 16:48])
+  for got, want in ((s_1, s[rows]), (s_t1, s_t[:, 2:6])):
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
+        np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
+
+
 # --- the products ---------------------------------------------------------------
 
 
@@ -602,24 +680,26 @@ def test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200(
   assert report.hlo_text.count('custom_call_target="__cudnn$blockScaledDot"') == 12
   assert len(report.block_scaled_gemms) == 12
   assert {g.block_scaled for g in report.block_scaled_gemms} == {fmt}
-  # Besides them, only NVFP4's Hadamard transform: GEMMs of width 16.
-  others = [g for g in report.gemms if g.block_scaled is None]
-  assert all(16 in g.lhs.dims and 16 in g.rhs.dims for g in others)
-  assert (not others) if fmt == "mxfp8" else others
+  # Nothing else: NVFP4's Hadamard transform runs inside its quantize kernel.
+  assert not [g for g in report.gemms if g.block_scaled is None]
   assert report.block_scaled_flop_share() > 0.9
   assert report.target.peak_flops["fp4" if fmt == "nvfp4" else "fp8"] in (
       9e15, 4.5e15)
   assert "sm_100a" in report.table() and "block-scaled GEMMs: 12" in (
       report.table())
-  # MXFP8 quantizes each activation and output gradient of whole blocks into
-  # both layouts in one Pallas kernel (x: 256 tokens; the 48-wide NNX input
-  # and NVFP4 take XLA's passes): the 4 layers' inputs and the 3 output
-  # gradients above the first layer's input.
-  kernels = [k for k in report.pallas_kernels
-             if k.name == "mxfp8_cast_transpose"]
-  assert len(kernels) == (7 if (fmt, front_end) == ("mxfp8", "linen") else
-                          6 if fmt == "mxfp8" else 0), report.pallas_summary()
-  assert all(k.spill_bytes in (0, None) for k in kernels), kernels
+  # Each activation and output gradient of whole tiles is quantized into
+  # both layouts by Pallas kernels (x: 256 tokens): MXFP8's one kernel for
+  # blocks of 32 (the 4 layers' inputs but the 48-wide NNX one, and the
+  # output gradients but the 16-wide head's); NVFP4's amax kernel and its
+  # cast kernel for all 8 (blocks of 16).
+  names = [k.name for k in report.pallas_kernels]
+  if fmt == "mxfp8":
+    assert names == ["mxfp8_cast_transpose"] * (7 if front_end == "linen"
+                                                else 6), names
+  else:
+    assert sorted(names) == (["nvfp4_amax"] * 8
+                             + ["nvfp4_cast_transpose"] * 8), names
+  assert all(k.spill_bytes in (0, None) for k in report.pallas_kernels)
 
 
 @pytest.mark.parametrize("axes, x_spec, w_spec", [

@@ -40,13 +40,20 @@ def step_seed(key_data: jax.Array, count: jax.Array) -> jax.Array:
   return seed
 
 
+def noise_stream_key(seed: jax.Array, stream: int) -> jax.Array:
+  """The uint32 key of one ``stream`` under ``seed``: what
+  :func:`counter_bits` hashes each index with (a kernel that draws the
+  same bits takes it as an operand)."""
+  return hash32(seed ^ hash32(_u32(stream)))
+
+
 def counter_bits(seed: jax.Array, stream: int, index: jax.Array) -> jax.Array:
   """32 random bits for each ``index`` (int32 or uint32) of ``stream``.
 
   Distinct (stream, index) pairs give independent-looking bits; one stream
   (a leaf of the params) has no repeats, since the hash is a bijection.
   """
-  stream_key = hash32(seed ^ hash32(_u32(stream)))
+  stream_key = noise_stream_key(seed, stream)
   index = jax.lax.bitcast_convert_type(index, jnp.uint32) if (
       index.dtype == jnp.int32) else index.astype(jnp.uint32)
   return hash32(index ^ stream_key)
@@ -110,6 +117,7 @@ __all__ = [
     "shard_base",
     "counter_bits",
     "hash32",
+    "noise_stream_key",
     "step_seed",
     "stochastic_round_bf16",
 ]

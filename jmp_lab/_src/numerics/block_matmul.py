@@ -40,6 +40,8 @@ from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_quantize as bq
 from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
 from jmp_lab.kernels import mx_cast_transpose as mx
+from jmp_lab.kernels import nvfp4_cast_transpose as nv
+from jmp_lab.kernels import rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,23 +243,74 @@ def _mxfp8_both_ways(x: jax.Array) -> tuple[jax.Array, ...]:
           along_rows.values.T, bits(along_rows.scales).T)
 
 
-def _fused_both_ways(x: jax.Array, recipe: Recipe, salt) -> bool:
-  # The one-pass kernel writes MXFP8 rounded to nearest, one matrix, whole
-  # blocks (padding and NVFP4's transform and noise take XLA's passes).
-  return (recipe.fmt == bq.MXFP8 and not recipe.hadamard and salt is None
-          and x.shape[0] == 1 and mx.fits(x.shape[1:]))
+def _fused_both_ways(x: jax.Array, recipe: Recipe, salt) -> Optional[str]:
+  """Which one-pass kernel quantizes ``x`` both ways, if any: MXFP8
+  rounded to nearest, or NVFP4's full recipe (the Hadamard transform, no
+  Four Over Six); one matrix of whole tiles (padding takes XLA's passes)."""
+  if x.shape[0] != 1:
+    return None
+  if recipe.fmt == bq.MXFP8 and not recipe.hadamard and salt is None:
+    return "mxfp8" if mx.fits(x.shape[1:]) else None
+  if (recipe.fmt == bq.NVFP4 and recipe.hadamard and not recipe.four_over_six
+      and nv.fits(x.shape[1:])):
+    return "nvfp4"
+  return None
+
+
+def _xla_both_ways(x: jax.Array, recipe: Recipe, salt: Optional[int]
+                   ) -> tuple[bq.Quantized, bq.Quantized]:
+  return (_quantized(x, recipe, stochastic_salt=salt),
+          _along_tokens(x, recipe, stochastic_salt=None if salt is None
+                        else salt + 1))
+
+
+def nvfp4_scales_and_keys(amax: jax.Array, amax_t: jax.Array,
+                          salt: Optional[int]) -> tuple[jax.Array, jax.Array]:
+  """The two copies' global scales and noise keys, from the amaxes of
+  ``x`` and of its Hadamard transform, as :func:`_xla_both_ways` derives
+  them (:func:`~.block_quantize.quantize_nvfp4`: the seed from the amax,
+  the streams ``salt`` and ``salt + 1``); zero keys without noise."""
+  global_scales = jnp.stack([bq.nvfp4_global_scale(None, amax=a)
+                             for a in (amax, amax_t)])
+  if salt is None:
+    return global_scales, jnp.zeros((2,), jnp.uint32)
+  return global_scales, jnp.stack([
+      rounding.noise_stream_key(bq.content_seed(a), stream)
+      for a, stream in ((amax, salt), (amax_t, salt + 1))])
+
+
+def _nvfp4_both_ways(x: jax.Array, recipe: Recipe, salt: Optional[int]
+                     ) -> tuple[bq.Quantized, bq.Quantized]:
+  """NVFP4's two quantizations of a 2-D ``x`` by
+  :func:`jmp_lab.kernels.nvfp4_cast_transpose.quantize_both_ways`: its
+  kernels on a GPU, :func:`_xla_both_ways` elsewhere (the same numbers)."""
+  def xla(x):
+    q, q_t = _xla_both_ways(x[None], recipe, salt)
+    return (q.values[0], q.scales[0], q.global_scale,
+            q_t.values[0], q_t.scales[0], q_t.global_scale)
+
+  q, s, g, q_t, s_t, g_t = nv.quantize_both_ways(
+      x[0], bq.HADAMARD, stochastic=salt is not None,
+      scales_and_keys=functools.partial(nvfp4_scales_and_keys, salt=salt),
+      xla=xla)
+  return (bq.Quantized(q[None], s[None], g),
+          bq.Quantized(q_t[None], s_t[None], g_t))
 
 
 def _both_ways(x: jax.Array, recipe: Recipe, salt: Optional[int] = None
                ) -> tuple[bq.Quantized, bq.Quantized]:
   """``x`` (B, M, K) as the forward or input-gradient GEMM reads it
   (quantized along K) and as the weight-gradient GEMM does
-  (:func:`_along_tokens`). Under MXFP8 one kernel writes both from one
-  read of ``x`` on a GPU (:mod:`jmp_lab.kernels.mx_cast_transpose`)."""
-  if not _fused_both_ways(x, recipe, salt):
-    return (_quantized(x, recipe, stochastic_salt=salt),
-            _along_tokens(x, recipe, stochastic_salt=None if salt is None
-                          else salt + 1))
+  (:func:`_along_tokens`). On a GPU one kernel writes both from one read
+  of ``x`` under MXFP8 (:mod:`jmp_lab.kernels.mx_cast_transpose`), and two
+  under NVFP4, the first for the amaxes
+  (:mod:`jmp_lab.kernels.nvfp4_cast_transpose`)."""
+  kernel = _fused_both_ways(x, recipe, salt)
+  if kernel is None:
+    return _xla_both_ways(x, recipe, salt)
+  if kernel == "nvfp4":
+    with jax.named_scope(QUANTIZE_SCOPE):
+      return _nvfp4_both_ways(x, recipe, salt)
   with jax.named_scope(QUANTIZE_SCOPE):
     q, s, q_t, s_t = mx.quantize_both_ways(x[0], _mxfp8_both_ways)
   one = jnp.float32(1.0)
