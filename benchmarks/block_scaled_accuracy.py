@@ -11,7 +11,7 @@ CPU the block-scaled GEMMs are emulated with the GPU's numbers
 to bf16's, each measured twice: in the run's own policy (the forward
 quantized as in training) and with the trained weights' matmuls in bf16 (how
 well the format trained them). ``--width``, ``--depth`` and ``--heads``
-train another size::
+train another size, ``--lr`` at another peak learning rate::
 
   PYTHONPATH=.:examples python benchmarks/block_scaled_accuracy.py \\
       --steps 2000 --batch-size 8 --seq-len 64 --json out.json
@@ -91,10 +91,13 @@ def main(argv=None) -> dict:
                       help="the example's --depth (default: its own)")
   parser.add_argument("--heads", type=int, default=None,
                       help="the example's --heads (default: its own)")
+  parser.add_argument("--lr", type=float, default=None,
+                      help="the example's peak --lr (default: its own)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   model_flags = [f"--{flag}={getattr(args, flag)}" for flag in
-                 ("width", "depth", "heads") if getattr(args, flag) is not None]
+                 ("width", "depth", "heads", "lr")
+                 if getattr(args, flag) is not None]
   wanted = None if args.only is None else set(args.only.split("|"))
   losses = {} if args.bf16_loss is None else {"bf16": args.bf16_loss}
   # The trained weights' loss with bf16 matmuls: how well the format trained

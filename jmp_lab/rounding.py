@@ -32,6 +32,7 @@ Example::
 from jmp_lab.kernels.rounding import (
     counter_bits,
     hash32,
+    noise_stream_key,
     step_seed,
     stochastic_round_bf16,
 )
@@ -39,6 +40,7 @@ from jmp_lab.kernels.rounding import (
 __all__ = [
     "counter_bits",
     "hash32",
+    "noise_stream_key",
     "step_seed",
     "stochastic_round_bf16",
 ]

@@ -702,23 +702,25 @@ def test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200(
   assert all(k.spill_bytes in (0, None) for k in report.pallas_kernels)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("axes, x_spec, w_spec", [
     ({"data": 8}, ("data",), ()),
     ({"data": 4, "tensor": 2}, ("data",), (None, "tensor")),
 ], ids=["data", "data-tensor"])
 def test_on_8_b200s_each_device_quantizes_its_own_tokens_both_ways(
-    axes, x_spec, w_spec):
-  """Data (and tensor) parallel over 8 B200s: the one-pass MXFP8 kernel runs
-  on each device's own tokens for the input and for the output gradient
-  (its partitioning rule: blocks of 32 never straddle devices), no device
-  gathers the batch or any 16-bit tensor, and every GEMM is block-scaled."""
+    axes, x_spec, w_spec, fmt):
+  """Data (and tensor) parallel over 8 B200s: the one-pass quantize kernels
+  run on each device's own tokens for the input and for the output
+  gradient (their partitioning rules: tiles never straddle devices; NVFP4's
+  amaxes reduced across devices), no device gathers the batch or any
+  16-bit tensor, and every GEMM is block-scaled."""
   require_cuda_plugin()
   from jax.sharding import PartitionSpec as P
   tokens, width, features = 4096, 1024, 2048
 
   def step(x, w):
     return jax.value_and_grad(lambda x, w: bs.dot_general(
-        x, w, DIMS, fmt="mxfp8").astype(jnp.float32).sum(),
+        x, w, DIMS, fmt=fmt).astype(jnp.float32).sum(),
         argnums=(0, 1))(x, w)
 
   report = jmp_lab.diagnostics.compiled_report(
@@ -726,15 +728,21 @@ def test_on_8_b200s_each_device_quantizes_its_own_tokens_both_ways(
       jax.ShapeDtypeStruct((width, features), jnp.bfloat16),
       target="b200", devices=8, axes=axes,
       in_specs=(P(*x_spec), P(*w_spec)))
-  assert [k.name for k in report.pallas_kernels] == ["mxfp8_cast_transpose"] * 2
+  names = sorted(k.name for k in report.pallas_kernels)
+  assert names == (["mxfp8_cast_transpose"] * 2 if fmt == "mxfp8" else
+                   ["nvfp4_amax", "nvfp4_amax", "nvfp4_cast_transpose",
+                    "nvfp4_cast_transpose"]), names
   # No 16-bit tensor is gathered (under tensor parallel, jax's scaled_matmul
-  # gathers the 8-bit weight's halves with their scales).
+  # gathers the quantized weight's halves with their scales).
   gathers = [c for c in report.collectives if c.kind == "all-gather"]
-  assert all(set(c.dtypes) <= {"f8e4m3fn", "u8"} for c in gathers), gathers
+  narrow = {"f8e4m3fn", "u8", "f4e2m1fn", "s8", "f32"}
+  assert all(set(c.dtypes) <= narrow for c in gathers), gathers
+  assert all(c.bytes < tokens * width for c in gathers), gathers
   assert not gathers or "tensor" in axes
   rows = tokens // axes["data"]
   # Each device's input, blocked along the tokens and written transposed.
-  assert f"f8e4m3fn[{width},{rows}]" in report.hlo_text
+  value_type = "f8e4m3fn" if fmt == "mxfp8" else "f4e2m1fn"
+  assert re.search(rf"{value_type}\[(1,)?{width},{rows}\]", report.hlo_text)
   assert len(report.block_scaled_gemms) == 3 and len(report.gemms) == 3
 
 

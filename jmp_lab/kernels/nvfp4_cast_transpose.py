@@ -281,8 +281,8 @@ def nvfp4_amaxes(x: jax.Array, hadamard: np.ndarray, *,
 
   >>> import jax.numpy as jnp, numpy as np
   >>> x = jnp.ones((32, 16), jnp.bfloat16)
-  >>> h = np.kron(np.eye(1), np.ones((16, 16))) / 4   # not orthogonal: a sum
-  >>> [float(a) for a in nvfp4_amaxes(x, h.astype(np.float32), interpret=True)]
+  >>> h = np.full((16, 16), 0.25, np.float32)   # each token: 16 ones / 4
+  >>> [float(a) for a in nvfp4_amaxes(x, h, interpret=True)]
   [1.0, 4.0]
   """
   rows, cols = _partial_amaxes(x, jnp.asarray(hadamard_blocks(hadamard)),
