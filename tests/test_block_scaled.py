@@ -375,7 +375,7 @@ def _nvfp4_by_kernels(x, salt, **shard):
       stochastic=salt is not None, interpret=True, **shard), scales
 
 
-def _nvfp4_input(seed):
+def _nvfp4_input(seed, non_finite=False):
   """bf16 rows over a wide range of magnitudes, blocks of zeros, and a
   block of E2M1's ties: the tensor's amax 168 makes the global scale
   2**-4, so that block (amax 6) has the scale 16 and decodes by 1."""
@@ -385,18 +385,22 @@ def _nvfp4_input(seed):
   x[5, 16:32] = 0.0
   x[7, :16] = [6.0, 2.5, -5.0, 0.25, 0.75, -1.25, 1.75, 3.5] * 2
   x[8:40, 48] = 0.0
+  if non_finite:
+    x[40, 3], x[70, 50] = np.inf, np.nan
   return jnp.asarray(x, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("salt", [None, 1], ids=["nearest", "stochastic"])
-def test_the_nvfp4_kernels_write_xlas_two_quantizations(salt):
+@pytest.mark.parametrize("salt, non_finite", [
+    (None, False), (1, False), (1, True)],
+    ids=["nearest", "stochastic", "an-infinity-and-a-nan"])
+def test_the_nvfp4_kernels_write_xlas_two_quantizations(salt, non_finite):
   """nvfp4_amaxes and nvfp4_cast_transpose (run by the Pallas interpreter)
   write both layouts bit for bit as XLA's path does: blocked along the
   features, and after the Hadamard transform along the tokens, transposed;
   rounded to nearest (ties to even) or stochastically with XLA's path's
-  noise."""
+  noise; an infinity's and a NaN's blocks with NaN scales."""
   from jmp_lab.kernels import nvfp4_cast_transpose as nv
-  x = _nvfp4_input(0)
+  x = _nvfp4_input(0, non_finite)
   (q, s, q_t, s_t), scales = _nvfp4_by_kernels(x, salt)
   along_features, along_tokens = block_matmul._xla_both_ways(
       x[None], block_matmul.recipe_for("nvfp4"), salt)
@@ -414,6 +418,35 @@ def test_the_nvfp4_kernels_write_xlas_two_quantizations(salt):
   values = nv.as_e2m1(q)
   chex.assert_type(values, jnp.float4_e2m1fn)
   assert values.shape == x.shape and not np.all(np.asarray(q) == 0)
+  if non_finite:  # the infinity's and the NaN's blocks, in both copies
+    nan = np.isnan(np.asarray(s, np.float32))
+    assert nan[40, 0] and nan[70, 3] and nan.sum() == 2
+    nan_t = np.isnan(np.asarray(s_t, np.float32))
+    assert nan_t[3, 2] and nan_t[50, 4] and nan_t.sum() == 2
+
+
+def test_nvfp4_gives_an_overflowed_block_a_nan_scale():
+  """A block (or a weight's 16x16 tile) holding an infinity or a NaN
+  dequantizes to NaN, as MXFP8's do: clipped to E4M3's 448 instead, an
+  overflowed gradient would come out finite and the loss scale would not
+  skip its step. The other blocks stay finite."""
+  x = np.ones((16, 32), np.float32)
+  x[0, 3], x[1, 20] = np.inf, np.nan
+  finite = lambda q: np.isfinite(np.asarray(  # noqa: E731
+      bs.dequantize(q))).reshape(16, 2, 16).all(axis=-1)
+  np.testing.assert_array_equal(
+      finite(bs.quantize_nvfp4(jnp.asarray(x, jnp.bfloat16))),
+      [[False, True], [True, False]] + [[True, True]] * 14)
+  tiles = finite(bs.quantize_nvfp4(jnp.asarray(x), tiles=True))
+  np.testing.assert_array_equal(tiles, [[False, False]] * 16)
+  x[1, 20] = 1.0
+  tiles = finite(bs.quantize_nvfp4(jnp.asarray(x), tiles=True))
+  np.testing.assert_array_equal(tiles, [[False, True]] * 16)
+  g = jax.grad(lambda w: bs.dot_general(
+      jnp.ones((32, 32), jnp.bfloat16), w, DIMS, fmt="nvfp4").astype(
+          jnp.float32).sum() * jnp.float32(np.inf))(jnp.ones((32, 16),
+                                                             jnp.bfloat16))
+  assert not np.isfinite(np.asarray(g, np.float32)).any()
 
 
 def test_a_shard_of_the_nvfp4_kernels_draws_the_whole_tensors_noise():

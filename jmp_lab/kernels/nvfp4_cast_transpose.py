@@ -113,7 +113,9 @@ def _transformed(h_ref, even, odd):
   GEMM writes it: ``(even tokens, odd tokens)``, each (even, odd
   features)."""
   def times(k, x):  # (16, 16) @ (16, 8) as a broadcast product and a sum
-    return jnp.sum(h_ref[k][:, :, None] * x[None, :, :], axis=1)
+    h = h_ref[k][:, :, None]
+    # The other group's zeros must not make an infinity a NaN (0 * inf).
+    return jnp.sum(jnp.where(h != 0, h * x[None, :, :], 0.0), axis=1)
 
   def bf16(x):
     return x.astype(jnp.bfloat16).astype(jnp.float32)
@@ -131,14 +133,28 @@ def _amax_kernel(words_ref, h_ref, rows_ref, cols_ref, *, half_words: int):
   cols_ref[pl.program_id(0), pl.program_id(1)] = _max_abs(*t_even, *t_odd)
 
 
-def _max_abs(*tiles):
-  return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(t)) for t in tiles])
+def _max_abs(*tiles: jax.Array, axis=None, where=None) -> jax.Array:
+  """The largest magnitude in ``tiles`` (over ``axis``, among ``where``);
+  NaN if a NaN is among them, as XLA's maximum gives it (the GPU's max
+  instruction would skip it, so the NaNs are counted apart)."""
+  largest = nan = None
+  for tile in tiles:
+    magnitude = jnp.abs(tile) if where is None else jnp.where(
+        where, jnp.abs(tile), 0.0)
+    is_nan = jnp.isnan(magnitude)
+    tile_max = jnp.max(jnp.where(is_nan, 0.0, magnitude), axis=axis)
+    tile_nan = jnp.max(jnp.where(is_nan, 1.0, 0.0), axis=axis)
+    largest = tile_max if largest is None else jnp.maximum(largest, tile_max)
+    nan = tile_nan if nan is None else jnp.maximum(nan, tile_nan)
+  return jnp.where(nan > 0, jnp.float32(jnp.nan), largest)
 
 
 def _scale(amax: jax.Array, global_scale: jax.Array):
-  """A block's E4M3 scale (its amax maps to 6) and its decode scale."""
-  scale = jnp.clip(amax / (global_scale * _E2M1_MAX), 0.0, _E4M3_MAX
-                   ).astype(jnp.float8_e4m3fn)
+  """A block's E4M3 scale (its amax maps to 6; NaN for a block with an
+  infinity or a NaN, as XLA's path) and its decode scale."""
+  scale = jnp.clip(amax / (global_scale * _E2M1_MAX), 0.0, _E4M3_MAX)
+  scale = jnp.where(amax < jnp.inf, scale, jnp.float32(jnp.nan)).astype(
+      jnp.float8_e4m3fn)
   return scale, scale.astype(jnp.float32) * global_scale
 
 
@@ -201,9 +217,7 @@ def _cast_kernel(words_ref, h_ref, scales_ref, keys_ref, tokens_ref,
   # Blocked along the features: each token's 16 features are one block.
   rows = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
   for parity, (x_even, x_odd) in enumerate((even, odd)):
-    scale, decode = _scale(jnp.maximum(
-        jnp.max(jnp.abs(x_even), axis=1), jnp.max(jnp.abs(x_odd), axis=1)),
-        g_rows)
+    scale, decode = _scale(_max_abs(x_even, x_odd, axis=1), g_rows)
     token = 2 * pair + parity
     codes = [_e2m1_codes(x, decode[:, None],
                          noise(keys_ref[0], token, 2 * feature + f))
@@ -221,8 +235,7 @@ def _cast_kernel(words_ref, h_ref, scales_ref, keys_ref, tokens_ref,
     a, b = t_even[parity], t_odd[parity]
 
     def group_max(mask):
-      return jnp.maximum(jnp.max(jnp.where(mask, jnp.abs(a), 0.0), axis=0),
-                         jnp.max(jnp.where(mask, jnp.abs(b), 0.0), axis=0))
+      return _max_abs(a, b, axis=0, where=mask)
 
     scale_0, decode_0 = _scale(group_max(first_group), g_cols)
     scale_1, decode_1 = _scale(group_max(~first_group), g_cols)

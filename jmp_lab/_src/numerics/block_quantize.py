@@ -195,8 +195,8 @@ def nvfp4_global_scale(x: jax.Array, *, amax: Optional[jax.Array] = None,
                        scale_max: float = _E4M3_MAX) -> jax.Array:
   """The per-tensor fp32 decode scale ``amax / (scale_max * 6)``, with
   ``scale_max`` 448 (E4M3's largest, the paper's) or 256 (Four Over Six).
-  It is 1 for a tensor of zeros or a non-finite amax, whose blocks then
-  carry the NaN. ``amax`` if given: the max of the block maxima, the same
+  It is 1 for a tensor of zeros or a non-finite amax, whose non-finite
+  blocks then carry a NaN scale (:func:`quantize_nvfp4`). ``amax`` if given: the max of the block maxima, the same
   value from a tensor a block's size smaller than ``x``."""
   if amax is None:
     amax = jnp.max(jnp.abs(x))
@@ -338,6 +338,11 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
   if four_over_six:
     scales = _four_over_six_scales(blocks, decode, global_scale, axis,
                                    tiles)
+  # A block (tile) with an infinity or a NaN gets a NaN scale, as MXFP8's
+  # E8M0 NaN: clipped to 448 instead, an overflowed gradient would be
+  # quantized to finite values and the loss scale would not see it.
+  scales = jnp.where(jnp.isfinite(amax), scales,
+                     jnp.asarray(jnp.nan, NVFP4.scale_dtype))
   values = _e2m1_values(blocks, scales, global_scale, axis, uniform)
   return Quantized(values.reshape(x.shape), scales, global_scale)
 
