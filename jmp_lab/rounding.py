@@ -35,6 +35,7 @@ from jmp_lab.kernels.rounding import (
     noise_stream_key,
     step_seed,
     stochastic_round_bf16,
+    uniform_from_bits,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "noise_stream_key",
     "step_seed",
     "stochastic_round_bf16",
+    "uniform_from_bits",
 ]

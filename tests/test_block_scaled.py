@@ -465,6 +465,14 @@ def test_a_shard_of_the_nvfp4_kernels_draws_the_whole_tensors_noise():
     np.testing.assert_array_equal(
         np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
         np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
+  # A device's features (tensor parallel): its first feature, and the whole
+  # tensor's width as the index's stride.
+  columns = slice(16, 64)
+  (q_2, s_2, q_t2, s_t2), _ = _nvfp4_by_kernels(
+      x, 1, part=x[:, columns], features=64,
+      first_feature=jnp.array([16, 32, 48], jnp.int32))
+  np.testing.assert_array_equal(q_2, q[:, 8:32])
+  np.testing.assert_array_equal(q_t2, q_t[columns])
 
 
 # --- the products ---------------------------------------------------------------

@@ -47,6 +47,12 @@ def noise_stream_key(seed: jax.Array, stream: int) -> jax.Array:
   return hash32(seed ^ hash32(_u32(stream)))
 
 
+def uniform_from_bits(bits: jax.Array) -> jax.Array:
+  """Uniform [0, 1) fp32 noise from 32 random bits: their top 24 bits over
+  2**24 (exact in fp32)."""
+  return (bits >> _u32(8)).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
 def counter_bits(seed: jax.Array, stream: int, index: jax.Array) -> jax.Array:
   """32 random bits for each ``index`` (int32 or uint32) of ``stream``.
 
@@ -119,5 +125,6 @@ __all__ = [
     "hash32",
     "noise_stream_key",
     "step_seed",
+    "uniform_from_bits",
     "stochastic_round_bf16",
 ]

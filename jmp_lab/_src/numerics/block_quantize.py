@@ -459,8 +459,7 @@ def counter_uniform(seed: jax.Array, salt: int, shape) -> jax.Array:
     index = index + jax.lax.broadcasted_iota(jnp.uint32, shape,
                                              axis) * jnp.uint32(stride)
     stride *= shape[axis]
-  bits = rounding.counter_bits(seed, salt, index)
-  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  return rounding.uniform_from_bits(rounding.counter_bits(seed, salt, index))
 
 
 def content_seed(amax: jax.Array) -> jax.Array:
@@ -470,5 +469,9 @@ def content_seed(amax: jax.Array) -> jax.Array:
   (The amax is at hand: the quantization computes it anyway. A sum over
   the tensor was one more pass, which XLA fused into kernels that spilled
   registers on sm_100a.)"""
-  bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
+  amax = amax.astype(jnp.float32)
+  # One NaN for every NaN: their bits differ from kernel to kernel (a
+  # propagated NaN keeps its payload, a computed one is the GPU's own).
+  amax = jnp.where(jnp.isnan(amax), jnp.float32(jnp.nan), amax)
+  bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
   return rounding.hash32(bits ^ jnp.uint32(0x5EED5EED))
