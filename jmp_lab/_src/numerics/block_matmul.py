@@ -308,10 +308,9 @@ def _both_ways(x: jax.Array, recipe: Recipe, salt: Optional[int] = None
   kernel = _fused_both_ways(x, recipe, salt)
   if kernel is None:
     return _xla_both_ways(x, recipe, salt)
-  if kernel == "nvfp4":
-    with jax.named_scope(QUANTIZE_SCOPE):
-      return _nvfp4_both_ways(x, recipe, salt)
   with jax.named_scope(QUANTIZE_SCOPE):
+    if kernel == "nvfp4":
+      return _nvfp4_both_ways(x, recipe, salt)
     q, s, q_t, s_t = mx.quantize_both_ways(x[0], _mxfp8_both_ways)
   one = jnp.float32(1.0)
   scales = lambda bits: jax.lax.bitcast_convert_type(  # noqa: E731
