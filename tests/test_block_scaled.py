@@ -425,6 +425,20 @@ def test_the_nvfp4_kernels_write_xlas_two_quantizations(salt, non_finite):
     assert nan_t[3, 2] and nan_t[50, 4] and nan_t.sum() == 2
 
 
+@pytest.mark.parametrize("shape, dtype", [
+    ((48, 64), jnp.bfloat16), ((64, 24), jnp.bfloat16),
+    ((64, 64), jnp.float16), ((2, 32, 16), jnp.bfloat16)])
+def test_the_nvfp4_kernels_name_a_tensor_they_do_not_take(shape, dtype):
+  from jmp_lab.kernels import nvfp4_cast_transpose as nv
+  from jmp_lab._src.numerics import block_quantize as bq
+  x = jnp.zeros(shape, dtype)
+  with pytest.raises(ValueError, match=r"x must be a 2-D bfloat16 array.*got"):
+    nv.nvfp4_amaxes(x, bq.HADAMARD, interpret=True)
+  with pytest.raises(ValueError, match=r"whole 32 x 16 tiles"):
+    nv.nvfp4_cast_transpose(x, bq.HADAMARD, jnp.ones(2), jnp.zeros(2),
+                            stochastic=False, interpret=True)
+
+
 def test_nvfp4_gives_an_overflowed_block_a_nan_scale():
   """A block (or a weight's 16x16 tile) holding an infinity or a NaN
   dequantizes to NaN, as MXFP8's do: clipped to E4M3's 448 instead, an

@@ -304,6 +304,15 @@ def _cast_kernel(words_ref, h_ref, scales_ref, keys_ref, tokens_ref,
 # ---- the two calls ------------------------------------------------------------
 
 
+def _check(x: jax.Array) -> None:
+  if x.dtype != jnp.bfloat16 or not fits(x.shape):
+    raise ValueError(
+        f"x must be a 2-D bfloat16 array of whole 32 x 16 tiles (tokens a "
+        f"multiple of 32, features of 16); got {x.dtype}{list(x.shape)}. "
+        f"quantize_both_ways takes any tensor (XLA's path where these "
+        f"kernels do not).")
+
+
 def _words(x: jax.Array) -> jax.Array:
   """``x`` (tokens, features) bf16 as 32-bit words ``(tokens / 2,
   features)``: row ``r`` holds token ``2r``'s features, two to a word,
@@ -346,6 +355,7 @@ def nvfp4_amaxes(x: jax.Array, hadamard: np.ndarray, *,
   >>> [float(a) for a in nvfp4_amaxes(x, h, interpret=True)]
   [1.0, 4.0]
   """
+  _check(x)
   rows, cols = _partial_amaxes(x, jnp.asarray(hadamard_blocks(hadamard)),
                                interpret)
   return jnp.max(rows), jnp.max(cols)
@@ -378,6 +388,7 @@ def nvfp4_cast_transpose(x: jax.Array, hadamard: np.ndarray,
     features: the whole tensor's features (the flat index's stride).
     interpret: run the Pallas interpreter (for tests off a GPU).
   """
+  _check(x)
   tokens, width = x.shape
   if first_token is None:
     first_token = jnp.arange(0, tokens, TOKENS, dtype=jnp.int32)
