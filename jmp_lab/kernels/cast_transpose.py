@@ -330,7 +330,6 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
     return _xla_path(x, scale, quantize, programs, column_sums)
   dtype_name = jnp.dtype(dtype).name
   scale = jnp.reshape(scale.astype(jnp.float32), (1,))
-  outputs = 4 if column_sums else 3
 
   def xla(x, scale):
     return _xla_path(x, scale[0], quantize, programs, column_sums)
@@ -339,18 +338,7 @@ def quantize_transpose(x: jax.Array, scale: jax.Array, dtype,
     return _PARTITIONED[column_sums](x, scale, dtype_name, programs, quantize,
                                      column_sums)
 
-  dispatch = jax.custom_batching.custom_vmap(
-      lambda x, scale: jax.lax.platform_dependent(x, scale, cuda=kernel,
-                                                  default=xla))
-
-  @dispatch.def_vmap
-  def _batched(axis_size, in_batched, x, scale):
-    del axis_size
-    out = jax.vmap(xla, in_axes=tuple(0 if b else None for b in in_batched)
-                   )(x, scale)
-    return out, (True,) * outputs
-
-  return dispatch(x, scale)
+  return platform.kernel_on_cuda(kernel, xla, x, scale)
 
 
 __all__ = [

@@ -207,16 +207,7 @@ def quantize_both_ways(x: jax.Array, xla: Callable) -> tuple[jax.Array, ...]:
       or not platform.importable("jax.experimental.pallas.triton")):
     return xla(x)
 
-  dispatch = jax.custom_batching.custom_vmap(
-      lambda x: jax.lax.platform_dependent(
-          x, cuda=lambda x: _PARTITIONED(x, xla), default=xla))
-
-  @dispatch.def_vmap
-  def _batched(axis_size, in_batched, x):
-    del axis_size, in_batched
-    return jax.vmap(xla)(x), (True,) * 4
-
-  return dispatch(x)
+  return platform.kernel_on_cuda(lambda x: _PARTITIONED(x, xla), xla, x)
 
 
 __all__ = [

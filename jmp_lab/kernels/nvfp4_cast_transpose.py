@@ -554,15 +554,7 @@ def quantize_both_ways(x: jax.Array, hadamard: np.ndarray, *,
     return (as_e2m1(q), s, global_scales[0], as_e2m1(q_t), s_t,
             global_scales[1])
 
-  dispatch = jax.custom_batching.custom_vmap(
-      lambda x: jax.lax.platform_dependent(x, cuda=kernels, default=xla))
-
-  @dispatch.def_vmap
-  def _batched(axis_size, in_batched, x):
-    del axis_size, in_batched
-    return jax.vmap(xla)(x), (True,) * 6
-
-  return dispatch(x)
+  return platform.kernel_on_cuda(kernels, xla, x)
 
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 
@@ -23,6 +23,29 @@ def importable(module: str) -> bool:
 # The exact text jax 0.11 warns with when it lowers a Triton kernel.
 TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be "
                       r"removed in a future JAX version\.")
+
+
+def kernel_on_cuda(kernel: Callable, xla: Callable, *args):
+  """``kernel(*args)`` in a program compiled for CUDA, ``xla(*args)``
+  elsewhere and under ``vmap`` (a Pallas kernel under
+  ``custom_partitioning`` has no batching rule); both must return the same
+  arrays. The dispatch every one-pass quantize kernel shares.
+
+  >>> import jax.numpy as jnp
+  >>> kernel_on_cuda(lambda x: x + 1, lambda x: x - 1, jnp.zeros(2))  # a CPU
+  Array([-1., -1.], dtype=float32)
+  """
+  dispatch = jax.custom_batching.custom_vmap(
+      lambda *a: jax.lax.platform_dependent(*a, cuda=kernel, default=xla))
+
+  @dispatch.def_vmap
+  def _batched(axis_size, in_batched, *a):
+    del axis_size
+    out = jax.vmap(xla, in_axes=tuple(0 if b else None for b in in_batched)
+                   )(*a)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return dispatch(*args)
 
 
 @functools.cache
@@ -51,6 +74,7 @@ def local_gpu_capability() -> Optional[float]:
 __all__ = [
     "TRITON_DEPRECATION",
     "importable",
+    "kernel_on_cuda",
     "local_gpu_capability",
     "quiet_triton_deprecation",
 ]
