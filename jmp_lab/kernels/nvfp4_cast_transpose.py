@@ -33,9 +33,9 @@ The numbers are those of :func:`jmp_lab._src.numerics.block_quantize.quantize_nv
 column-wise copy): bit for bit in Pallas interpret mode
 (``tests/test_block_scaled.py``), with one exception. Where a group's
 transform sum is not exact in fp32, its order of additions (this kernel's,
-or a GEMM's) can round it differently: with magnitudes spread over 2**-40
-to 2**10 within groups, 9 of 24,576 transposed bytes differed from XLA's
-path, and none of the copy along the features. The divisions are IEEE's on
+or a GEMM's) can round it differently, in a few transposed bytes where
+magnitudes within a group lie far apart (``benchmarks/RESULTS.md``); the
+copy along the features has no sum. The divisions are IEEE's on
 the GPU too (``div.rn.f32``: Triton's own fp32 division is approximate).
 The tile comes from compiling for the B200 target without register spills,
 not from GPU timings.
