@@ -758,6 +758,41 @@ def test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200(
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_the_optimizer_updates_block_scaled_weights_in_place_on_a_b200(fmt):
+  """The weight-gradient GEMM writes each gradient in its weight's own
+  layout (a Dense kernel's (in, out), a DenseGeneral's (in, heads, dim)),
+  so the donated train step updates params and moments in place. Written
+  transposed, the gradient reached the update through a transposing read,
+  from which XLA will not write in place: every updated param and moment
+  was written elsewhere and copied back."""
+  require_cuda_plugin()
+  import optax
+  model = jmp_lab.linen.with_policy(Layers(), f"mixed_{fmt}")
+  x = jnp.zeros((256, 128), jnp.float32)
+
+  def make_state():
+    params = model.init(jax.random.key(0), x)["params"]
+    return jmp_lab.TrainState.create(
+        apply_fn=model.apply, params=params,
+        tx=jmp_lab.mixed_precision(optax.adam(1e-3), policy=f"mixed_{fmt}"))
+
+  def loss_fn(params, state, batch):
+    return jnp.square(state.apply_fn({"params": params}, batch)).mean()
+
+  state = jax.eval_shape(make_state)
+  report = jmp_lab.diagnostics.compiled_report(
+      jmp_lab.make_train_step(loss_fn), state,
+      jax.ShapeDtypeStruct(x.shape, x.dtype), target="b200")
+  # 12 but the input's gradient, which nothing asks for.
+  assert len(report.block_scaled_gemms) == 11
+  smallest_kernel = min(
+      p.size for p in jax.tree_util.tree_leaves(state.params) if p.ndim > 1)
+  copies = [k for k in report.kernel_records if k.opcode == "copy"
+            and k.io_bytes >= 2 * 4 * smallest_kernel]
+  assert not copies, copies
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("axes, x_spec, w_spec", [
     ({"data": 8}, ("data",), ()),
     ({"data": 4, "tensor": 2}, ("data",), (None, "tensor")),

@@ -349,14 +349,24 @@ def _cropped(y: jax.Array, rows: int, columns: int) -> jax.Array:
   return y[:, :rows, :columns]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def block_scaled_bmm(x: jax.Array, w: jax.Array, recipe: Recipe) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def block_scaled_bmm(x: jax.Array, w: jax.Array, recipe: Recipe,
+                     weight_k_major: bool = False) -> jax.Array:
   """``einsum("bmk,bnk->bmn", x, w)`` block-scaled by ``recipe``, in ``x``'s
-  dtype; ``w`` is the weight. See the module doc for the three GEMMs."""
-  return _bmm_fwd(x, w, recipe)[0]
+  dtype; ``w`` is the weight. See the module doc for the three GEMMs.
+
+  ``weight_k_major``: the weight is stored as (B, K, N) (a Dense kernel,
+  ``(in, out)``) and ``w`` is its transpose. The weight-gradient GEMM then
+  writes ``dw`` as (B, K, N), the weight's own layout: written as (B, N, K)
+  it reached the optimizer through a transpose, and XLA cannot update a
+  buffer in place from a transposing read, so it wrote each updated param
+  and moment elsewhere and copied them back (1.1 GB a layer of the
+  1.3B-class MXFP8 step: ``benchmarks/RESULTS.md``)."""
+  return _bmm_fwd(x, w, recipe, weight_k_major)[0]
 
 
-def _bmm_fwd(x, w, recipe):
+def _bmm_fwd(x, w, recipe, weight_k_major):
+  del weight_k_major  # only the backward's dw layout depends on it
   qx, qx_t = _both_ways(x, recipe)
   qw = _gathered_where_read(_quantized(w, recipe, tiles=recipe.weight_tiles))
   y = _cropped(scaled_product(qx, qw, x.dtype), x.shape[1], w.shape[1])
@@ -366,13 +376,16 @@ def _bmm_fwd(x, w, recipe):
   return y, residuals
 
 
-def _bmm_bwd(recipe, residuals, g):
+def _bmm_bwd(recipe, weight_k_major, residuals, g):
   qw_t, qx_t, x_like, w_like, k_like = residuals
   salt = (None if not recipe.stochastic_gradients else 1)
   qg, qg_t = _both_ways(g, recipe, salt)
   dx = scaled_product(qg, qw_t, x_like.dtype)
   dx = _cropped(dx, g.shape[1], k_like.shape[1])
-  dw = scaled_product(qg_t, qx_t, w_like.dtype)
+  if weight_k_major:
+    dw = jnp.swapaxes(scaled_product(qx_t, qg_t, w_like.dtype), 1, 2)
+  else:
+    dw = scaled_product(qg_t, qx_t, w_like.dtype)
   dw = _cropped(dw, g.shape[2], k_like.shape[1])
   return dx, dw
 
@@ -390,6 +403,14 @@ def _as_bmk(x: jax.Array, contracting, batch) -> jax.Array:
   return moved.reshape(size(batch), size(free), size(contracting))
 
 
+def _k_major(ndim: int, contracting, batch) -> bool:
+  """Whether a weight's axes are stored batch, contracting, then free (a
+  Dense kernel's ``(in, out)``): :func:`block_scaled_bmm`'s
+  ``weight_k_major``."""
+  free = [d for d in range(ndim) if d not in contracting and d not in batch]
+  return [*batch, *contracting, *free] == list(range(ndim))
+
+
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
                 fmt: str, out_sharding=None) -> jax.Array:
@@ -404,7 +425,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   lhs = jnp.asarray(lhs).astype(rhs.dtype)
   x = _as_bmk(lhs, tuple(lc), tuple(lb))
   w = _as_bmk(rhs, tuple(rc), tuple(rb))
-  y = block_scaled_bmm(x, w, recipe)
+  y = block_scaled_bmm(x, w, recipe, _k_major(rhs.ndim, rc, rb))
   shape = ([lhs.shape[d] for d in lb]
            + [lhs.shape[d] for d in range(lhs.ndim) if d not in lc + lb]
            + [rhs.shape[d] for d in range(rhs.ndim) if d not in rc + rb])
