@@ -552,6 +552,34 @@ class ProductTest(chex.TestCase):
       assert np.all(np.isfinite(np.asarray(dx, np.float32)))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("experts", [None, 2], ids=["dense", "experts"])
+def test_a_weights_layout_does_not_change_its_numbers(fmt, experts):
+  """A weight stored (out, in) gives the product and both gradients of the
+  same weight stored (in, out), bit for bit: only the second has its
+  weight-gradient GEMM's operands swapped (to write ``dw`` in its layout),
+  and the GEMM's products and their order are the same."""
+  lead = (experts,) if experts else ()
+  batch = ((0,), (0,)) if experts else ((), ())
+  x = jax.random.normal(jax.random.key(0), (*lead, 64, 96), jnp.bfloat16)
+  w_in_out = jax.random.normal(jax.random.key(1), (*lead, 96, 48),
+                               jnp.bfloat16)
+  w_out_in = jnp.swapaxes(w_in_out, -1, -2)
+  contract = len(lead) + 1
+
+  def loss(x, w, rhs_contract):
+    y = bs.dot_general(x, w, (((contract,), (rhs_contract,)), batch),
+                       fmt=fmt)
+    return y.astype(jnp.float32).sum(), y
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True),
+                  static_argnums=2)
+  (dx, dw), y = grads(x, w_in_out, len(lead))
+  (dx_t, dw_t), y_t = grads(x, w_out_in, len(lead) + 1)
+  chex.assert_trees_all_equal((y_t, dx_t, jnp.swapaxes(dw_t, -1, -2)),
+                              (y, dx, dw))
+
+
 def test_einsum_is_block_scaled_like_its_dot_general():
   x = jax.random.normal(jax.random.key(0), (2, 8, 64), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (64, 4, 16), jnp.bfloat16)
