@@ -191,3 +191,51 @@ __all__ = [
     "mosaic_load",
     "scan_counts",
 ]
+
+
+# ---------------------------------------------------------------------------
+# Source locations.
+# ---------------------------------------------------------------------------
+
+
+def _traceback_of_no_call_site() -> Any:
+  """A traceback holding no caller's frames: taken in a thread of its own,
+  so only the thread's start and this function are on its stack."""
+  import threading  # pylint: disable=import-outside-toplevel
+  from jax._src import source_info_util  # pylint: disable=import-outside-toplevel
+  taken = []
+  thread = threading.Thread(
+      target=lambda: taken.append(source_info_util.current().traceback))
+  thread.start()
+  thread.join()
+  return taken[0]
+
+
+_NO_CALL_SITE: list = []
+
+
+@contextlib.contextmanager
+def without_call_site():
+  """Traces what it wraps as if from no call site: its ops carry one
+  traceback, the same at every call.
+
+  A Pallas kernel's lowered code carries the source locations of the ops
+  traced into it, with the whole Python stack of the call. Two calls of one
+  kernel on one input from two places (Flax's attention projects the same
+  input for the query, the key and the value) are then two different
+  kernels to XLA, which merges identical ones only. Traced under this, they
+  are identical and XLA runs one. The name stack (``jax.named_scope``) is
+  kept. jax 0.10 to 0.12 keep ``user_context`` under ``jax._src`` only; a
+  jax without it traces as usual.
+  """
+  try:
+    from jax._src import source_info_util  # pylint: disable=import-outside-toplevel
+    context = source_info_util.user_context
+    name_stack = source_info_util.current_name_stack()
+  except (ImportError, AttributeError):
+    yield
+    return
+  if not _NO_CALL_SITE:
+    _NO_CALL_SITE.append(_traceback_of_no_call_site())
+  with context(_NO_CALL_SITE[0], name_stack=name_stack):
+    yield

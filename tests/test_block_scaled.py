@@ -820,6 +820,35 @@ def test_the_optimizer_updates_block_scaled_weights_in_place_on_a_b200(fmt):
   assert not copies, copies
 
 
+class SelfAttention(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm()(x)
+    return nn.MultiHeadDotProductAttention(num_heads=4)(h, h)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_self_attention_quantizes_its_one_input_once_on_a_b200(fmt):
+  """Flax's attention projects one input for the query, the key and the
+  value: compiled for a B200, that input is quantized once, not three
+  times. The four projections' inputs are two tensors and their output
+  gradients four, so six tensors are quantized (NVFP4: an amax kernel and a
+  cast kernel each)."""
+  require_cuda_plugin()
+  model = jmp_lab.linen.with_policy(SelfAttention(), f"mixed_{fmt}")
+  x = jax.ShapeDtypeStruct((2, 128, 128), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  report = jmp_lab.diagnostics.compiled_report(
+      jax.grad(lambda p, x: jnp.square(
+          model.apply(p, x).astype(jnp.float32)).sum()),
+      params, x, target="b200")
+  names = sorted(k.name for k in report.pallas_kernels)
+  assert names == (["mxfp8_cast_transpose"] * 6 if fmt == "mxfp8" else
+                   ["nvfp4_amax"] * 6 + ["nvfp4_cast_transpose"] * 6), names
+  assert len(report.block_scaled_gemms) == 12   # 4 projections x 3 GEMMs
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("axes, x_spec, w_spec", [
     ({"data": 8}, ("data",), ()),

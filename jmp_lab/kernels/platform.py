@@ -9,6 +9,8 @@ from typing import Callable, Optional
 
 import jax
 
+from jmp_lab import _compat
+
 
 def importable(module: str) -> bool:
   """Whether ``module`` imports here (the Pallas GPU modules come and go
@@ -29,7 +31,9 @@ def kernel_on_cuda(kernel: Callable, xla: Callable, *args):
   """``kernel(*args)`` in a program compiled for CUDA, ``xla(*args)``
   elsewhere and under ``vmap`` (a Pallas kernel under
   ``custom_partitioning`` has no batching rule); both must return the same
-  arrays. The dispatch every one-pass quantize kernel shares.
+  arrays. The dispatch every one-pass quantize kernel shares. Traced
+  without its call site (:func:`jmp_lab._compat.without_call_site`), so
+  that XLA merges calls on one input made from different places.
 
   >>> import jax.numpy as jnp
   >>> kernel_on_cuda(lambda x: x + 1, lambda x: x - 1, jnp.zeros(2))  # a CPU
@@ -45,7 +49,10 @@ def kernel_on_cuda(kernel: Callable, xla: Callable, *args):
                    )(*a)
     return out, jax.tree.map(lambda _: True, out)
 
-  return dispatch(*args)
+  # One kernel on one input from several call sites (the query, key and
+  # value projections of one input) lowers to one kernel XLA can merge.
+  with _compat.without_call_site():
+    return dispatch(*args)
 
 
 @functools.cache
