@@ -190,6 +190,7 @@ __all__ = [
     "lowering_for",
     "mosaic_load",
     "scan_counts",
+    "without_call_site",
 ]
 
 

@@ -265,6 +265,52 @@ def test_byte_model_of_one_elementwise_kernel_is_exact():
   assert report.roofline_seconds()["memory"] == pytest.approx(8 * 2**20 / 3.35232e12)
 
 
+def test_a_kernel_without_gemms_costs_its_bytes_in_both_rooflines():
+  report = compiled.compiled_report(lambda x: 2 * x + 1,
+                                    SDS((2**20,), jnp.float32))
+  roof = report.roofline_seconds()
+  assert roof["overlapped"] == roof["total"] == roof["memory"]
+
+
+@pytest.mark.parametrize("rows, bound", [(4096, "math"), (8, "bytes")])
+def test_the_overlapped_roofline_hides_a_gemms_lesser_cost(rows, bound):
+  """One cuBLAS GEMM, (rows, 4096) x (4096, 4096) in bf16 on an H100: at
+  4096 rows its math (137 GFLOP, 139 us) outlasts its 100 MB (30 us); at
+  8 rows its 34 MB (10 us) outlast its math (0.3 us). The summed roofline
+  pays both, the overlapped one the larger."""
+  a, w = SDS((rows, 4096), jnp.bfloat16), SDS((4096, 4096), jnp.bfloat16)
+  report = compiled.compiled_report(jnp.matmul, a, w)
+  (gemm,) = report.gemms
+  assert gemm.io_bytes == a.size * 2 + w.size * 2 + rows * 4096 * 2
+  assert gemm.kernel in {k.name for k in report.kernel_records}
+  roof = report.roofline_seconds()
+  bytes_seconds = gemm.io_bytes / report.target.memory_bandwidth
+  assert roof["total"] == pytest.approx(roof["memory"] + roof["gemm"])
+  assert roof["memory"] == pytest.approx(bytes_seconds, rel=1e-6)
+  expected = roof["gemm"] if bound == "math" else bytes_seconds
+  assert roof["overlapped"] == pytest.approx(expected, rel=1e-6)
+  assert roof["overlapped"] == pytest.approx(
+      max(roof["gemm"], bytes_seconds), rel=1e-6)
+
+
+def test_the_overlapped_roofline_counts_every_trip_of_a_looped_gemm():
+  """A compute-bound GEMM in a 3-trip scan: three launches, each hiding its
+  bytes under its math; the tanh between them costs its bytes."""
+  w = SDS((2048, 2048), jnp.bfloat16)
+
+  def scanned(x, w):
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None,
+                        length=3)[0]
+
+  report = compiled.compiled_report(scanned, w, w)
+  assert sum(g.times for g in report.gemms) == 3
+  roof = report.roofline_seconds()
+  gemm_bytes = sum(g.io_bytes * g.times for g in report.gemms)
+  rest = roof["memory"] - gemm_bytes / report.target.memory_bandwidth
+  assert rest > 0
+  assert roof["overlapped"] == pytest.approx(roof["gemm"] + rest, rel=1e-6)
+
+
 @pytest.mark.parametrize("trips", [1, 2, 10])
 def test_byte_model_counts_every_trip_of_a_loop(trips):
   """XLA's cost analysis counts a while body once (2 and 10 trips gave the

@@ -38,6 +38,11 @@ class GemmRecord:
   precision: str            # XLA's operand precision, e.g. "DEFAULT"
   flops: float
   times: int                # launches per step (while trip counts)
+  # The kernel that runs it (the custom call or the fusion holding the dot)
+  # and that kernel's operand and result bytes as the byte model counts
+  # them: what ``CompiledReport.roofline_seconds`` hides under its math.
+  kernel: str = ""
+  io_bytes: int = 0
 
   @property
   def math(self) -> str:
@@ -129,10 +134,22 @@ def _without_workspace(inst: hlo.Instruction) -> list:
   return result
 
 
-def _library_gemm(inst: hlo.Instruction, result: list,
-                  times: int) -> Optional[GemmRecord]:
+def _library_gemm(inst: hlo.Instruction, result: list, times: int,
+                  kernel: Optional[tuple[str, int]] = None
+                  ) -> Optional[GemmRecord]:
   """The GEMM a cuBLAS or cuDNN convolution custom call runs (None for any
-  other call)."""
+  other call), run by ``kernel`` (its name and io bytes; default: the call
+  itself)."""
+  gemm = _library_gemm_of_call(inst, result, times)
+  if gemm is None:
+    return None
+  name, io = kernel or (inst.name, inst.operand_bytes
+                        + sum(a.bytes for a in result))
+  return dataclasses.replace(gemm, kernel=name, io_bytes=io)
+
+
+def _library_gemm_of_call(inst: hlo.Instruction, result: list,
+                          times: int) -> Optional[GemmRecord]:
   target = inst.attribute("custom_call_target") or ""
   if len(inst.operand_types) < 2 or not all(inst.operand_types[:2]):
     return None
@@ -272,20 +289,23 @@ class Walker:
         lhs, rhs = inst.operand_types[0][0], inst.operand_types[1][0]
         flops = loss_kernels.gemm_flops(name, lhs.dims, rhs.dims)
         if flops:  # jmp_lab's own kernels that are GEMMs inside
-          self.gemms.append(GemmRecord("pallas", lhs, rhs, result[0],
-                                       "DEFAULT", flops, times))
+          self.gemms.append(GemmRecord(
+              "pallas", lhs, rhs, result[0], "DEFAULT", flops, times,
+              inst.name, inst.operand_bytes + sum(a.bytes for a in result)))
 
   def fusion(self, inst: hlo.Instruction, times: int) -> None:
     kind = (inst.backend_config().get("fusion_backend_config", {})
             .get("kind", ""))
     label = ("triton" if "triton" in kind else
              "cublas" if "cublas" in kind else "fused dot")
+    kernel = (inst.name, self.io_bytes(inst))
     for comp in self.called(inst, "calls"):
       # jax 0.12's XLA puts a cuBLAS call that reads a dynamic slice (a
       # scanned layer's weight) inside a "dynamic slice fusion".
       for call in comp.instructions:
         if call.opcode == "custom-call":
-          library_gemm = _library_gemm(call, _without_workspace(call), times)
+          library_gemm = _library_gemm(call, _without_workspace(call), times,
+                                       kernel)
           if library_gemm is not None:
             self.gemms.append(library_gemm)
       for dot in self.dots(comp):
@@ -295,7 +315,8 @@ class Walker:
             label, lhs, rhs, dot.result[0],
             precision.group(1).upper() if precision else "DEFAULT",
             _dot_flops(dot.result[0], lhs,
-                       _dims(dot.attribute("lhs_contracting_dims"))), times))
+                       _dims(dot.attribute("lhs_contracting_dims"))), times,
+            *kernel))
 
   def dots(self, computation: hlo.Computation) -> list[hlo.Instruction]:
     found = []
