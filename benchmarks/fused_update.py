@@ -34,8 +34,8 @@ Usage::
 step for that GPU (``jmp_lab.diagnostics.compiled_report``) and prints bytes
 per step and per parameter (XLA's cost model plus the custom calls' operand
 and result bytes), kernels launched, argument+temporary memory, the Pallas
-kernel's registers and spills, and a roofline lower bound -- a model, not a
-measurement.
+kernel's registers and spills, and the summed roofline (bytes plus GEMM
+math) -- a model, not a measurement.
 
 Timings are medians of ``--repeats`` device-synchronised runs after
 ``--warmup`` runs. On a CPU the numbers are ratios of the reference backend,
