@@ -293,6 +293,22 @@ def test_the_overlapped_roofline_hides_a_gemms_lesser_cost(rows, bound):
       max(roof["gemm"], bytes_seconds), rel=1e-6)
 
 
+def test_the_overlapped_roofline_hides_the_bytes_of_triton_gemm_fusions():
+  """Two compute-bound GEMMs as XLA's Triton fusions (their dots inside
+  fusion kernels): each kernel's boundary bytes hide under its math."""
+  a = SDS((4096, 4096), jnp.bfloat16)
+  report = compiled.compiled_report(lambda x, y: jnp.tanh(x @ y) @ y, a, a,
+                                    triton_gemm=True)
+  assert {g.kind for g in report.gemms} == {"triton"}
+  assert len({g.kernel for g in report.gemms}) == 2
+  roof = report.roofline_seconds()
+  hidden = sum(g.io_bytes for g in report.gemms) / (
+      report.target.memory_bandwidth)
+  assert roof["gemm"] <= roof["overlapped"] < roof["total"]
+  assert roof["overlapped"] == pytest.approx(roof["total"] - hidden,
+                                             rel=1e-6)
+
+
 def test_the_overlapped_roofline_counts_every_trip_of_a_looped_gemm():
   """A compute-bound GEMM in a 3-trip scan: three launches, each hiding its
   bytes under its math; the tanh between them costs its bytes."""
