@@ -2,6 +2,7 @@
 independent reference, the block-scaled products and their gradients, the
 policy keys on every route, and the B200 compile."""
 
+import collections
 import fractions
 import functools
 import pathlib
@@ -847,6 +848,31 @@ def test_self_attention_quantizes_its_one_input_once_on_a_b200(fmt):
   assert names == (["mxfp8_cast_transpose"] * 6 if fmt == "mxfp8" else
                    ["nvfp4_amax"] * 6 + ["nvfp4_cast_transpose"] * 6), names
   assert len(report.block_scaled_gemms) == 12   # 4 projections x 3 GEMMs
+
+
+def test_on_8_b200s_self_attention_quantizes_its_one_input_once():
+  """Data parallel over 8 B200s, MXFP8: each device quantizes its share of
+  attention's one input once for the query, the key and the value (the
+  partitioner's kernels merge as one device's do). NVFP4's amax kernels
+  merge there too, but not its cast kernels: each reads the global scale of
+  its own all-reduce, which XLA does not merge."""
+  require_cuda_plugin()
+  from jax.sharding import PartitionSpec as P
+  counts = {}
+  for fmt in ("mxfp8", "nvfp4"):
+    model = jmp_lab.linen.with_policy(SelfAttention(), f"mixed_{fmt}")
+    x = jax.ShapeDtypeStruct((16, 128, 128), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    report = jmp_lab.diagnostics.compiled_report(
+        jax.grad(lambda p, x, model=model: jnp.square(
+            model.apply(p, x).astype(jnp.float32)).sum()),
+        params, x, target="b200", devices=8, axes={"data": 8},
+        in_specs=(P(), P("data")))
+    counts[fmt] = collections.Counter(k.name for k in report.pallas_kernels)
+    assert len(report.block_scaled_gemms) == 12
+  assert counts["mxfp8"] == {"mxfp8_cast_transpose": 6}
+  assert counts["nvfp4"]["nvfp4_amax"] == 6
+  assert 6 <= counts["nvfp4"]["nvfp4_cast_transpose"] <= 8
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
