@@ -135,16 +135,14 @@ def _without_workspace(inst: hlo.Instruction) -> list:
 
 
 def _library_gemm(inst: hlo.Instruction, result: list, times: int,
-                  kernel: Optional[tuple[str, int]] = None
-                  ) -> Optional[GemmRecord]:
+                  kernel: tuple[str, int]) -> Optional[GemmRecord]:
   """The GEMM a cuBLAS or cuDNN convolution custom call runs (None for any
-  other call), run by ``kernel`` (its name and io bytes; default: the call
-  itself)."""
+  other call), run by ``kernel`` (its name and io bytes: the call itself,
+  or the fusion that holds it)."""
   gemm = _library_gemm_of_call(inst, result, times)
   if gemm is None:
     return None
-  name, io = kernel or (inst.name, inst.operand_bytes
-                        + sum(a.bytes for a in result))
+  name, io = kernel
   return dataclasses.replace(gemm, kernel=name, io_bytes=io)
 
 
@@ -276,10 +274,10 @@ class Walker:
   def custom_call(self, inst: hlo.Instruction, times: int) -> None:
     target = inst.attribute("custom_call_target") or ""
     result = _without_workspace(inst)
-    self.custom_call_bytes += times * (
-        inst.operand_bytes + sum(a.bytes for a in result))
+    kernel = (inst.name, inst.operand_bytes + sum(a.bytes for a in result))
+    self.custom_call_bytes += times * kernel[1]
     config = inst.backend_config()
-    library_gemm = _library_gemm(inst, result, times)
+    library_gemm = _library_gemm(inst, result, times, kernel)
     if library_gemm is not None:
       self.gemms.append(library_gemm)
     elif target.startswith(_PALLAS_TARGETS):
@@ -291,7 +289,7 @@ class Walker:
         if flops:  # jmp_lab's own kernels that are GEMMs inside
           self.gemms.append(GemmRecord(
               "pallas", lhs, rhs, result[0], "DEFAULT", flops, times,
-              inst.name, inst.operand_bytes + sum(a.bytes for a in result)))
+              *kernel))
 
   def fusion(self, inst: hlo.Instruction, times: int) -> None:
     kind = (inst.backend_config().get("fusion_backend_config", {})
