@@ -48,6 +48,14 @@ without one (``target="b200"``).
 >>> exact = x.astype(jnp.float32) @ w.astype(jnp.float32)
 >>> bool(jnp.max(jnp.abs(y - exact)) < 0.1 * jnp.max(jnp.abs(exact)))
 True
+
+A weight on the left (``w @ x``, as Equinox's ``Linear`` computes it) is
+named with ``weight="lhs"``; the product is the same, transposed:
+
+>>> y_t = jmp_lab.block_scaled.dot_general(w.T, x, (((1,), (1,)), ((), ())),
+...                                        fmt="mxfp8", weight="lhs")
+>>> bool((y_t == y.T).all())
+True
 """
 
 from jmp_lab._src.numerics.block_matmul import (Recipe, dot_general, einsum,

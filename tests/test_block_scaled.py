@@ -593,6 +593,8 @@ def test_einsum_is_block_scaled_like_its_dot_general():
     (dict(fmt="fp4"), "block-scaled format 'fp4' is not supported; accepted: "
                       "mxfp8, nvfp4"),
     (dict(fmt="mxfp8", out_sharding="x"), "does not take out_sharding"),
+    (dict(fmt="nvfp4", weight="both"),
+     "weight must be 'rhs' or 'lhs', got 'both'"),
 ])
 def test_bad_arguments_are_named(bad, pattern):
   with pytest.raises(ValueError, match=re.escape(pattern)):
@@ -708,6 +710,50 @@ def test_autocast_block_scales_weight_matmuls_not_attention():
   for name, g in grad(p, x).items():
     assert float(jnp.linalg.norm(g - exact[name])) < 0.2 * float(
         jnp.linalg.norm(exact[name]))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_autocast_block_scales_a_weight_on_the_left_as_equinox_writes_it(fmt):
+  """Equinox's ``Linear`` computes ``weight @ x`` (its weight is ``(out,
+  in)``, on the left) and is applied under ``jax.vmap``. Its GEMMs are
+  block-scaled as linen's Dense with the same weight transposed, to the
+  bit, forward and both gradients. (Before, autocast only took a weight on
+  the right, and an Equinox model ran every GEMM in bf16.)"""
+  import equinox as eqx  # pylint: disable=import-outside-toplevel
+  layer = eqx.nn.Linear(64, 32, key=jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (4, 32, 64))
+  # A cotangent that is the same bf16 values on both routes.
+  weights = jax.random.normal(jax.random.key(2), (4, 32, 32)).astype(
+      jnp.bfloat16).astype(jnp.float32)
+
+  # The layer's input is computed (normalized, in fp32 under both), as a
+  # hidden layer's is: of two stored operands (a layer applied to an
+  # argument) autocast takes the right one as the weight.
+  def eqx_loss(layer, x):
+    h = jax.nn.standardize(x, axis=-1)
+    y = jax.vmap(jax.vmap(layer))(h)
+    return (y.astype(jnp.float32) * weights).sum()
+
+  dense = jmp_lab.linen.with_policy(nn.Dense(32), f"mixed_{fmt}")
+  variables = {"params": {"kernel": layer.weight.T, "bias": layer.bias}}
+
+  def linen_loss(variables, x):
+    h = jax.nn.standardize(x, axis=-1)
+    y = dense.apply(variables, h)
+    return (y.astype(jnp.float32) * weights).sum()
+
+  eqx_grad = jax.jit(jax.grad(jmp_lab.autocast(eqx_loss, f"mixed_{fmt}"),
+                              argnums=(0, 1)))
+  linen_grad = jax.jit(jax.grad(linen_loss, argnums=(0, 1)))
+  assert _kinds(audit_step(eqx_grad, layer, x)).count(fmt) == 3
+  (eqx_layer, eqx_x), (linen_variables, linen_x) = (
+      eqx_grad(layer, x), linen_grad(variables, x))
+  chex.assert_trees_all_close(eqx_x, linen_x, atol=0, rtol=0)
+  chex.assert_trees_all_close(eqx_layer.weight.T,
+                              linen_variables["params"]["kernel"],
+                              atol=0, rtol=0)
+  # (The bias gradients differ in rounding: flax sums a bf16 bias's
+  # gradient in bf16, autocast sums in fp32.)
 
 
 def test_autocast_still_refuses_per_tensor_fp8():

@@ -492,3 +492,60 @@ def test_the_other_policies_train_model_code_as_written(name, policy):
     state, metrics = step(state, next(case.batches))
   assert np.isfinite(float(metrics["loss"]))
   assert int(metrics["skipped_steps"]) == 0
+
+
+# ---- Blackwell's block-scaled formats on model code as written ----------------
+
+# The weight matmuls of one step's forward, as the audit sees them (a
+# scanned body once): each runs three block-scaled GEMMs a step. Attention's
+# products of two computed values and tied logits (``Embed.attend``) stay in
+# bf16, as do convolutions: the keys block-scale Dense/Linear/Einsum layers
+# and, under autocast, products with a stored weight.
+WEIGHT_MATMULS = {"resnet": 1, "linen_lm": 12, "linen_lm_custom": 6,
+                  "griffin": 16, "gemma": 10, "equinox": 13}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("name", CASES)
+def test_block_scaled_keys_reach_every_weight_matmul_of_model_code(name, fmt):
+  """Layers with their own ``dtype=float32`` (lm1b, Gemma's NNX Einsum and
+  Linear), ``nn.scan``, a recurrent block, and Equinox under ``autocast``,
+  whose ``Linear`` computes ``weight @ x`` under ``jax.vmap`` (before, the
+  Equinox model ran no GEMM block-scaled)."""
+  case = mr.CASES[name](f"mixed_{fmt}")
+  report = audit_step(case.step, case.state, next(case.batches))
+  kinds = [r.kind for r in report.matmuls]
+  assert kinds.count(fmt) == 3 * WEIGHT_MATMULS[name], kinds
+  assert set(kinds) <= {fmt, "hadamard", "dot_general", "conv"}, kinds
+
+
+@pytest.mark.parametrize("name", ["linen_lm", "linen_lm_custom", "griffin",
+                                  "gemma", "equinox"])
+@pytest.mark.floor_lane
+def test_block_scaled_keys_train_model_code_near_bf16(name):
+  """60 steps on the same batches (emulated on the CPU as a B200 computes
+  them): MXFP8 within 1% of bf16's loss, NVFP4 within 3%."""
+  loss = {policy: mr.train_on_seeds(mr.CASES[name], policy, 60, 1)
+          for policy in ("mixed_bfloat16", "mixed_mxfp8", "mixed_nvfp4")}
+  assert loss["mixed_mxfp8"] / loss["mixed_bfloat16"] - 1 < 0.01, loss
+  assert loss["mixed_nvfp4"] / loss["mixed_bfloat16"] - 1 < 0.03, loss
+
+
+@pytest.mark.model_compile
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("name", ["gemma", "equinox"])
+def test_model_code_compiles_its_weight_gemms_block_scaled_for_a_b200(
+    name, fmt):
+  """NNX layers with ``dtype=float32`` and Equinox through ``autocast``:
+  every GEMM the audit block-scales is cuDNN's block-scaled GEMM compiled
+  for a B200; what is left is the tied logits' bf16 GEMM."""
+  require_cuda_plugin()
+  case = mr.CASES[name](f"mixed_{fmt}")
+  report = jmp_lab.diagnostics.compiled_report(
+      case.step, case.state, next(case.batches), target="b200",
+      fail_on_spill=False)
+  assert sum(g.times for g in report.block_scaled_gemms) == (
+      3 * WEIGHT_MATMULS[name])
+  assert {g.block_scaled for g in report.block_scaled_gemms} == {fmt}
+  assert report.block_scaled_flop_share() > 0.8
+  assert {g.math for g in report.gemms if g.block_scaled is None} == {"16-bit"}

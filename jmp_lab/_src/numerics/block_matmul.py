@@ -413,13 +413,19 @@ def _k_major(ndim: int, contracting, batch) -> bool:
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
-                fmt: str, out_sharding=None) -> jax.Array:
-  """``lax.dot_general(lhs, rhs, ...)`` block-scaled in ``fmt``; ``rhs`` is
-  the weight, ``lhs`` is cast to its dtype, the result is in it."""
+                fmt: str, out_sharding=None, weight: str = "rhs"
+                ) -> jax.Array:
+  """``lax.dot_general(lhs, rhs, ...)`` block-scaled in ``fmt``; ``weight``
+  (``"rhs"``, or ``"lhs"`` for ``w @ x``) names the weight operand, the
+  other is cast to its dtype, the result is in it."""
   del precision, preferred_element_type
   if out_sharding is not None:
     raise ValueError(f"a block-scaled matmul does not take out_sharding "
                      f"(got {out_sharding!r})")
+  if weight == "lhs":
+    return _weight_on_the_left(lhs, rhs, dimension_numbers, fmt)
+  if weight != "rhs":
+    raise ValueError(f"weight must be 'rhs' or 'lhs', got {weight!r}")
   recipe = recipe_for(fmt)
   (lc, rc), (lb, rb) = dimension_numbers
   lhs = jnp.asarray(lhs).astype(rhs.dtype)
@@ -430,6 +436,21 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
            + [lhs.shape[d] for d in range(lhs.ndim) if d not in lc + lb]
            + [rhs.shape[d] for d in range(rhs.ndim) if d not in rc + rb])
   return y.reshape(shape)
+
+
+def _weight_on_the_left(w: jax.Array, x: jax.Array, dimension_numbers,
+                        fmt: str) -> jax.Array:
+  """``lax.dot_general(w, x, ...)`` with the weight on the left: the
+  product with the operands swapped (so that each gets its own recipe),
+  its free dimensions put back in lax's order (batch, ``w``'s, ``x``'s)."""
+  (wc, xc), (wb, xb) = dimension_numbers
+  y = dot_general(x, w, ((xc, wc), (xb, wb)), fmt=fmt)
+  batch = len(wb)
+  x_free = x.ndim - len(xc) - len(xb)
+  w_free = w.ndim - len(wc) - len(wb)
+  return jnp.transpose(y, (*range(batch),
+                           *range(batch + x_free, batch + x_free + w_free),
+                           *range(batch, batch + x_free)))
 
 
 def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, precision=None,

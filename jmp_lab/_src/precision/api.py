@@ -50,11 +50,12 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
       (``matmul=fp8``/``fp8_current``: autocast has none), an unknown
       primitive name or an invalid regular expression. Block-scaled
       matmuls (``matmul=mxfp8``/``nvfp4``) are supported: every
-      ``dot_general`` whose right operand is a stored value (an argument
-      as passed in, such as a weight: ``x @ w``) is block-scaled; one whose
-      right operand was computed (attention's) runs in the compute dtype,
-      as under the Flax front ends, where only Dense/Linear/Einsum layers
-      are block-scaled.
+      ``dot_general`` with a stored operand (an argument as passed in,
+      such as a weight) is block-scaled with that operand as the weight:
+      ``x @ w``, and ``w @ x`` as Equinox's ``Linear`` writes it; of two
+      stored operands the right one. One of two computed operands
+      (attention's) runs in the compute dtype, as under the Flax front
+      ends, where only Dense/Linear/Einsum layers are block-scaled.
 
   Example::
 

@@ -11,6 +11,7 @@ their handlers in :mod:`.control`.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,12 +30,13 @@ def matmul(op: Op) -> tuple[list, list]:
   target = op.region.matmul
   written = [written_dtype(v) for v in op.eqn.invars[:2]]
   actual = [dtype_of(x, v) for x, v in zip(op.invals, op.eqn.invars)][:2]
-  if _block_scaled(op, target, actual):
+  weight = _block_scaled_weight(op, target, actual)
+  if weight is not None:
     observers.matmul_ran([target, target], written, False, in_model=True)
-    x, w = (cast(v, target) for v in op.invals[:2])
+    lhs, rhs = (cast(v, target) for v in op.invals[:2])
     return [block_matmul.dot_general(
-        x, w, op.eqn.params["dimension_numbers"],
-        fmt=op.region.block_scaled)], [Role.HALF]
+        lhs, rhs, op.eqn.params["dimension_numbers"],
+        fmt=op.region.block_scaled, weight=weight)], [Role.HALF]
   if target is None or not all(is_floating(d) and d.itemsize > 1
                                for d in actual):
     dtypes = [np.dtype(v.aval.dtype) for v in op.eqn.invars[:2]]
@@ -62,14 +64,19 @@ def matmul(op: Op) -> tuple[list, list]:
   return [out], [Role.WIDE]
 
 
-def _block_scaled(op: Op, target, actual) -> bool:
-  """Whether ``op`` is a weight matmul of a block-scaled region: a
-  ``dot_general`` of floating operands whose right one is stored (an
-  argument as passed in: ``x @ w``)."""
-  return (op.region.block_scaled is not None and target is not None
-          and op.eqn.primitive.name == "dot_general"
-          and all(is_floating(d) and d.itemsize > 1 for d in actual)
-          and op.roles[1] == Role.STORED)
+def _block_scaled_weight(op: Op, target, actual) -> Optional[str]:
+  """Which operand of ``op`` is the weight, if ``op`` is a weight matmul of
+  a block-scaled region: a ``dot_general`` of floating operands one of
+  which is stored (an argument as passed in). ``"rhs"`` for ``x @ w``, and
+  when both are stored (a layer applied to an argument of the function);
+  ``"lhs"`` for ``w @ x`` (Equinox's ``Linear``). None: not one."""
+  if (op.region.block_scaled is None or target is None
+      or op.eqn.primitive.name != "dot_general"
+      or not all(is_floating(d) and d.itemsize > 1 for d in actual)):
+    return None
+  if op.roles[1] == Role.STORED:
+    return "rhs"
+  return "lhs" if op.roles[0] == Role.STORED else None
 
 
 def convert(op: Op) -> tuple[list, list]:

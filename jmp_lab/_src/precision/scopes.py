@@ -50,7 +50,7 @@ class Region:
     compute: the half dtype ops compute in, or None: ops run as written.
     matmul: the half dtype matmuls run in, or None: matmuls run as written.
     block_scaled: ``"mxfp8"`` or ``"nvfp4"``: weight matmuls (a matmul
-      whose right operand is a stored value, as ``x @ w``) block-scaled
+      with a stored operand, as ``x @ w`` or ``w @ x``) block-scaled
       (:mod:`jmp_lab.block_scaled`; autocast's ``matmul=`` key), or None.
   """
 
