@@ -7,16 +7,20 @@ the NNX model through ``jmp_lab.nnx.with_policy``, and the Equinox model
 through ``jmp_lab.autocast``. The step is audited in three ways:
 
 * ``audit_step``: the share of matmul and convolution FLOPs with half
-  operands in the traced step (forward and backward);
+  operands in the traced step (forward and backward), and under
+  ``matmul=mxfp8``/``nvfp4`` the share block-scaled;
 * ``compiled_report`` (with ``--target h100``, no GPU needed): the GEMMs
   and convolutions of the module compiled for an H100 that have an f32
-  operand, out of all of them;
+  operand, out of all of them (``--target b200``: also the block-scaled
+  GEMMs);
 * ``--steps N``: the loss after N steps on real data (digits for the
-  ResNet, the standard library's bytes for the LMs), against fp32 on the
-  same batches.
+  ResNet, the standard library's bytes for the LMs), against fp32's (or
+  ``--baseline``'s) on the same batches.
 
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/model_reach.py --target h100
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/model_reach.py --steps 200
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/model_reach.py \
+      --policy mixed_mxfp8 --target b200 --steps 60 --baseline mixed_bfloat16
 
 The compiled figures are a model of the GPU program, not measurements on a
 GPU.
@@ -206,6 +210,7 @@ def audit(case: Case) -> dict[str, Any]:
   report = jmp_lab.diagnostics.audit_step(case.step, case.state, batch,
                                           policy=case.policy)
   return {"half_share": report.half_flop_share,
+          "block_scaled_share": report.block_scaled_flop_share,
           "matmuls": len(report.matmuls)}
 
 
@@ -217,7 +222,9 @@ def compiled(case: Case, target: str) -> dict[str, Any]:
                                                fail_on_spill=False)
   f32 = [g for g in report.gemms
          if "f32" in (g.lhs.dtype, g.rhs.dtype)]
-  return {"gemms": len(report.gemms), "f32_gemms": len(f32)}
+  return {"gemms": len(report.gemms), "f32_gemms": len(f32),
+          "block_scaled_gemms": sum(g.times
+                                    for g in report.block_scaled_gemms)}
 
 
 def train(case: Case, steps: int, step=None) -> float:
@@ -253,9 +260,13 @@ def main(argv=None) -> list[dict[str, Any]]:
                       help="comma-separated: " + ", ".join(CASES))
   parser.add_argument("--policy", default="mixed_bfloat16")
   parser.add_argument("--target", default=None,
-                      help="also compile each step for this GPU (h100, h200)")
+                      help="also compile each step for this GPU (h100, h200, b200)")
   parser.add_argument("--steps", type=int, default=0,
-                      help="also train this many steps, and fp32 beside it")
+                      help="also train this many steps, and the baseline "
+                           "beside it")
+  parser.add_argument("--baseline", default="float32",
+                      help="with --steps: the policy whose loss the ratio "
+                           "is taken against")
   parser.add_argument("--seeds", type=int, default=1,
                       help="with --steps: data seeds to average the loss over")
   args = parser.parse_args(argv)
@@ -270,9 +281,9 @@ def main(argv=None) -> list[dict[str, Any]]:
     if args.target:
       row.update(compiled(case, args.target))
     if args.steps:
-      row["loss"], row["fp32_loss"] = (
+      row["loss"], row["baseline_loss"] = (
           train_on_seeds(CASES[name], policy, args.steps, args.seeds)
-          for policy in (args.policy, "float32"))
+          for policy in (args.policy, args.baseline))
     rows.append(row)
     print(_row_text(row, args), flush=True)
   print()
@@ -286,24 +297,35 @@ def _row_text(row, args) -> str:
 
 
 def table(rows, args) -> str:
+  block_scaled = jmp_lab.get_policy(args.policy).matmul in ("mxfp8", "nvfp4")
   head = f"| model | matmul FLOPs in half (`audit_step`, {args.policy}) |"
   rule = "|---|---|"
+  if block_scaled:
+    head += " of them block-scaled |"
+    rule += "---|"
   if args.target:
     head += f" GEMMs/convolutions with an f32 operand ({args.target}) |"
     rule += "---|"
+    if block_scaled:
+      head += " block-scaled GEMMs |"
+      rule += "---|"
   if args.steps:
     head += (f" loss, last quarter of {args.steps} steps"
              f"{f' (mean of {args.seeds} seeds)' if args.seeds > 1 else ''}"
-             f" | fp32 | ratio |")
+             f" | {args.baseline} | ratio |")
     rule += "---|---|---|"
   lines = [head, rule]
   for row in rows:
     line = f"| {row['model']} | {100 * row['half_share']:.0f}% |"
+    if block_scaled:
+      line += f" {100 * row['block_scaled_share']:.0f}% |"
     if args.target:
       line += f" {row['f32_gemms']} of {row['gemms']} |"
+      if block_scaled:
+        line += f" {row['block_scaled_gemms']} |"
     if args.steps:
-      line += (f" {row['loss']:.4f} | {row['fp32_loss']:.4f} | "
-               f"{row['loss'] / row['fp32_loss']:.4f} |")
+      line += (f" {row['loss']:.4f} | {row['baseline_loss']:.4f} | "
+               f"{row['loss'] / row['baseline_loss']:.4f} |")
     lines.append(line)
   return "\n".join(lines)
 
