@@ -19,6 +19,11 @@ model without autocast.
   python examples/autocast_equinox.py                    # bf16, 300 steps
   python examples/autocast_equinox.py --policy mixed_float16
   python examples/autocast_equinox.py --policy float32   # the fp32 baseline
+  python examples/autocast_equinox.py --policy mixed_mxfp8  # Blackwell's MXFP8
+
+Under ``mixed_mxfp8`` or ``mixed_nvfp4`` every ``Linear`` (a ``weight @ x``)
+is block-scaled, as on a B200 (emulated on a CPU); the audit then also
+prints the block-scaled share.
 """
 
 from __future__ import annotations
@@ -160,7 +165,11 @@ def main(argv=None):
   print(f"{(args.steps - 1) * args.batch_size * args.seq_len / seconds:,.0f} "
         f"tokens/s (a CPU figure is not a speed claim)")
   print(f"matmul FLOPs in half precision: {100 * audit.half_flop_share:.0f}%")
+  if policy.matmul in ("mxfp8", "nvfp4"):
+    print(f"of them block-scaled ({policy.matmul}): "
+          f"{100 * audit.block_scaled_flop_share:.0f}%")
   return {"valid_loss": valid_loss, "half_flop_share": audit.half_flop_share,
+          "block_scaled_flop_share": audit.block_scaled_flop_share,
           "state": state}
 
 

@@ -250,3 +250,16 @@ def test_autocast_equinox_example_smoke(tmp_path):
                        "--no-progress")
   assert result["half_flop_share"] == 1.0
   assert np.isfinite(result["valid_loss"])
+
+
+def test_autocast_equinox_example_block_scales_its_linears(tmp_path):
+  """Equinox's ``Linear`` computes ``weight @ x``: under ``mixed_mxfp8``
+  each is block-scaled (before, none was); attention's products stay bf16."""
+  text = tmp_path / "text.txt"
+  text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+  result = run_example("autocast_equinox.py", "--data", str(text), "--steps",
+                       "2", "--batch-size", "4", "--seq-len", "32",
+                       "--no-progress", "--policy", "mixed_mxfp8")
+  assert result["half_flop_share"] == 1.0
+  assert 0.6 < result["block_scaled_flop_share"] < 1.0
+  assert np.isfinite(result["valid_loss"])
