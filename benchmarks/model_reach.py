@@ -297,11 +297,11 @@ def _row_text(row, args) -> str:
 
 
 def table(rows, args) -> str:
-  block_scaled = jmp_lab.get_policy(args.policy).matmul in ("mxfp8", "nvfp4")
+  block_scaled = any(row["block_scaled_share"] for row in rows)
   head = f"| model | matmul FLOPs in half (`audit_step`, {args.policy}) |"
   rule = "|---|---|"
   if block_scaled:
-    head += " of them block-scaled |"
+    head += " matmul FLOPs block-scaled |"
     rule += "---|"
   if args.target:
     head += f" GEMMs/convolutions with an f32 operand ({args.target}) |"

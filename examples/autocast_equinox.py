@@ -165,8 +165,8 @@ def main(argv=None):
   print(f"{(args.steps - 1) * args.batch_size * args.seq_len / seconds:,.0f} "
         f"tokens/s (a CPU figure is not a speed claim)")
   print(f"matmul FLOPs in half precision: {100 * audit.half_flop_share:.0f}%")
-  if policy.matmul in ("mxfp8", "nvfp4"):
-    print(f"of them block-scaled ({policy.matmul}): "
+  if audit.block_scaled_flop_share:
+    print(f"matmul FLOPs block-scaled ({policy.matmul}): "
           f"{100 * audit.block_scaled_flop_share:.0f}%")
   return {"valid_loss": valid_loss, "half_flop_share": audit.half_flop_share,
           "block_scaled_flop_share": audit.block_scaled_flop_share,

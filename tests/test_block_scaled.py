@@ -581,6 +581,48 @@ def test_a_weights_layout_does_not_change_its_numbers(fmt, experts):
                               (y, dx, dw))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("w_shape, x_shape, dims", [
+    ((64, 96), (8, 96), (((1,), (1,)), ((), ()))),        # Equinox: w @ x
+    ((48, 3, 64), (5, 3, 64, 7), (((2,), (2,)), ((1,), (1,)))),
+    ((2, 32, 3, 16), (3, 16, 2, 32, 5), (((1,), (3,)), ((0, 2), (2, 0)))),
+    ((4, 16, 6, 32), (32, 5, 16, 7), (((1, 3), (2, 0)), ((), ()))),
+    ((2, 64), (2, 64, 9), (((1,), (1,)), ((0,), (0,)))),  # w: no free dim
+])
+def test_a_weight_on_the_left_is_the_swapped_product_in_lax_order(
+    fmt, w_shape, x_shape, dims):
+  """``weight="lhs"``: ``lax.dot_general(w, x, dims)``'s shape, and the
+  numbers (forward and both gradients) of the product with the operands
+  swapped, ``w`` as the right-hand weight, its free dims moved back."""
+  w = jax.random.normal(jax.random.key(0), w_shape)
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  (wc, xc), (wb, xb) = dims
+  batch, x_free = len(wb), len(x_shape) - len(xc) - len(xb)
+  w_free = len(w_shape) - len(wc) - len(wb)
+  cotangent = jax.random.normal(
+      jax.random.key(2), jax.eval_shape(
+          lambda: jax.lax.dot_general(w, x, dims)).shape)
+
+  def on_the_left(w, x):
+    return bs.dot_general(w, x, dims, fmt=fmt, weight="lhs")
+
+  def swapped(w, x):
+    y = bs.dot_general(x, w, ((xc, wc), (xb, wb)), fmt=fmt)
+    return jnp.moveaxis(y, list(range(batch + x_free, batch + x_free + w_free)),
+                        list(range(batch, batch + w_free)))
+
+  def loss(product):
+    return lambda w, x: (product(w, x).astype(jnp.float32) * cotangent).sum()
+
+  chex.assert_trees_all_close(on_the_left(w, x), swapped(w, x), atol=0, rtol=0)
+  chex.assert_trees_all_close(
+      jax.grad(loss(on_the_left), (0, 1))(w, x),
+      jax.grad(loss(swapped), (0, 1))(w, x), atol=0, rtol=0)
+  exact = jax.lax.dot_general(w, x, dims)
+  assert float(jnp.linalg.norm(on_the_left(w, x).astype(jnp.float32) - exact)
+               ) < 0.25 * float(jnp.linalg.norm(exact))
+
+
 def test_einsum_is_block_scaled_like_its_dot_general():
   x = jax.random.normal(jax.random.key(0), (2, 8, 64), jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), (64, 4, 16), jnp.bfloat16)
@@ -754,6 +796,24 @@ def test_autocast_block_scales_a_weight_on_the_left_as_equinox_writes_it(fmt):
                               atol=0, rtol=0)
   # (The bias gradients differ in rounding: flax sums a bf16 bias's
   # gradient in bf16, autocast sums in fp32.)
+
+
+def test_autocast_takes_no_matrix_the_code_built_for_a_weight_on_the_left():
+  """A causal mask and a one-hot segment matrix, built inside the
+  function, multiply from the left: they are no weights and stay in bf16
+  (a weight on the left is one handed in, as Equinox's ``Linear`` has)."""
+  ids = jnp.arange(64) % 8
+
+  def loss(w, h):
+    h = jnp.tanh(h @ w)
+    causal = jnp.tril(jnp.ones((64, 64))) @ h
+    segments = jax.nn.one_hot(ids, 8).T @ h
+    return causal.sum() + segments.sum()
+
+  grad = jax.grad(jmp_lab.autocast(loss, "mixed_mxfp8"))
+  kinds = _kinds(audit_step(grad, jnp.ones((64, 64)),
+                            jax.random.normal(jax.random.key(0), (64, 64))))
+  assert kinds == ["dot_general"] * 4 + ["mxfp8"] * 3
 
 
 def test_autocast_still_refuses_per_tensor_fp8():

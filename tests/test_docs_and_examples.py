@@ -261,5 +261,6 @@ def test_autocast_equinox_example_block_scales_its_linears(tmp_path):
                        "2", "--batch-size", "4", "--seq-len", "32",
                        "--no-progress", "--policy", "mixed_mxfp8")
   assert result["half_flop_share"] == 1.0
-  assert 0.6 < result["block_scaled_flop_share"] < 1.0
+  # Every Linear; attention's two products of computed values stay bf16.
+  assert 0.9 < result["block_scaled_flop_share"] < 1.0
   assert np.isfinite(result["valid_loss"])

@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -413,8 +413,8 @@ def _k_major(ndim: int, contracting, batch) -> bool:
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
-                fmt: str, out_sharding=None, weight: str = "rhs"
-                ) -> jax.Array:
+                fmt: str, out_sharding=None,
+                weight: Literal["rhs", "lhs"] = "rhs") -> jax.Array:
   """``lax.dot_general(lhs, rhs, ...)`` block-scaled in ``fmt``; ``weight``
   (``"rhs"``, or ``"lhs"`` for ``w @ x``) names the weight operand, the
   other is cast to its dtype, the result is in it."""
@@ -457,7 +457,8 @@ def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, precision=None,
            preferred_element_type=None, *, fmt: str,
            out_sharding=None) -> jax.Array:
   """``jnp.einsum(subscripts, lhs, rhs)`` block-scaled in ``fmt`` (jax's
-  einsum with :func:`dot_general` as its product)."""
+  einsum with :func:`dot_general` as its product); ``rhs`` is the weight
+  (write a weight on the left as ``einsum("bi,oi->bo", x, w)``)."""
   del precision, preferred_element_type
   if out_sharding is not None:
     raise ValueError(f"a block-scaled matmul does not take out_sharding "

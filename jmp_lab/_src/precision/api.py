@@ -49,13 +49,14 @@ def autocast(fn: Callable[..., Any], policy: PolicySpec, *,
     ValueError: for a bad policy spec, a policy with per-tensor fp8 matmuls
       (``matmul=fp8``/``fp8_current``: autocast has none), an unknown
       primitive name or an invalid regular expression. Block-scaled
-      matmuls (``matmul=mxfp8``/``nvfp4``) are supported: every
-      ``dot_general`` with a stored operand (an argument as passed in,
-      such as a weight) is block-scaled with that operand as the weight:
-      ``x @ w``, and ``w @ x`` as Equinox's ``Linear`` writes it; of two
-      stored operands the right one. One of two computed operands
-      (attention's) runs in the compute dtype, as under the Flax front
-      ends, where only Dense/Linear/Einsum layers are block-scaled.
+      matmuls (``matmul=mxfp8``/``nvfp4``) are supported: a
+      ``dot_general`` is block-scaled when its right operand is stored (an
+      argument such as a weight, or computed from arguments alone: ``x @
+      w``) or its left operand is an argument as handed in (``w @ x``, as
+      Equinox's ``Linear`` writes it), that operand as the weight; of two
+      such operands the right one. A ``dot_general`` of two computed
+      operands (attention's) runs in the compute dtype, as under the Flax
+      front ends, where only Dense/Linear/Einsum layers are block-scaled.
 
   Example::
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from jmp_lab import _gemm
 from jmp_lab._src.numerics import block_matmul
@@ -67,16 +68,21 @@ def matmul(op: Op) -> tuple[list, list]:
 def _block_scaled_weight(op: Op, target, actual) -> Optional[str]:
   """Which operand of ``op`` is the weight, if ``op`` is a weight matmul of
   a block-scaled region: a ``dot_general`` of floating operands one of
-  which is stored (an argument as passed in). ``"rhs"`` for ``x @ w``, and
-  when both are stored (a layer applied to an argument of the function);
-  ``"lhs"`` for ``w @ x`` (Equinox's ``Linear``). None: not one."""
+  which is stored. ``"rhs"`` for ``x @ w``, and when both are stored (a
+  layer applied to an argument of the function); ``"lhs"`` for ``w @ x``
+  (Equinox's ``Linear``) where ``w`` is an input as handed in: a stored
+  value the code built (a causal mask, a one-hot dispatch matrix, a
+  constant table) is not taken for a weight on the left. None: not one."""
   if (op.region.block_scaled is None or target is None
       or op.eqn.primitive.name != "dot_general"
       or not all(is_floating(d) and d.itemsize > 1 for d in actual)):
     return None
   if op.roles[1] == Role.STORED:
     return "rhs"
-  return "lhs" if op.roles[0] == Role.STORED else None
+  left = op.eqn.invars[0]
+  handed_in = (not isinstance(left, jex_core.Literal)  # (not hashable)
+               and left in op.context.inputs)
+  return "lhs" if op.roles[0] == Role.STORED and handed_in else None
 
 
 def convert(op: Op) -> tuple[list, list]:

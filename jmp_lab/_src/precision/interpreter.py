@@ -19,6 +19,7 @@ own transforms do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -128,6 +129,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any],
     env[var], role[var] = value, Role.STORED
   for var, value, r in zip(invars, args, roles):
     env[var], role[var] = value, r
+  context = dataclasses.replace(context, inputs=frozenset(invars))
 
   def read(atom):
     if isinstance(atom, jex_core.Literal):

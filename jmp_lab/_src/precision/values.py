@@ -131,6 +131,9 @@ class Context:
     report: ``{(primitive, path): why}`` of what ran as written.
     evaluate: the interpreter's ``(jaxpr, consts, args, roles, context) ->
       (outs, roles)``, for the handlers of sub-jaxprs.
+    inputs: the input variables of the jaxpr being evaluated (not its
+      constants): what the code was handed, such as a weight, as opposed
+      to what it built (a mask, a one-hot matrix, a constant table).
   """
 
   rules: Any
@@ -138,6 +141,7 @@ class Context:
   transposable: bool
   report: dict
   evaluate: Callable
+  inputs: frozenset = frozenset()
 
   def inside(self, path: tuple[str, ...], **changes) -> "Context":
     return dataclasses.replace(self, base=path, **changes)
