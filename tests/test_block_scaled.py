@@ -892,6 +892,28 @@ def test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200(
   assert all(k.spill_bytes in (0, None) for k in report.pallas_kernels)
 
 
+def test_a_weights_tile_maxima_are_found_under_the_quantize_scope():
+  """XLA splits MXFP8's weight quantization and names the tile-maxima
+  reduction it makes itself (``reduce_max``, no name stack). The report
+  names such a fusion by its fused ops, so that ``scope`` counts it: before,
+  a 68 MB read of the (8192, 2048) fp32 kernel was in no scope."""
+  require_cuda_plugin()
+  model = jmp_lab.linen.with_policy(nn.Dense(2048), "mixed_mxfp8")
+  x = jax.ShapeDtypeStruct((1024, 8192), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  report = jmp_lab.diagnostics.compiled_report(
+      jax.grad(lambda p, x: jnp.square(model.apply(p, x)).sum()), params, x,
+      target="b200")
+  assert not [k.name for k in report.kernel_records
+              if k.opcode == "fusion" and not k.op_name]
+  kernel_bytes = 8192 * 2048 * 4
+  tile_maxima = [k for k in report.kernel_records
+                 if "jmp_lab_block_quantize" in k.op_name.split("/")
+                 and k.opcode == "fusion"
+                 and kernel_bytes <= k.io_bytes < 1.1 * kernel_bytes]
+  assert len(tile_maxima) == 1, report.scope("jmp_lab_block_quantize")
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_the_optimizer_updates_block_scaled_weights_in_place_on_a_b200(fmt):
   """The weight-gradient GEMM writes each gradient in its weight's own

@@ -207,6 +207,17 @@ class Walker:
     return [self.module.computations[n] for n in names
             if n in self.module.computations]
 
+  def fused_op_name(self, inst: hlo.Instruction) -> str:
+    """The name stack of a fusion XLA made without one of its own (a
+    reduction it split off, whose root it named ``reduce_max``): that of
+    its fused computation's op nearest the root that has one, so that
+    :meth:`CompiledReport.scope` finds it under its code's scope."""
+    for computation in self.called(inst, "calls"):
+      for fused in reversed(computation.instructions):
+        if "/" in fused.op_name:
+          return fused.op_name
+    return ""
+
   def visit(self, inst: hlo.Instruction, times: int) -> None:
     op = inst.opcode
     if op == "while":
@@ -234,7 +245,9 @@ class Walker:
     self.kernel_io_bytes += io * times
     if op != "custom-call":  # custom calls are counted with their trips
       self.loop_trip_bytes += io * (times - 1)
-    self.records.append(KernelRecord(inst.name, op, inst.op_name, io, times))
+    op_name = inst.op_name or (self.fused_op_name(inst) if op == "fusion"
+                               else "")
+    self.records.append(KernelRecord(inst.name, op, op_name, io, times))
     kind = op[:-len("-start")] if op.endswith("-start") else op
     if kind in _COLLECTIVES:
       # Every operand: XLA combines many arrays into one variadic collective.
