@@ -7,7 +7,14 @@ GEMM FLOPs, the per-device memory, and the roofline step time
 (``CompiledReport.roofline_seconds``: bytes over the B200's bandwidth plus
 each GEMM's FLOPs over its math's data-sheet peak) as a ratio to bf16's,
 and the overlapped roofline (each GEMM kernel the larger of its bytes' and
-its math's time, not their sum) beside it.
+its math's time, not their sum) beside it. ``--per-layer`` also gives each
+layer's quantize kernels' time (their bytes, under jmp_lab's quantize scope)
+and the step were quantizing free ("free q.": those bytes removed,
+everything else as compiled). A quantization fused into its producers (a
+norm or an activation writing the 8- or 4-bit copies in place of its 16-bit
+output, as Transformer Engine's fused kernels do) comes near that figure; a
+quantize kernel of its own, which must read its 16-bit input, stays above
+it.
 Every figure is a model of a compiled program, not a measurement. Spills
 are allowed: in NVFP4 steps XLA merges several quantizations into one
 multi-output kernel that spills 40 bytes on sm_100a (XLA's fusion choice;
@@ -150,14 +157,25 @@ def row(config: ts.Config, size: ts.ModelSize) -> dict:
   }
 
 
+QUANTIZE_SCOPE = "jmp_lab_block_quantize"
+
+
+def roofline_and_quantization(report) -> dict[str, float]:
+  """``report``'s roofline seconds, and ``"quantize"``: the seconds of its
+  quantize kernels' bytes (every kernel under jmp_lab's quantize scope) at
+  the target's bandwidth."""
+  return {**report.roofline_seconds(),
+          "quantize": report.scope(QUANTIZE_SCOPE)["io_bytes"]
+                      / report.target.memory_bandwidth}
+
+
 def per_layer(configs, size: ts.ModelSize) -> dict:
   """Each config's roofline at 1 and 2 layers, its per-layer cost (the
   difference) and that extrapolated to ``size.layers``, printed."""
   out = {}
   for config in configs:
-    one, two = (compiled_report_of(
-        config, dataclasses.replace(size, layers=n)).roofline_seconds()
-                for n in (1, 2))
+    one, two = (roofline_and_quantization(compiled_report_of(
+        config, dataclasses.replace(size, layers=n))) for n in (1, 2))
     layer = {k: two[k] - one[k] for k in one}
     whole = {k: one[k] + (size.layers - 1) * layer[k] for k in one}
     out[config.name] = {"per_layer_ms": {k: v * 1e3 for k, v in layer.items()},
@@ -167,29 +185,22 @@ def per_layer(configs, size: ts.ModelSize) -> dict:
   base = first["extrapolated_ms"]["total"]
   base_overlapped = first["extrapolated_ms"]["overlapped"]
   print(f"{'config':<20} {'per layer ms (memory + GEMM)':>30} "
-        f"{f'{size.layers} layers ms':>14} {'vs first':>9} "
-        f"{'floor':>8} {'overlapped ms':>14} {'vs first':>9}")
+        f"{'quantize':>9} {f'{size.layers} layers ms':>14} {'vs first':>9} "
+        f"{'free q.':>8} {'overlapped ms':>14} {'vs first':>9} "
+        f"{'free q.':>8}")
   for name, r in out.items():
     layer, whole = r["per_layer_ms"], r["extrapolated_ms"]
-    r["floor_ms"] = free_quantization_floor(r, first, size.layers)
+    r["floor_ms"] = whole["total"] - size.layers * layer["quantize"]
+    r["overlapped_floor_ms"] = (whole["overlapped"]
+                                - size.layers * layer["quantize"])
     print(f"{name:<20} {layer['total']:>10.3f} ({layer['memory']:.3f} + "
-          f"{layer['gemm']:.3f}) {whole['total']:>14.2f} "
+          f"{layer['gemm']:.3f}) {layer['quantize']:>9.3f} "
+          f"{whole['total']:>14.2f} "
           f"{whole['total'] / base:>8.3f}x {r['floor_ms'] / base:>7.3f}x "
           f"{whole['overlapped']:>14.2f} "
-          f"{whole['overlapped'] / base_overlapped:>8.3f}x", flush=True)
+          f"{whole['overlapped'] / base_overlapped:>8.3f}x "
+          f"{r['overlapped_floor_ms'] / base_overlapped:>7.3f}x", flush=True)
   return out
-
-
-def free_quantization_floor(result: dict, baseline: dict, layers: int
-                            ) -> float:
-  """The step's modelled ms were quantizing free: every layer's memory time
-  at the baseline's (bf16's), its GEMM time this config's. No fused
-  quantize kernel can go below it (only one that also fused the producers'
-  work, the norm or the activation, writing 8 or 4 bits where XLA writes
-  16, could)."""
-  extra = (result["per_layer_ms"]["memory"]
-           - baseline["per_layer_ms"]["memory"])
-  return result["extrapolated_ms"]["total"] - layers * max(extra, 0.0)
 
 
 def table(rows: list[dict]) -> str:
