@@ -133,7 +133,9 @@ class Context:
       (outs, roles)``, for the handlers of sub-jaxprs.
     inputs: the input variables of the jaxpr being evaluated (not its
       constants): what the code was handed, such as a weight, as opposed
-      to what it built (a mask, a one-hot matrix, a constant table).
+      to what it built (a mask, a one-hot matrix, a constant table). In a
+      sub-jaxpr (a scan's body, a jitted helper) they are what its caller
+      passed, which can be a matrix the caller built.
   """
 
   rules: Any
