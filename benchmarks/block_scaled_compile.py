@@ -8,8 +8,9 @@ GEMM FLOPs, the per-device memory, and the roofline step time
 each GEMM's FLOPs over its math's data-sheet peak) as a ratio to bf16's,
 and the overlapped roofline (each GEMM kernel the larger of its bytes' and
 its math's time, not their sum) beside it. ``--per-layer`` also gives each
-layer's quantize kernels' time (their bytes, under jmp_lab's quantize scope)
-and the step were quantizing free ("free q.": those bytes removed,
+layer's quantize kernels' time (their bytes, under jmp_lab's quantize scope;
+printed by site too: the quantizing layer, the pass, jmp_lab's kernel or
+XLA's passes) and the step were quantizing free ("free q.": those bytes removed,
 everything else as compiled). A quantization fused into its producers (a
 norm or an activation writing the 8- or 4-bit copies in place of its 16-bit
 output, as Transformer Engine's fused kernels do) comes near that figure; a
@@ -31,6 +32,7 @@ jmp_lab's own Pallas kernels compile for sm_100a without spills)::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -169,18 +171,47 @@ def roofline_and_quantization(report) -> dict[str, float]:
                       / report.target.memory_bandwidth}
 
 
+def quantize_sites(report) -> collections.Counter:
+  """The bytes of ``report``'s quantize kernels by site: ``(layer, pass,
+  kind)``, the layer the module that quantizes (``Dense_0``, ``query``...),
+  the pass ``"forward"`` or ``"backward"`` (its name stack holds a
+  ``transpose``), the kind ``"kernel"`` (jmp_lab's Pallas quantize kernels:
+  activations and output gradients) or ``"XLA"`` (XLA's fusions: the
+  weights)."""
+  sites = collections.Counter()
+  for k in report.kernel_records:
+    path = k.op_name.split("/")
+    if QUANTIZE_SCOPE not in path:
+      continue
+    above = path[:path.index(QUANTIZE_SCOPE)]
+    layer = next((p for p in reversed(above) if not p.startswith("jmp_lab")),
+                 "?")
+    backward = any(p.startswith("transpose(") for p in path)
+    sites[(layer, "backward" if backward else "forward",
+           "kernel" if k.opcode == "custom-call" else "XLA")] += (
+               k.io_bytes * k.times)
+  return sites
+
+
 def per_layer(configs, size: ts.ModelSize) -> dict:
   """Each config's roofline at 1 and 2 layers, its per-layer cost (the
-  difference) and that extrapolated to ``size.layers``, printed."""
+  difference) and that extrapolated to ``size.layers``, printed; and each
+  layer's quantization bytes by site (:func:`quantize_sites`)."""
   out = {}
   for config in configs:
-    one, two = (roofline_and_quantization(compiled_report_of(
-        config, dataclasses.replace(size, layers=n))) for n in (1, 2))
+    one, two = (compiled_report_of(config, dataclasses.replace(size, layers=n))
+                for n in (1, 2))
+    sites = quantize_sites(two)
+    sites.subtract(quantize_sites(one))
+    one, two = roofline_and_quantization(one), roofline_and_quantization(two)
     layer = {k: two[k] - one[k] for k in one}
     whole = {k: one[k] + (size.layers - 1) * layer[k] for k in one}
     out[config.name] = {"per_layer_ms": {k: v * 1e3 for k, v in layer.items()},
                         "extrapolated_ms": {k: v * 1e3
-                                            for k, v in whole.items()}}
+                                            for k, v in whole.items()},
+                        "quantize_sites_gb": {" ".join(site): b / 1e9
+                                              for site, b in sites.items()
+                                              if b}}
   first = out[configs[0].name]
   base = first["extrapolated_ms"]["total"]
   base_overlapped = first["extrapolated_ms"]["overlapped"]
@@ -200,6 +231,11 @@ def per_layer(configs, size: ts.ModelSize) -> dict:
           f"{whole['overlapped']:>14.2f} "
           f"{whole['overlapped'] / base_overlapped:>8.3f}x "
           f"{r['overlapped_floor_ms'] / base_overlapped:>7.3f}x", flush=True)
+  for name, r in out.items():
+    if r["quantize_sites_gb"]:
+      print(f"{name}: quantization a layer by site (GB): " + ", ".join(
+          f"{site} {gb:.3f}" for site, gb in sorted(
+              r["quantize_sites_gb"].items())), flush=True)
   return out
 
 
