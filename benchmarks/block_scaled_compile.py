@@ -193,25 +193,58 @@ def quantize_sites(report) -> collections.Counter:
   return sites
 
 
+_NOT_A_LAYER = ("jmp_lab", "cond", "branch_", "jvp(", "transpose(", "jit(",
+                "remat", "checkpoint")
+
+
+def kernel_sites(report) -> collections.Counter:
+  """The kernel-boundary bytes of every kernel of ``report`` by site:
+  ``(pass, layer, op)``, the layer the nearest module of the op's name
+  stack (``query``, ``Dense_0``, ``LayerNorm_1``, ``jmp_lab_update`` for the
+  optimizer), the op the last name in it (``dot_general``, ``add``,
+  ``pallas_call``...). The sites of a model's layers repeat, so the
+  difference between two depths is one layer's kernels."""
+  sites = collections.Counter()
+  for k in report.kernel_records:
+    path = [p for p in k.op_name.split("/") if p]
+    op = path[-1] if path else k.opcode
+    if QUANTIZE_SCOPE in path:  # a quantization: of the layer above it
+      op = f"{QUANTIZE_SCOPE}/{op}"
+      path = path[:path.index(QUANTIZE_SCOPE) + 1]
+    layer = next((p for p in reversed(path[:-1])
+                  if p == "jmp_lab_update" or not p.startswith(_NOT_A_LAYER)),
+                 "?")
+    backward = any(p.startswith("transpose(") for p in path)
+    sites[("backward" if backward else "forward", layer,
+           f"{k.opcode} {op}")] += k.io_bytes * k.times
+  return sites
+
+
+def _layer_difference(count, one, two) -> dict:
+  sites = count(two)
+  sites.subtract(count(one))
+  return {" ".join(site): b / 1e9 for site, b in sites.items() if b}
+
+
 def per_layer(configs, size: ts.ModelSize) -> dict:
   """Each config's roofline at 1 and 2 layers, its per-layer cost (the
   difference) and that extrapolated to ``size.layers``, printed; and each
-  layer's quantization bytes by site (:func:`quantize_sites`)."""
+  layer's quantization bytes by site (:func:`quantize_sites`) and all its
+  kernels' bytes by site (:func:`kernel_sites`)."""
   out = {}
   for config in configs:
     one, two = (compiled_report_of(config, dataclasses.replace(size, layers=n))
                 for n in (1, 2))
-    sites = quantize_sites(two)
-    sites.subtract(quantize_sites(one))
+    quantize_gb = _layer_difference(quantize_sites, one, two)
+    kernels_gb = _layer_difference(kernel_sites, one, two)
     one, two = roofline_and_quantization(one), roofline_and_quantization(two)
     layer = {k: two[k] - one[k] for k in one}
     whole = {k: one[k] + (size.layers - 1) * layer[k] for k in one}
     out[config.name] = {"per_layer_ms": {k: v * 1e3 for k, v in layer.items()},
                         "extrapolated_ms": {k: v * 1e3
                                             for k, v in whole.items()},
-                        "quantize_sites_gb": {" ".join(site): b / 1e9
-                                              for site, b in sites.items()
-                                              if b}}
+                        "quantize_sites_gb": quantize_gb,
+                        "kernel_sites_gb": kernels_gb}
   first = out[configs[0].name]
   base = first["extrapolated_ms"]["total"]
   base_overlapped = first["extrapolated_ms"]["overlapped"]
@@ -236,7 +269,34 @@ def per_layer(configs, size: ts.ModelSize) -> dict:
       print(f"{name}: quantization a layer by site (GB): " + ", ".join(
           f"{site} {gb:.3f}" for site, gb in sorted(
               r["quantize_sites_gb"].items())), flush=True)
+  print(kernel_table(out), flush=True)
   return out
+
+
+def kernel_table(out: dict, at_least_gb: float = 0.01) -> str:
+  """Each layer's kernel-boundary GB by site (:func:`kernel_sites`), one
+  column a config and the first config's beside each other's difference
+  from it; the sites where some config moves at least ``at_least_gb``."""
+  names = list(out)
+  by_site = {name: out[name]["kernel_sites_gb"] for name in names}
+  sites = sorted({s for gb in by_site.values() for s, v in gb.items()
+                  if abs(v) >= at_least_gb})
+  first = by_site[names[0]]
+  lines = ["kernel GB a layer, by site (pass layer kernel-kind op): "
+           + " | ".join(names[:1] + [f"{n} (- {names[0]})"
+                                     for n in names[1:]])]
+  for site in sorted(sites, key=lambda s: -max(abs(g.get(s, 0))
+                                               for g in by_site.values())):
+    base = first.get(site, 0.0)
+    cells = [f"{base:7.3f}"] + [
+        f"{by_site[n].get(site, 0.0):7.3f} ({by_site[n].get(site, 0.0) - base:+.3f})"
+        for n in names[1:]]
+    lines.append(f"  {site:<58} " + "  ".join(cells))
+  totals = [sum(by_site[n].values()) for n in names]
+  lines.append(f"  {'all kernels':<58} " + "  ".join(
+      [f"{totals[0]:7.3f}"] + [f"{t:7.3f} ({t - totals[0]:+.3f})"
+                               for t in totals[1:]]))
+  return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

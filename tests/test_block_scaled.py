@@ -816,6 +816,117 @@ def test_autocast_takes_no_matrix_the_code_built_for_a_weight_on_the_left():
   assert kinds == ["dot_general"] * 4 + ["mxfp8"] * 3
 
 
+# --- under vmap: a model mapped over its inputs shares its weights ------------
+
+
+def _per_example_and_mapped(fn, params, xs):
+  """``fn(params, x)`` for each ``x`` of ``xs`` stacked, and ``fn`` under
+  ``jax.vmap`` with ``params`` shared (not batched)."""
+  each = jax.tree.map(lambda *v: jnp.stack(v),
+                      *[jax.jit(fn)(params, x) for x in xs])
+  mapped = jax.jit(jax.vmap(fn, in_axes=(None, 0)))(params, xs)
+  return each, mapped
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_model_under_vmap_shares_its_block_scaled_weights(fmt):
+  """``jax.vmap`` over the inputs of a model whose weights it does not
+  batch, on every route: the numbers of the model run on each input.
+  (Before, jax's batching rule of ``scaled_matmul``, traced for the CUDA
+  branch even on a CPU, raised a bare ``AssertionError``: it requires all
+  four operands batched along one axis.)"""
+  xs = jax.random.normal(jax.random.key(1), (3, 32, 48))
+  model = jmp_lab.linen.with_policy(Layers(), f"mixed_{fmt}")
+  params = model.init(jax.random.key(0), xs[0])
+  each, mapped = _per_example_and_mapped(model.apply, params, xs)
+  chex.assert_trees_all_close(mapped, each, rtol=1e-2, atol=1e-2)
+  grad = lambda p, x: jax.grad(  # noqa: E731
+      lambda p: jnp.square(model.apply(p, x)).sum())(p)
+  each, mapped = _per_example_and_mapped(grad, params, xs)
+  chex.assert_trees_all_close(mapped, each, rtol=2e-2, atol=2e-2)
+
+  nnx_model = jmp_lab.nnx.with_policy(NnxLayers(nnx.Rngs(0)), f"mixed_{fmt}")
+  mapped = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(nnx_model, xs)
+  each = jnp.stack([nnx_model(x) for x in xs])
+  chex.assert_trees_all_close(mapped, each, rtol=1e-2, atol=1e-2)
+
+  def plain(p, x):
+    return jnp.tanh(x @ p["w1"]) @ p["w2"]
+  p = {"w1": jax.random.normal(jax.random.key(2), (48, 64)) * 0.1,
+       "w2": jax.random.normal(jax.random.key(3), (64, 32)) * 0.1}
+  each, mapped = _per_example_and_mapped(
+      jmp_lab.autocast(plain, f"mixed_{fmt}"), p, xs)
+  chex.assert_trees_all_close(mapped, each, rtol=1e-2, atol=1e-2)
+  assert _kinds(audit_step(jax.vmap(jmp_lab.autocast(plain, f"mixed_{fmt}"),
+                                    in_axes=(None, 0)), p, xs)) == [fmt] * 2
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_vmapped_model_compiles_to_block_scaled_gemms_for_a_b200(fmt):
+  """The CUDA branch's batching rule lowers: a model mapped over its inputs
+  runs cuDNN's block-scaled GEMM, one per layer and pass, the mapped axis
+  joined to the rows (no weight broadcast to the mapped axis)."""
+  require_cuda_plugin()
+  model = jmp_lab.linen.with_policy(Layers(), f"mixed_{fmt}")
+  xs = jax.ShapeDtypeStruct((4, 64, 48), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0),
+                          jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype))
+  step = jax.grad(lambda p, xs: jnp.square(jax.vmap(
+      model.apply, in_axes=(None, 0))(p, xs)).sum())
+  report = jmp_lab.diagnostics.compiled_report(step, params, xs,
+                                               target="b200")
+  # 4 layers x 3 GEMMs, less the first layer's unused input gradient.
+  assert len(report.block_scaled_gemms) == 11
+  assert {g.block_scaled for g in report.block_scaled_gemms} == {fmt}
+  # Else only NVFP4's Hadamard transform, as XLA's GEMMs of width 16: under
+  # vmap the quantization runs XLA's passes, not the (unbatched) kernels.
+  assert all(g.lhs.dims == (16, 16) for g in report.gemms
+             if g.block_scaled is None)
+  # A forward or input-gradient GEMM multiplies the 4 x 64 rows as one
+  # matrix against the one weight; a weight gradient, one per input.
+  shapes = [g.lhs.dims[:2] for g in report.block_scaled_gemms]
+  assert shapes.count((1, 256)) == 7 and shapes.count((4, 128)) == 4, shapes
+
+
+def _scaled_matmul_runs_here() -> bool:
+  """Whether ``jax.nn.scaled_matmul`` runs on this backend (jax 0.11 added
+  a CPU path; 0.10.2 has none)."""
+  q = jnp.ones((1, 32, 32), jnp.float8_e4m3fn)
+  s = jnp.ones((1, 32, 1), jnp.float8_e8m0fnu)
+  try:
+    jax.nn.scaled_matmul(q, q, s, s, preferred_element_type=jnp.bfloat16)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
+
+
+@pytest.mark.parametrize("batched", [(True, False), (False, True),
+                                     (True, True)])
+def test_the_native_products_batching_rule_joins_the_mapped_axis(batched):
+  """The CUDA branch's product under ``vmap``, run where jax can run it
+  (the newest-jax lane's CPU): each mapped case against the product of
+  each slice, to the bit (the same GEMMs, rows or columns joined)."""
+  if not _scaled_matmul_runs_here():
+    pytest.skip("jax.nn.scaled_matmul does not run on this backend")
+  keys = jax.random.split(jax.random.key(4), 2)
+  a, b = (bs.quantize_mxfp8(jax.random.normal(k, (3, 2, 32, 64))
+                            .astype(jnp.bfloat16)) for k in keys)
+  product = block_matmul._native_product(np.dtype(jnp.bfloat16))
+  a_axis, b_axis = (0 if flag else None for flag in batched)
+  a_in = jax.tree.map(lambda v: v if batched[0] else v[0], (a.values,
+                                                            a.scales))
+  b_in = jax.tree.map(lambda v: v if batched[1] else v[0], (b.values,
+                                                            b.scales))
+  mapped = jax.vmap(product, in_axes=(a_axis, b_axis, a_axis, b_axis))(
+      a_in[0], b_in[0], a_in[1], b_in[1])
+  each = jnp.stack([product(a.values[i if batched[0] else 0],
+                            b.values[i if batched[1] else 0],
+                            a.scales[i if batched[0] else 0],
+                            b.scales[i if batched[1] else 0])
+                    for i in range(3)])
+  chex.assert_trees_all_equal(mapped, each)
+
+
 def test_autocast_still_refuses_per_tensor_fp8():
   with pytest.raises(ValueError, match="autocast has no fp8 matmuls: .*"
                                        "does run the block-scaled"):

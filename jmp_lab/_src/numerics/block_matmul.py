@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Literal, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_quantize as bq
@@ -174,8 +175,53 @@ def _emulated(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
 
 
 def _native(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
-  return jax.nn.scaled_matmul(a.values, b.values, a.scales, b.scales,
-                              preferred_element_type=dtype)
+  return _native_product(np.dtype(dtype))(a.values, b.values, a.scales,
+                                          b.scales)
+
+
+def _joined(x: jax.Array) -> jax.Array:
+  """(V, B, R, K) as (B, V * R, K): the mapped axis joined to the rows."""
+  return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[3])
+
+
+@functools.cache
+def _native_product(dtype: np.dtype) -> Callable[..., jax.Array]:
+  """``jax.nn.scaled_matmul`` writing ``dtype``, with a batching rule of
+  its own: jax's asserts that ``vmap`` batched all four operands along one
+  axis, and a model vmapped over its inputs shares its weights (batched
+  values and scales of the input, unbatched ones of the weight). Here the
+  mapped axis joins the rows of a batched ``a``, the columns of a batched
+  ``b``, or the batch of two batched ones: one GEMM, no weight copied."""
+  product = jax.custom_batching.custom_vmap(
+      lambda a, b, a_scales, b_scales: jax.nn.scaled_matmul(
+          a, b, a_scales, b_scales, preferred_element_type=dtype))
+
+  @product.def_vmap
+  def _batched(axis_size, in_batched, a, b, a_scales, b_scales):
+    def stacked(x, batched):
+      return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+    a_batched = any(in_batched[0::2])
+    b_batched = any(in_batched[1::2])
+    if a_batched:  # values and scales batched alike
+      a, a_scales = stacked(a, in_batched[0]), stacked(a_scales, in_batched[2])
+    if b_batched:
+      b, b_scales = stacked(b, in_batched[1]), stacked(b_scales, in_batched[3])
+    if a_batched and b_batched:  # (V, B, ...) -> (V * B, ...)
+      merged = [x.reshape(-1, *x.shape[2:]) for x in (a, b, a_scales, b_scales)]
+      out = product(*merged)
+      return out.reshape(axis_size, -1, *out.shape[1:]), True
+    if a_batched:  # a's (V, B, M, K) as (B, V * M, K)
+      out = product(_joined(a), b, _joined(a_scales), b_scales)
+      return jnp.moveaxis(out.reshape(out.shape[0], axis_size, -1,
+                                      out.shape[2]), 1, 0), True
+    if b_batched:  # b's (V, B, N, K) as (B, V * N, K)
+      out = product(a, _joined(b), a_scales, _joined(b_scales))
+      return jnp.moveaxis(out.reshape(*out.shape[:2], axis_size, -1),
+                          2, 0), True
+    return product(a, b, a_scales, b_scales), False
+
+  return product
 
 
 def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
