@@ -816,6 +816,49 @@ def test_autocast_takes_no_matrix_the_code_built_for_a_weight_on_the_left():
   assert kinds == ["dot_general"] * 4 + ["mxfp8"] * 3
 
 
+def test_nvfp4_under_float16_gives_finite_products_and_trains():
+  """NVFP4's GEMM multiplies values each up to 2688 times its tensor's
+  amax (the global scales come after it): under float16 its result
+  overflowed 65504 and every product was non-finite, every step skipped.
+  Now it is written in fp32 and scaled first, as bf16's would be."""
+  import optax
+  keys = jax.random.split(jax.random.key(5), 2)
+  x, w = (jax.random.normal(k, shape) for k, shape in zip(keys, [(32, 64),
+                                                                 (64, 32)]))
+  y16 = bs.dot_general(x.astype(jnp.float16), w.astype(jnp.float16), DIMS,
+                       fmt="nvfp4")
+  y_bf16 = bs.dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                          DIMS, fmt="nvfp4")
+  chex.assert_type(y16, jnp.float16)
+  assert bool(jnp.isfinite(y16).all())
+  exact = x @ w
+  error = lambda y: float(  # noqa: E731
+      jnp.linalg.norm(y.astype(jnp.float32) - exact) / jnp.linalg.norm(exact))
+  # 4-bit operands: about 10% off the exact product, as in bf16.
+  assert error(y16) < 0.2 and abs(error(y16) - error(y_bf16)) < 0.02, (
+      error(y16), error(y_bf16))
+
+  policy = "mixed_float16,matmul=nvfp4"
+  model = jmp_lab.linen.with_policy(Layers(), policy)
+  x = jax.random.normal(jax.random.key(6), (32, 128))
+  target = jax.random.normal(jax.random.key(7), (32, 16))
+  state = jmp_lab.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+      tx=jmp_lab.mixed_precision(optax.adam(1e-3), policy=policy))
+
+  def loss_fn(params, state, batch):
+    out = state.apply_fn({"params": params}, batch[0])
+    return jnp.square(out.astype(jnp.float32) - batch[1]).mean()
+
+  step = jmp_lab.make_train_step(loss_fn)
+  losses = []
+  for _ in range(8):
+    state, metrics = step(state, (x, target))
+    losses.append(float(metrics["loss"]))
+  assert all(np.isfinite(losses)), losses
+  assert int(state.skipped_steps) < 8 and losses[-1] < losses[0], losses
+
+
 # --- under vmap: a model mapped over its inputs shares its weights ------------
 
 

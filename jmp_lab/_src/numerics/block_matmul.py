@@ -231,12 +231,17 @@ def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   The GEMM writes ``dtype`` itself (a 16-bit result, where an fp32 one and a
   cast would move three times the bytes); NVFP4's global scales then
   multiply that result (in fp32, rounded once more to ``dtype``), the same
-  on every platform."""
+  on every platform. Under float16 NVFP4's GEMM writes fp32: before its
+  global scales (each ``amax / 2688``) its result can be 2688**2 times the
+  true product's, past float16's 65504."""
   _warn_without_block_scaled_cores()
+  global_scales = a.values.dtype == bq.NVFP4.value_dtype
+  written = (jnp.float32 if global_scales and np.dtype(dtype) == np.float16
+             else dtype)
   out = jax.lax.platform_dependent(
-      a, b, cuda=functools.partial(_native, dtype=dtype),
-      default=functools.partial(_emulated, dtype=dtype))
-  if a.values.dtype == bq.NVFP4.value_dtype:
+      a, b, cuda=functools.partial(_native, dtype=written),
+      default=functools.partial(_emulated, dtype=written))
+  if global_scales:
     out = (out.astype(jnp.float32) * (a.global_scale * b.global_scale)
            ).astype(dtype)
   return out
