@@ -672,6 +672,25 @@ def test_the_nvfp4_recipe_can_be_ablated_and_restored():
       pass
 
 
+def test_a_jitted_step_follows_the_recipe_it_is_called_under():
+  """The recipe is part of what ``jax.jit`` keys its caches on: a jitted
+  function called under ``nvfp4_recipe(...)`` is traced again with it, and
+  outside again without it. (Before, a function traced once kept that
+  recipe whatever context it was called in, with no warning.)"""
+  x = jax.random.normal(jax.random.key(0), (32, 64))
+  w = jax.random.normal(jax.random.key(1), (64, 32))
+  grad = jax.grad(lambda w: jnp.square(
+      bs.dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), DIMS,
+                     fmt="nvfp4").astype(jnp.float32)).sum())
+  step = jax.jit(grad)
+  default = step(w)
+  with bs.nvfp4_recipe(hadamard=False, stochastic_rounding=False):
+    ablated = step(w)
+    chex.assert_trees_all_equal(ablated, jax.jit(grad)(w))
+  assert not bool((ablated == default).all())
+  chex.assert_trees_all_equal(step(w), default)
+
+
 # --- the policy keys, on every route ---------------------------------------------
 
 

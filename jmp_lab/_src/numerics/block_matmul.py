@@ -76,11 +76,14 @@ RECIPES = {
                     hadamard=True),
 }
 _OVERRIDES: dict[str, Recipe] = {}
+# The overrides in force, as a context jax.jit keys its caches on: a step
+# traced under one recipe is traced again under another, not reused.
+_OVERRIDES_KEY = jax.make_user_context(default_value=())
 
 
 @contextlib.contextmanager
 def mxfp8_recipe(*, weight_tiles: bool = True) -> Iterator[Recipe]:
-  """MXFP8 matmuls traced inside the block run with 32x32 weight tiles (the
+  """MXFP8 matmuls called inside the block run with 32x32 weight tiles (the
   default: one quantization of the weight serves its forward and
   input-gradient GEMMs, so FSDP gathers it once per use) or, with
   ``weight_tiles=False``, with the weight quantized again in 1x32 blocks
@@ -101,7 +104,8 @@ def _overridden(name: str, recipe: Recipe) -> Iterator[Recipe]:
   before = _OVERRIDES.get(name)
   _OVERRIDES[name] = recipe
   try:
-    yield recipe
+    with _OVERRIDES_KEY(tuple(sorted(_OVERRIDES.items()))):
+      yield recipe
   finally:
     if before is None:
       del _OVERRIDES[name]
@@ -114,10 +118,13 @@ def nvfp4_recipe(*, weight_tiles: bool = True,
                  stochastic_rounding: bool = True,
                  hadamard: bool = True,
                  four_over_six: bool = False) -> Iterator[Recipe]:
-  """NVFP4 matmuls traced inside the block run with pieces of the recipe
+  """NVFP4 matmuls called inside the block run with pieces of the recipe
   switched off (the ablation of ``benchmarks/block_scaled_accuracy.py``),
   or with Four Over Six switched on (arXiv 2512.02010: each block scaled
   to 4 or to 6, whichever dequantizes nearer; every NVFP4 operand).
+
+  The recipe is part of ``jax.jit``'s cache key (a jax user context): a
+  jitted step called inside the block is traced again with it.
 
   >>> with nvfp4_recipe(hadamard=False) as recipe:
   ...   recipe.hadamard, recipe.stochastic_gradients, recipe.four_over_six
