@@ -755,6 +755,42 @@ def test_every_matmul_layer_is_block_scaled_on_linen_and_nnx(fmt):
   assert _kinds(report) == ["dot_general"] * 3 + [fmt] * 9
 
 
+def test_the_audit_finds_each_block_scaled_gemm_where_its_layer_is_called():
+  """A block-scaled or fp8 GEMM's ``where`` is the layer's call, as the
+  bf16 GEMM's is, or the user's line under autocast; the Hadamard GEMMs
+  (traced without a call site) name their layer. (Before, every row read
+  ``block_matmul.py``, ``fp8_matmul.py`` or ``_compat.py``: jmp_lab's own
+  lines.)"""
+  x = jnp.ones((32, 48))
+  locations = {}
+  for policy in ("mixed_bfloat16", "mixed_fp8", "mixed_mxfp8", "mixed_nvfp4"):
+    model = jmp_lab.linen.with_policy(Layers(), policy)
+    params = model.init(jax.random.key(0), x)
+    report = audit_step(jax.grad(lambda p: model.apply(p, x).sum()), params)
+    locations[policy] = {(r.kind, r.location) for r in report.matmuls}
+  assert not [where for rows in locations.values() for _, where in rows
+              if re.match(r"(block_matmul|fp8_matmul|_compat)\.py", where)]
+  # Flax's lines, or the model's own where jmp_lab runs the layer's call
+  # (an Einsum's).
+  bf16 = {where for _, where in locations["mixed_bfloat16"]}
+  for policy in ("mixed_fp8", "mixed_mxfp8", "mixed_nvfp4"):
+    assert {where for kind, where in locations[policy] if kind != "hadamard"
+            if not where.startswith("test_block_scaled.py:")} <= bf16, (
+                locations)
+  hadamard = {where.split("/")[1] for kind, where in locations["mixed_nvfp4"]
+              if kind == "hadamard"}
+  assert hadamard == {"Dense_0", "DenseGeneral_0", "Einsum_0", "head"}, (
+      hadamard)
+
+  def loss(w, x):
+    return jnp.tanh(x @ w).sum()
+  report = audit_step(jax.grad(jmp_lab.autocast(loss, "mixed_mxfp8")),
+                      jnp.ones((48, 64)), x)
+  line = loss.__code__.co_firstlineno + 1
+  assert {r.location for r in report.matmuls} == {
+      f"test_block_scaled.py:{line}"}
+
+
 def test_autocast_block_scales_weight_matmuls_not_attention():
   def loss(p, x):
     h = jnp.tanh(x @ p["w1"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pathlib
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -97,15 +99,33 @@ def _conv_dims(eqn):
   return dims, flops
 
 
-def _user_location(eqn) -> str:
-  """``file:line`` of the user code that produced ``eqn`` (jax's own view)."""
+# jmp_lab's own files: never the user's line (its products are written
+# there, for the user's layer).
+_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _user_location(eqn, enclosing: str = "?") -> str:
+  """``file:line`` of the code that produced ``eqn``: the first frame that
+  is neither jax's (jax's own view of user code) nor jmp_lab's, so a
+  layer's block-scaled or fp8 product is found at the layer's call, as its
+  bf16 one is. Where there is none (an op jmp_lab traces without its call
+  site, so that XLA merges its copies: NVFP4's Hadamard transform),
+  ``enclosing`` (the location of the op around it), else the op's layer by
+  its name scopes (``MLP/Dense_0``)."""
   try:
     from jax._src import source_info_util  # no public equivalent
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    return (f"{frame.file_name.split('/')[-1]}:{frame.start_line}"
-            if frame else "?")
+    frame = next((f for f in source_info_util.user_frames(
+        eqn.source_info.traceback)
+                  if not f.file_name.startswith(_PACKAGE_DIR)), None)
   except Exception:  # pylint: disable=broad-except
-    return "?"
+    frame = None
+  if frame is not None:
+    return f"{frame.file_name.split('/')[-1]}:{frame.start_line}"
+  if enclosing != "?":
+    return enclosing
+  scopes = str(getattr(eqn.source_info, "name_stack", "")).split("/")
+  return "/".join(p for p in scopes
+                  if p and "(" not in p and not p.startswith("jmp_lab")) or "?"
 
 
 # Ops a dequantized fp8 value passes through on its way to a matmul: the
@@ -171,16 +191,18 @@ def _producers(jaxpr) -> dict:
   return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
 
 
-def walk(jaxpr, times, records, casts, producers=None):
+def walk(jaxpr, times, records, casts, producers=None, location="?"):
   """Appends ``jaxpr``'s matmuls to ``records`` (each run ``times`` times:
   scan trip counts multiply) and counts its float casts in ``casts``,
-  entering every sub-jaxpr a GPU compile runs."""
+  entering every sub-jaxpr a GPU compile runs (``location``: the user's
+  line of the op whose sub-jaxpr this is)."""
   producers = _producers(jaxpr) if producers is None else producers
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     block_scaled = _block_scaled_gemm(eqn)
     if block_scaled is not None:
-      records.append(_block_scaled_record(block_scaled, eqn, times))
+      records.append(_block_scaled_record(block_scaled, eqn, times,
+                                          location))
       continue
     if name in ("dot_general", "conv_general_dilated"):
       dims, flops = (_dot_dims if name == "dot_general" else _conv_dims)(eqn)
@@ -199,7 +221,7 @@ def walk(jaxpr, times, records, casts, producers=None):
           out_shape=tuple(eqn.outvars[0].aval.shape),
           flops=flops * times,
           tensor_core_dims=not odd, odd_dims=odd,
-          location=_user_location(eqn),
+          location=_user_location(eqn, location),
           times=times,
           fp8=fp8))
     elif name == "convert_element_type":
@@ -208,9 +230,11 @@ def walk(jaxpr, times, records, casts, producers=None):
         casts[f"{np.dtype(src).name}->{np.dtype(dst).name}"] = casts.get(
             f"{np.dtype(src).name}->{np.dtype(dst).name}", 0) + times
     inner_times = times * (eqn.params.get("length", 1) if name == "scan" else 1)
-    for inner in compiled_sub_jaxprs(eqn):
+    subs = list(compiled_sub_jaxprs(eqn))
+    inner_location = _user_location(eqn, location) if subs else location
+    for inner in subs:
       walk(inner, inner_times, records, casts,
-            _scope(inner, eqn, producers))
+           _scope(inner, eqn, producers), inner_location)
 
 
 #: The named scope jmp_lab.block_scaled quantizes in (its random Hadamard
@@ -252,7 +276,8 @@ def _find_scaled_matmul(jaxpr, depth: int = 0) -> Optional[Any]:
   return None
 
 
-def _block_scaled_record(eqn, outer, times: int) -> MatmulRecord:
+def _block_scaled_record(eqn, outer, times: int,
+                         location: str = "?") -> MatmulRecord:
   """A ``scaled_matmul`` (``(B, M, K) x (B, N, K)``) as a record."""
   lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
   dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
@@ -262,7 +287,7 @@ def _block_scaled_record(eqn, outer, times: int) -> MatmulRecord:
       kind=fmt, operand_dtypes=tuple(d.name for d in dtypes),
       accumulation_dtype="float32", lhs_shape=lhs, rhs_shape=rhs,
       out_shape=(lhs[0], lhs[1], rhs[1]), flops=flops * times,
-      tensor_core_dims=True, odd_dims=(), location=_user_location(outer),
+      tensor_core_dims=True, odd_dims=(), location=_user_location(outer, location),
       times=times, block_scaled=fmt)
 
 
