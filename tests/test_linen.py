@@ -127,6 +127,20 @@ def test_fp32_norm_default_and_its_output_back_in_compute_dtype():
   assert seen["norm"]["x_dtype"] == (np.dtype(jnp.bfloat16),)
 
 
+def test_a_path_override_that_matches_nothing_warns_at_init():
+  """A misspelt override used to change nothing, silently."""
+  model = jl.with_policy(Wrapper(), "mixed_float16",
+                         path_overrides={"^haed$": "float32",
+                                         "^head$": "float32",
+                                         "body/w$": "float32"})
+  with pytest.warns(UserWarning) as caught:
+    model.init(jax.random.key(0), jnp.ones((2, 3)))
+  messages = [str(w.message) for w in caught]
+  assert len(messages) == 1 and "'^haed$' matches no module or param path of "\
+      "Wrapper" in messages[0] and "'head'" in messages[0], messages
+  assert caught[0].filename == __file__
+
+
 def test_class_override_applies_to_inputs_and_params():
   model = jl.with_policy(Wrapper(), "mixed_float16",
                          class_overrides={Probe: "float32"})

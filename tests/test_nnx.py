@@ -150,6 +150,18 @@ def test_fp32_norm_default_and_its_output_back_in_compute_dtype():
   assert got["norm"] == 16
 
 
+def test_a_path_override_that_matches_nothing_warns():
+  """A misspelt override used to change nothing, silently."""
+  with pytest.warns(UserWarning) as caught:
+    jnnx.with_policy(Wrapper(nnx.Rngs(0)), "mixed_float16",
+                     path_overrides={"params/head": "float32",
+                                     "^head$": "float32", "body/w$": "f32"})
+  messages = [str(w.message) for w in caught]
+  assert len(messages) == 1 and "'params/head' matches no module or param "\
+      "path of Wrapper" in messages[0] and "'head'" in messages[0], messages
+  assert caught[0].filename == __file__
+
+
 def test_class_override_applies_to_inputs_and_params():
   got = seen(jnnx.with_policy(Wrapper(nnx.Rngs(0)), "mixed_float16",
                               class_overrides={Probe: "float32"}))

@@ -59,8 +59,12 @@ class PolicyModule:
     for bit."""
     # The forward pass is traced with the casts the policy makes, so ops
     # whose inputs must share a dtype need them agreed here too.
-    with nn.intercept_methods(_Interceptor(self)), agreement.agreeing():
+    interceptor = _Interceptor(self)
+    with nn.intercept_methods(interceptor), agreement.agreeing():
       variables = dict(self.module.init(rngs, *args, method=method, **kwargs))
+    rules_lib.warn_unmatched_path_overrides(
+        self.plan.rules, interceptor.paths | _variable_paths(variables),
+        type(self.module).__name__)
     if "params" in variables:
       variables["params"] = self.policy.cast_to_param(variables["params"])
     return variables
@@ -100,6 +104,13 @@ class PolicyModule:
     return apply_rules(intercepted, make_rules(self.policy.compute_dtype))
 
 
+def _variable_paths(variables: Mapping[str, Any]) -> set[str]:
+  """Each variable's path within its collection (``"Dense_0/kernel"``)."""
+  return {"/".join(str(getattr(k, "key", k)) for k in path)
+          for collection in variables.values()
+          for path, _ in jax.tree_util.tree_flatten_with_path(collection)[0]}
+
+
 def _chain(module: nn.Module) -> list[tuple[str, nn.Module]]:
   """``(path, module)`` from ``module`` up to the model."""
   chain = []
@@ -117,9 +128,11 @@ class _Interceptor:
     self.history_length = owner.fp8_history_length
     self.cache_dtype = owner.cache_dtype
     self.calls: list[nn.Module] = []  # boundary calls running, innermost last
+    self.paths: set[str] = set()  # of every module called
 
   def __call__(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
+    self.paths.add("/".join(module.path))
     if method == "setup":  # params made in setup are read by the plan too
       decision = self._decide(module)
       with _reading_params(module, self.plan, decision, (), {}), \

@@ -415,4 +415,9 @@ def with_policy(model: nnx.Module, policy: Any, *, rules=(),
       path_overrides=path_overrides, fp32_norms=fp32_norms,
       keep_layer_dtypes=keep_layer_dtypes, embed_classes=(nnx.Embed,)))
   apply_plan(model, plan, fp8_history_length, cache_dtype)
+  rules_lib.warn_unmatched_path_overrides(
+      plan.rules, ("/".join(map(str, path)) for path, node in
+                   nnx.iter_graph(model)
+                   if isinstance(node, (nnx.Module, nnx.Variable))),
+      type(model).__name__)
   return model

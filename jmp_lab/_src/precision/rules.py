@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab._src.precision import scopes
+from jmp_lab._src.user_warnings import user_stacklevel
 from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
 from jmp_lab._src.policy import (BLOCK_SCALED_MODES, MATMUL_MODES, Policy,
                                  canonicalize_dtype, get_policy,
@@ -326,3 +328,36 @@ def rules_from_options(
   if keep_layer_dtypes:
     found.append(PrecisionRule("layer_dtype", predicate=lambda m: True))
   return tuple(found)
+
+
+def unmatched_path_overrides(rules: Iterable[PrecisionRule],
+                             paths: Iterable[str]) -> list[str]:
+  """The patterns of the path-only rules (``path_overrides``, or a
+  :class:`PrecisionRule` with only ``path``) that match none of ``paths``
+  (a model's module and param paths): overrides that change nothing, most
+  often a misspelt name.
+
+  >>> rules = rules_from_options(get_policy("mixed_bfloat16"),
+  ...                            path_overrides={"head": "float32",
+  ...                                            "haed": "float32"})
+  >>> unmatched_path_overrides(rules, ["Dense_0", "head", "head/kernel"])
+  ['haed']
+  """
+  paths = [p for p in paths if p]
+  return [rule.path for rule in rules if rule.matches_params
+          and not any(re.search(rule.path, p) for p in paths)]
+
+
+def warn_unmatched_path_overrides(rules: Iterable[PrecisionRule],
+                                  paths: Iterable[str], model: str) -> None:
+  """Warns once for each of :func:`unmatched_path_overrides`, naming the
+  pattern and a few of ``model``'s paths, at the user's line."""
+  paths = sorted({p for p in paths if p}, key=lambda p: (p.count("/"), p))
+  for pattern in unmatched_path_overrides(rules, paths):
+    examples = ", ".join(repr(p) for p in paths[:4])
+    warnings.warn(
+        f"path override {pattern!r} matches no module or param path of "
+        f"{model}, so it changes nothing (a regular expression, searched in "
+        f"each path; this model's include {examples})",
+        stacklevel=user_stacklevel())
+
