@@ -240,3 +240,25 @@ def without_call_site():
     _NO_CALL_SITE.append(_traceback_of_no_call_site())
   with context(_NO_CALL_SITE[0], name_stack=name_stack):
     yield
+
+
+def named_sharding(sharding: Any, mesh: Any, ndim: int) -> Any:
+  """``sharding`` (a ``GSPMDSharding`` that ``custom_partitioning`` hands
+  over undecoded, ``decode_shardings=False``) as a ``NamedSharding`` over
+  ``mesh``, as jax decodes it itself; None where ``mesh``'s axes cannot
+  express it: XLA splits a dimension by a factor no axis has (a count of
+  blocks smaller than the devices, split 2 ways of 4), and jax's own
+  decoding raises there (``IndivisibleError``), inside XLA's compile."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  hlo = getattr(sharding, "_hlo_sharding", None)
+  if hlo is None or mesh is None or getattr(mesh, "empty", True):
+    return None
+  try:
+    from jax._src import sharding_impls  # the decoding jax itself runs
+    spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+  except Exception:  # pylint: disable=broad-except
+    return None
+  spec = tuple(spec) + (None,) * (ndim - len(spec))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+

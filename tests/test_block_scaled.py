@@ -1256,6 +1256,36 @@ def test_on_8_b200s_each_device_quantizes_its_own_tokens_both_ways(
   assert len(report.block_scaled_gemms) == 3 and len(report.gemms) == 3
 
 
+def _fsdp_weight_step(fmt: str):
+  """The gradients of a block-scaled product ``x @ w``."""
+  def step(x, w):
+    return jax.grad(lambda x, w: jnp.square(bs.dot_general(
+        x, w, DIMS, fmt=fmt).astype(jnp.float32)).sum(), argnums=(0, 1))(x, w)
+  return step
+
+
+@pytest.mark.parametrize("fmt, width", [("mxfp8", 128), ("nvfp4", 64)])
+def test_on_8_b200s_a_weight_split_finer_than_its_blocks_compiles(fmt, width):
+  """FSDP over more devices than a weight has blocks along its split axis:
+  a weight split in 8 along a contraction of 128 (MXFP8: 16 of a 32-block
+  on each device) or 64 (NVFP4: 8 of 16). XLA splits the block count by a
+  factor no mesh axis names, and jax's decoding of that layout raised an
+  IndivisibleError inside the compile; now the quantized weight is
+  gathered whole there, and the step compiles, every GEMM block-scaled,
+  no 16-bit weight gathered. (On 8 CPU devices: ``tests/test_fsdp.py``.)"""
+  require_cuda_plugin()
+  from jax.sharding import PartitionSpec as P
+  report = jmp_lab.diagnostics.compiled_report(
+      _fsdp_weight_step(fmt),
+      jax.ShapeDtypeStruct((4096, width), jnp.bfloat16),
+      jax.ShapeDtypeStruct((width, 64), jnp.bfloat16),
+      target="b200", devices=8, axes={"fsdp": 8},
+      in_specs=(P("fsdp"), P("fsdp", None)))
+  assert len(report.block_scaled_gemms) == 3 and len(report.gemms) == 3
+  gathers = [c for c in report.collectives if c.kind == "all-gather"]
+  assert not [c for c in gathers if "bf16" in c.dtypes], gathers
+
+
 def test_without_pallas_triton_mxfp8_quantizes_by_xlas_passes(monkeypatch):
   """Once jax removes Pallas' Triton backend (deprecated in 0.11), MXFP8's
   activations and output gradients are quantized by XLA: the step still

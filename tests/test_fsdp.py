@@ -461,6 +461,40 @@ def test_8_bit_moments_update_shards_as_one_device_updates_the_leaves(backend):
   assert got[1].nu["w3"].scales.sharding.spec == P(None, "fsdp")
 
 
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("policy, width", [("mixed_mxfp8", 128),
+                                           ("mixed_nvfp4", 64)])
+def test_a_weight_split_finer_than_its_blocks_trains_as_on_one_device(
+    policy, width):
+  """FSDP over more devices than a weight has blocks along its split axis
+  (a Dense kernel of ``width`` inputs over 8 devices: 16 of an MXFP8 block
+  of 32, 8 of an NVFP4 block of 16). jax's decoding of the layout XLA gave
+  the quantized weight raised an IndivisibleError inside the compile; now
+  it is gathered whole there, and the gradients are one device's."""
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  model = jmp_lab.linen.with_policy(nn.Dense(64), policy)
+  # 32 tokens a device: whole blocks and Hadamard groups along the tokens.
+  x = jax.random.normal(jax.random.key(0), (256, width))
+  params = model.init(jax.random.key(1), x)
+  grad = jax.jit(jax.grad(lambda p, x: jnp.square(
+      model.apply(p, x).astype(jnp.float32)).sum()))
+  expected = grad(params, x)
+  layout = {"params": {"kernel": NamedSharding(mesh, P("fsdp", None)),
+                       "bias": NamedSharding(mesh, P())}}
+  split = grad(jax.device_put(params, layout),
+               jax.device_put(x, NamedSharding(mesh, P("fsdp"))))["params"]
+  expected = expected["params"]
+  chex.assert_trees_all_close(split["kernel"], expected["kernel"], rtol=1e-3,
+                              atol=1e-3)
+  # The bias gradient is a bf16 sum over the tokens, split over the devices
+  # in another order: under mixed_bfloat16 too it moves by about 1% of its
+  # largest element.
+  bias_error = jnp.abs(split["bias"] - expected["bias"]).max()
+  assert float(bias_error) <= 0.03 * float(jnp.abs(expected["bias"]).max())
+
+
+
 # --- in the 2-device session ------------------------------------------------
 
 

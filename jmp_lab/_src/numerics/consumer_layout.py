@@ -25,8 +25,9 @@ import math
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jmp_lab import _compat
 from jmp_lab.kernels.mesh import axes_per_dim, split_dims
 
 
@@ -52,12 +53,20 @@ def _relayout(x: jax.Array, mesh, source: list[tuple], target: list[tuple]
 
 
 def _partition(mesh, arg_shapes, result_shape):
+  ndim = len(arg_shapes[0].shape)
   given, wanted = arg_shapes[0].sharding, result_shape.sharding
-  if not (isinstance(given, NamedSharding)
-          and isinstance(wanted, NamedSharding)):
+  named = [_compat.named_sharding(s, mesh, ndim) for s in (given, wanted)]
+  if getattr(mesh, "empty", True):
     # No mesh to name the axes by (a jit without one): XLA lays it out.
     return mesh, lambda x: x, given, (given,)
-  ndim = len(arg_shapes[0].shape)
+  if None in named:
+    # A layout the mesh's axes cannot name: XLA split a dimension of fewer
+    # blocks than devices by a factor no axis has (a weight whose shards
+    # are not whole blocks). Gathered whole by XLA, then as the readers
+    # want; nothing to do here.
+    whole = NamedSharding(mesh, PartitionSpec())
+    return mesh, lambda x: x, whole, (whole,)
+  given, wanted = named
   source, target = axes_per_dim(given, ndim), axes_per_dim(wanted, ndim)
   return (mesh, lambda x: _relayout(x, mesh, source, target),
           split_dims(mesh, *target), (given,))
@@ -75,9 +84,12 @@ def _rule(ndim: int) -> str:
 def _dispatch(ndim: int):
   """The op for arrays of rank ``ndim``; under ``vmap``, the identity."""
   op = custom_partitioning(lambda x: x)
+  # The shardings undecoded: jax's decoding raises for one the mesh's axes
+  # cannot name (see _partition), where this op can gather instead.
   op.def_partition(partition=_partition,
                    infer_sharding_from_operands=lambda mesh, args, _: (
                        args[0].sharding),
+                   decode_shardings=False,
                    sharding_rule=_rule(ndim))
   dispatch = jax.custom_batching.custom_vmap(op)
 
