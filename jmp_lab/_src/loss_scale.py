@@ -277,8 +277,10 @@ class DynamicLossScale(LossScale):
     max_loss_scale: upper bound (>= min_loss_scale).
     counter: consecutive finite steps so far (int32); normally left at 0.
 
-  ``period`` and ``factor`` are jmp's names for ``growth_interval`` and
-  ``growth_factor``.
+  ``period`` and ``factor`` read ``growth_interval`` and ``growth_factor``
+  by jmp's names; they are not arguments here. Build one from jmp's
+  arguments with ``from jmp_lab import jmp``, ``jmp.DynamicLossScale(
+  loss_scale, period=..., factor=...)``, the drop-in for jmp.
   """
 
   loss_scale: jax.Array = 2.0**15
