@@ -977,13 +977,34 @@ def test_a_vmapped_model_compiles_to_block_scaled_gemms_for_a_b200(fmt):
   assert len(report.block_scaled_gemms) == 11
   assert {g.block_scaled for g in report.block_scaled_gemms} == {fmt}
   # Else only NVFP4's Hadamard transform, as XLA's GEMMs of width 16: under
-  # vmap the quantization runs XLA's passes, not the (unbatched) kernels.
+  # vmap NVFP4 quantizes in XLA's passes (each input has its own global
+  # scale). MXFP8's one-pass kernel quantizes all the mapped inputs' rows
+  # at once: the activations and output gradients of whole blocks (all but
+  # the 48-wide input and the 16-wide head's gradient), as without vmap.
   assert all(g.lhs.dims == (16, 16) for g in report.gemms
              if g.block_scaled is None)
+  names = [k.name for k in report.pallas_kernels]
+  assert names == (["mxfp8_cast_transpose"] * 6 if fmt == "mxfp8" else []), (
+      names)
   # A forward or input-gradient GEMM multiplies the 4 x 64 rows as one
   # matrix against the one weight; a weight gradient, one per input.
   shapes = [g.lhs.dims[:2] for g in report.block_scaled_gemms]
   assert shapes.count((1, 256)) == 7 and shapes.count((4, 128)) == 4, shapes
+
+
+def test_mxfp8_quantizes_mapped_inputs_as_each_alone():
+  """Under ``vmap`` MXFP8's quantize joins the mapped inputs' rows into one
+  call (one kernel on a GPU): each input's copies, both layouts, are the
+  ones it gets alone, to the bit."""
+  from jmp_lab.kernels import mx_cast_transpose as mx
+  xs = jax.random.normal(jax.random.key(0), (3, 64, 96)).astype(jnp.bfloat16)
+  quantize = lambda x: mx.quantize_both_ways(  # noqa: E731
+      x, block_matmul._mxfp8_both_ways)
+  mapped = jax.jit(jax.vmap(quantize))(xs)
+  each = [quantize(x) for x in xs]
+  for i, got in enumerate(mapped):
+    chex.assert_trees_all_equal(
+        got.view(jnp.uint8), jnp.stack([e[i] for e in each]).view(jnp.uint8))
 
 
 def _scaled_matmul_runs_here() -> bool:

@@ -12,7 +12,8 @@ Transformer Engine's MXFP8 ``quantize`` writes its row-wise and
 column-wise data in one kernel. It is :mod:`jmp_lab.kernels.cast_transpose`
 (Hopper's per-tensor fp8) made block-scaled, dispatched as that one is: the
 kernel in a step compiled for CUDA, split by rows and columns across
-devices (``custom_partitioning``), XLA's path elsewhere and under ``vmap``.
+devices (``custom_partitioning``), XLA's path elsewhere; under ``vmap``
+the mapped inputs' rows joined, one call for all.
 
 The numbers are those of
 :func:`jmp_lab._src.numerics.block_quantize.quantize_mxfp8` bit for bit
@@ -195,9 +196,11 @@ _PARTITIONED.def_partition(
 def quantize_both_ways(x: jax.Array, xla: Callable) -> tuple[jax.Array, ...]:
   """``(q, s, q_t, s_t)`` of a 2-D ``x`` as :func:`mx_cast_transpose`
   gives them: the kernel in a step compiled for CUDA where ``x`` is 16-bit
-  and whole blocks; elsewhere (the CPU, ``vmap``, explicitly sharded types,
-  a jax without Pallas' Triton backend) ``xla(x)``, which must return the
+  and whole blocks; elsewhere (the CPU, explicitly sharded types, a jax
+  without Pallas' Triton backend) ``xla(x)``, which must return the
   same four arrays (``tests/test_block_scaled.py`` checks they agree).
+  Under ``vmap`` the mapped inputs' rows are joined into one call
+  (:func:`_joined`), the kernel's where it runs.
 
   Across devices each device quantizes its own block of ``x``
   (``custom_partitioning``); blocks of 32 never straddle devices.
@@ -207,7 +210,22 @@ def quantize_both_ways(x: jax.Array, xla: Callable) -> tuple[jax.Array, ...]:
       or not platform.importable("jax.experimental.pallas.triton")):
     return xla(x)
 
-  return platform.kernel_on_cuda(lambda x: _PARTITIONED(x, xla), xla, x)
+  def one(x):
+    return platform.kernel_on_cuda(lambda x: _PARTITIONED(x, xla), xla, x,
+                                   batched=functools.partial(_joined, one))
+  return one(x)
+
+
+def _joined(quantize: Callable, xs: jax.Array) -> tuple[jax.Array, ...]:
+  """``quantize`` of each of ``xs`` (V, M, K) under ``vmap``, as one
+  quantization of their rows joined, (V * M, K): the same numbers, since a
+  block along the columns lies in one row and a block of 32 rows in one
+  input (M is whole blocks), and one kernel for all V."""
+  v, m, k = xs.shape
+  q, s, q_t, s_t = quantize(xs.reshape(v * m, k))
+  apart = lambda t: jnp.moveaxis(  # noqa: E731  (K, V * R) -> (V, K, R)
+      t.reshape(t.shape[0], v, -1), 1, 0)
+  return (q.reshape(v, m, k), s.reshape(v, m, -1), apart(q_t), apart(s_t))
 
 
 __all__ = [

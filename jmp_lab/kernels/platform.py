@@ -27,13 +27,17 @@ TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be "
                       r"removed in a future JAX version\.")
 
 
-def kernel_on_cuda(kernel: Callable, xla: Callable, *args):
+def kernel_on_cuda(kernel: Callable, xla: Callable, *args,
+                   batched: Optional[Callable] = None):
   """``kernel(*args)`` in a program compiled for CUDA, ``xla(*args)``
   elsewhere and under ``vmap`` (a Pallas kernel under
   ``custom_partitioning`` has no batching rule); both must return the same
-  arrays. The dispatch every one-pass quantize kernel shares. Traced
-  without its call site (:func:`jmp_lab._compat.without_call_site`), so
-  that XLA merges calls on one input made from different places.
+  arrays. Under ``vmap`` with every argument mapped, ``batched(*args)``
+  instead (the mapped axis first in each argument and result), where a
+  kernel's own op can take the mapped arguments at once. The dispatch
+  every one-pass quantize kernel shares. Traced without its call site
+  (:func:`jmp_lab._compat.without_call_site`), so that XLA merges calls on
+  one input made from different places.
 
   >>> import jax.numpy as jnp
   >>> kernel_on_cuda(lambda x: x + 1, lambda x: x - 1, jnp.zeros(2))  # a CPU
@@ -45,8 +49,11 @@ def kernel_on_cuda(kernel: Callable, xla: Callable, *args):
   @dispatch.def_vmap
   def _batched(axis_size, in_batched, *a):
     del axis_size
-    out = jax.vmap(xla, in_axes=tuple(0 if b else None for b in in_batched)
-                   )(*a)
+    if batched is not None and all(in_batched):
+      out = batched(*a)
+    else:
+      out = jax.vmap(xla, in_axes=tuple(0 if b else None for b in in_batched)
+                     )(*a)
     return out, jax.tree.map(lambda _: True, out)
 
   # One kernel on one input from several call sites (the query, key and
