@@ -150,6 +150,45 @@ def test_fp32_norm_default_and_its_output_back_in_compute_dtype():
   assert got["norm"] == 16
 
 
+class _SowsAndDrops(nnx.Module):
+  """Holds an RNG stream (its Dropout) and sows an intermediate."""
+
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(32, 32, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.dropout(self.dense(x))
+    self.sow(nnx.Intermediate, "h", h)
+    return h.sum()
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)':DeprecationWarning")
+def test_a_model_that_sows_runs_under_plain_jax_transforms_when_merged():
+  """Split, then merged inside ``jax.jit``/``grad``/``vmap``, as a plain NNX
+  model can be. The call sows a new variable; jmp_lab used to put the
+  whole state back then, the RNG counts it left alone included, and NNX
+  refuses to write those from inside the transform ("Cannot mutate
+  RngCount from a different trace level"). Now only the sown value and
+  changed variables go back."""
+  x = jnp.ones((4, 32))
+  results = {}
+  for policy in (None, "mixed_bfloat16"):
+    model = _SowsAndDrops(nnx.Rngs(0))
+    if policy:
+      model = jnnx.with_policy(model, policy)
+    model.eval()
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    call = lambda p: nnx.merge(graph, p, rest)(x)  # noqa: E731
+    grads = jax.grad(call)(params)
+    results[policy] = (jax.jit(call)(params),
+                       [v.get_value() for v in jax.tree.leaves(
+                           grads, is_leaf=lambda v: isinstance(v, nnx.Variable))],
+                       jax.vmap(call, in_axes=(None,), axis_size=2)(params))
+  chex.assert_trees_all_close(results["mixed_bfloat16"], results[None],
+                              rtol=2e-2, atol=2e-2)
+
+
 def test_a_path_override_that_matches_nothing_warns():
   """A misspelt override used to change nothing, silently."""
   with pytest.warns(UserWarning) as caught:

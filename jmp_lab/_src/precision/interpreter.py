@@ -207,22 +207,22 @@ def call_under_rules(fn: Callable, args: tuple, kwargs: dict, rules,
 
   out, new_state = apply_rules(pure, rules)(state, arrays)
   out = outputs_in(out, output_dtype)
-  changed = _changed_variables(state, new_state)
-  if changed is None:  # the call made new variables: put back everything
-    nnx.update(tuple(nodes), new_state)
-  elif changed:
+  changed = _changed_variables(list(nnx.to_flat_state(state)),
+                               list(nnx.to_flat_state(new_state)))
+  if changed:
     nnx.update(tuple(nodes), nnx.from_flat_state(changed))
   return out
 
 
-def _changed_variables(before: Any, after: Any) -> Optional[list]:
-  """The ``(path, variable)`` pairs of ``after`` whose value is not the one
-  in ``before`` (None if the two differ in their paths). Only these are put
-  back: a plain forward pass writes nothing, so it may run inside
-  ``jax.jit`` on a model made outside it, as a plain NNX module may."""
-  old, new = list(nnx.to_flat_state(before)), list(nnx.to_flat_state(after))
-  if [path for path, _ in old] != [path for path, _ in new]:
-    return None
+def _changed_variables(before: list, after: list) -> list:
+  """The ``(path, variable)`` pairs of ``after`` that ``before`` lacks (a
+  value the call sowed, a cache it made) or whose value is not the one in
+  ``before``. Only these are put back: a plain forward pass writes
+  nothing, so it may run inside ``jax.jit`` on a model made outside it, as
+  a plain NNX module may; and one that sows writes its sown values alone,
+  not the RNG counts it left as they were (NNX refuses to write those
+  from inside a transform of a model merged there)."""
   raw = lambda v: v.get_raw_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
-  return [(path, n) for (path, o), (_, n) in zip(old, new)
-          if raw(n) is not raw(o)]
+  old = {path: raw(v) for path, v in before}
+  return [(path, v) for path, v in after
+          if path not in old or raw(v) is not old[path]]
