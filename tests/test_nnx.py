@@ -459,6 +459,33 @@ class TrainStepTest(chex.TestCase):
     assert int(optimizer.step[...]) == 1 and int(optimizer.skipped_steps) == 1
     assert float(optimizer.loss_scale.loss_scale) == 2.0**7
 
+  @pytest.mark.filterwarnings(
+      "ignore:Using 'Module.sow\\(\\)':DeprecationWarning")
+  def test_a_model_that_sows_trains_and_a_skipped_step_keeps_its_state(self):
+    """The step put the model's other state back through one select over
+    the whole state before and after, which the values a model sows (new
+    variables) did not fit ("leaf paths differ"): now path by path, the
+    sown value kept as made."""
+    model = jnnx.with_policy(_SowsAndDrops(nnx.Rngs(0, dropout=1)),
+                             "mixed_bfloat16")
+    optimizer = jnnx.Optimizer(model, jmp_lab.mixed_precision(
+        optax.sgd(1e-3), policy="mixed_bfloat16"), wrt=nnx.Param)
+
+    def loss_fn(model, x):
+      return jnp.square(model(x).astype(jnp.float32) / 100)
+
+    step = jnnx.make_train_step(loss_fn, donate=False)
+    x = jnp.ones((4, 32))
+    losses = [float(step(model, optimizer, x)["loss"]) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    assert len(model.h.get_value()) >= 1   # what the model sowed
+    nnx.pop(model, nnx.Intermediate)
+    before = nnx.as_pure(nnx.state(model, nnx.Not(nnx.Intermediate)))
+    metrics = step(model, optimizer, x.at[0, 0].set(jnp.inf))
+    assert not bool(metrics["grads_finite"])
+    chex.assert_trees_all_equal(
+        nnx.as_pure(nnx.state(model, nnx.Not(nnx.Intermediate))), before)
+
   def test_make_train_step_donates_the_old_buffers(self):
     model, optimizer = make_bn("mixed_bfloat16", jmp_lab.DynamicLossScale())
     step = jnnx.make_train_step(bn_loss)

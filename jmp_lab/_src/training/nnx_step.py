@@ -248,8 +248,8 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   optimizer.update(model, scaled_grads, also_finite=(
       observed_finite(fp8_observed) if fp8_observed else None))
   applied = optimizer.last_step_applied
-  after = nnx.as_pure(nnx.state(model, others))
-  nnx.update(model, select_tree(applied, after, before))
+  nnx.update(model, _kept_unless_applied(
+      applied, nnx.as_pure(nnx.state(model, others)), before))
   if fp8_observed:  # kept on a skipped step, like everything else
     # Leaf by leaf: the gradient state nests each Fp8State's dict value
     # differently from nnx.state, in the same (sorted) order.
@@ -266,6 +266,22 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   return step_core.metrics(metrics, loss, loss_scale,
                            optimizer._pure_opt_state(),
                            optimizer.skipped_steps)
+
+
+def _kept_unless_applied(applied: jax.Array, after: Any, before: Any) -> Any:
+  """``after``'s state, where a skipped step puts back ``before``'s values:
+  path by path, so that what the model sowed in the step (a variable
+  ``before`` lacks, or a tuple of sown values one longer) stays as sown."""
+  old = dict(nnx.to_flat_state(before))
+
+  def kept(path, value):
+    if path not in old or (jax.tree_util.tree_structure(value)
+                           != jax.tree_util.tree_structure(old[path])):
+      return value
+    return select_tree(applied, value, old[path])
+
+  return nnx.from_flat_state([(path, kept(path, value))
+                              for path, value in nnx.to_flat_state(after)])
 
 
 def _loss_jaxpr(loss_fn: LossFn, model: nnx.Module, batch: Any):
