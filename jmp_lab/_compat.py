@@ -249,16 +249,16 @@ def named_sharding(sharding: Any, mesh: Any, ndim: int) -> Any:
   express it: XLA splits a dimension by a factor no axis has (a count of
   blocks smaller than the devices, split 2 ways of 4), and jax's own
   decoding raises there (``IndivisibleError``), inside XLA's compile."""
+  # The decoding jax itself runs, and the error it raises where it cannot.
+  from jax._src import sharding as jax_sharding, sharding_impls
   if isinstance(sharding, jax.sharding.NamedSharding):
     return sharding
   hlo = getattr(sharding, "_hlo_sharding", None)
   if hlo is None or mesh is None or getattr(mesh, "empty", True):
     return None
   try:
-    from jax._src import sharding_impls  # the decoding jax itself runs
     spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
-  except Exception:  # pylint: disable=broad-except
+  except jax_sharding.IndivisibleError:
     return None
   spec = tuple(spec) + (None,) * (ndim - len(spec))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-

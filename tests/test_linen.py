@@ -1,5 +1,7 @@
 """Tests for jmp_lab.linen: policies applied to unmodified linen modules."""
 
+import warnings
+
 import chex
 import flax.linen as nn
 import jax
@@ -139,6 +141,41 @@ def test_a_path_override_that_matches_nothing_warns_at_init():
   assert len(messages) == 1 and "'^haed$' matches no module or param path of "\
       "Wrapper" in messages[0] and "'head'" in messages[0], messages
   assert caught[0].filename == __file__
+
+
+class _Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, _):
+    return nn.remat(nn.Dense)(4, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")), name="mlp")(x), None
+
+
+class _BoxedScanned(nn.Module):
+  """Boxed params (FSDP's logical partitioning) in scanned, rematerialised
+  blocks, and a head: paths as large-model code makes them."""
+
+  @nn.compact
+  def __call__(self, x):
+    x, _ = nn.scan(_Block, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=2,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(
+                       name="blocks")(x, None)
+    return nn.Dense(3, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("mlp", "vocab")), name="head")(x)
+
+
+def test_path_overrides_that_match_warn_nothing_on_boxed_scanned_params():
+  """An anchored param override (``head/kernel$``) on a boxed param, and a
+  module override inside ``nn.scan``/``nn.remat``: both match, so init
+  says nothing (the paths are those the plan matches, not the variables'
+  flattened ones, which end in ``/value`` for a boxed param)."""
+  model = jl.with_policy(_BoxedScanned(), "mixed_bfloat16",
+                         path_overrides={"head/kernel$": "float32",
+                                         "blocks/mlp$": "float32"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    model.init(jax.random.key(0), jnp.ones((2, 4)))
 
 
 def test_class_override_applies_to_inputs_and_params():

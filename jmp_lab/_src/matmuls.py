@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import pathlib
 from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
+
+from jmp_lab._src.user_warnings import in_jmp_lab
 
 HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 FP8_DTYPES = tuple(np.dtype(getattr(jnp, n)) for n in (
@@ -99,33 +99,25 @@ def _conv_dims(eqn):
   return dims, flops
 
 
-# jmp_lab's own files: never the user's line (its products are written
-# there, for the user's layer).
-_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[1]) + os.sep
-
-
 def _user_location(eqn, enclosing: str = "?") -> str:
   """``file:line`` of the code that produced ``eqn``: the first frame that
   is neither jax's (jax's own view of user code) nor jmp_lab's, so a
   layer's block-scaled or fp8 product is found at the layer's call, as its
   bf16 one is. Where there is none (an op jmp_lab traces without its call
-  site, so that XLA merges its copies: NVFP4's Hadamard transform),
-  ``enclosing`` (the location of the op around it), else the op's layer by
-  its name scopes (``MLP/Dense_0``)."""
+  site, so that XLA merges its copies: NVFP4's Hadamard transform), the
+  op's layer by its name scopes (``MLP/Dense_0``), else ``enclosing`` (the
+  location of the op around it)."""
   try:
     from jax._src import source_info_util  # no public equivalent
     frame = next((f for f in source_info_util.user_frames(
-        eqn.source_info.traceback)
-                  if not f.file_name.startswith(_PACKAGE_DIR)), None)
+        eqn.source_info.traceback) if not in_jmp_lab(f.file_name)), None)
   except Exception:  # pylint: disable=broad-except
     frame = None
   if frame is not None:
     return f"{frame.file_name.split('/')[-1]}:{frame.start_line}"
-  if enclosing != "?":
-    return enclosing
   scopes = str(getattr(eqn.source_info, "name_stack", "")).split("/")
-  return "/".join(p for p in scopes
-                  if p and "(" not in p and not p.startswith("jmp_lab")) or "?"
+  return "/".join(p for p in scopes if p and "(" not in p
+                  and not p.startswith("jmp_lab")) or enclosing
 
 
 # Ops a dequantized fp8 value passes through on its way to a matmul: the

@@ -24,8 +24,14 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARIES = ("jax", "flax", "optax", "equinox")
 
 
+def in_jmp_lab(filename: str) -> bool:
+  """Whether ``filename`` is one of jmp_lab's own files (never the user's
+  line)."""
+  return os.path.abspath(filename).startswith(_PACKAGE + os.sep)
+
+
 def _is_library_frame(filename: str) -> bool:
-  return (filename.startswith(_PACKAGE)
+  return (in_jmp_lab(filename)
           or any(f"{os.sep}{name}{os.sep}" in filename for name in _LIBRARIES)
           or f"{os.sep}contextlib" in filename)
 

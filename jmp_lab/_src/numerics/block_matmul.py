@@ -75,10 +75,10 @@ RECIPES = {
     "nvfp4": Recipe(bq.NVFP4, weight_tiles=True, stochastic_gradients=True,
                     hadamard=True),
 }
-_OVERRIDES: dict[str, Recipe] = {}
-# The overrides in force, as a context jax.jit keys its caches on: a step
-# traced under one recipe is traced again under another, not reused.
-_OVERRIDES_KEY = jax.make_user_context(default_value=())
+# The overrides in force, ((name, recipe), ...): a jax user context, which
+# jax.jit keys its caches on (a step traced under one recipe is traced again
+# under another, not reused), and thread-local as jax's contexts are.
+_OVERRIDES = jax.make_user_context(default_value=())
 
 
 @contextlib.contextmanager
@@ -87,7 +87,8 @@ def mxfp8_recipe(*, weight_tiles: bool = True) -> Iterator[Recipe]:
   default: one quantization of the weight serves its forward and
   input-gradient GEMMs, so FSDP gathers it once per use) or, with
   ``weight_tiles=False``, with the weight quantized again in 1x32 blocks
-  along each GEMM's contraction (Transformer Engine's MXFP8 recipe).
+  along each GEMM's contraction (Transformer Engine's MXFP8 recipe). Part of
+  ``jax.jit``'s cache key, as :func:`nvfp4_recipe`.
 
   >>> with mxfp8_recipe(weight_tiles=False) as recipe:
   ...   recipe.weight_tiles
@@ -101,16 +102,9 @@ def mxfp8_recipe(*, weight_tiles: bool = True) -> Iterator[Recipe]:
 
 @contextlib.contextmanager
 def _overridden(name: str, recipe: Recipe) -> Iterator[Recipe]:
-  before = _OVERRIDES.get(name)
-  _OVERRIDES[name] = recipe
-  try:
-    with _OVERRIDES_KEY(tuple(sorted(_OVERRIDES.items()))):
-      yield recipe
-  finally:
-    if before is None:
-      del _OVERRIDES[name]
-    else:
-      _OVERRIDES[name] = before
+  overrides = {**dict(_OVERRIDES.value), name: recipe}
+  with _OVERRIDES(tuple(sorted(overrides.items()))):
+    yield recipe
 
 
 @contextlib.contextmanager
@@ -147,7 +141,7 @@ def recipe_for(name: str) -> Recipe:
   if name not in RECIPES:
     raise ValueError(f"block-scaled format {name!r} is not supported; "
                      f"accepted: {', '.join(RECIPES)}")
-  return _OVERRIDES.get(name, RECIPES[name])
+  return dict(_OVERRIDES.value).get(name, RECIPES[name])
 
 
 # ---- one GEMM ---------------------------------------------------------------
@@ -186,7 +180,7 @@ def _native(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
                                           b.scales)
 
 
-def _joined(x: jax.Array) -> jax.Array:
+def _mapped_into_rows(x: jax.Array) -> jax.Array:
   """(V, B, R, K) as (B, V * R, K): the mapped axis joined to the rows."""
   return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[3])
 
@@ -219,11 +213,13 @@ def _native_product(dtype: np.dtype) -> Callable[..., jax.Array]:
       out = product(*merged)
       return out.reshape(axis_size, -1, *out.shape[1:]), True
     if a_batched:  # a's (V, B, M, K) as (B, V * M, K)
-      out = product(_joined(a), b, _joined(a_scales), b_scales)
+      out = product(_mapped_into_rows(a), b, _mapped_into_rows(a_scales),
+                    b_scales)
       return jnp.moveaxis(out.reshape(out.shape[0], axis_size, -1,
                                       out.shape[2]), 1, 0), True
     if b_batched:  # b's (V, B, N, K) as (B, V * N, K)
-      out = product(a, _joined(b), a_scales, _joined(b_scales))
+      out = product(a, _mapped_into_rows(b), a_scales,
+                    _mapped_into_rows(b_scales))
       return jnp.moveaxis(out.reshape(*out.shape[:2], axis_size, -1),
                           2, 0), True
     return product(a, b, a_scales, b_scales), False

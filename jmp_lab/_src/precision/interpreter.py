@@ -222,7 +222,11 @@ def _changed_variables(before: list, after: list) -> list:
   a plain NNX module may; and one that sows writes its sown values alone,
   not the RNG counts it left as they were (NNX refuses to write those
   from inside a transform of a model merged there)."""
-  raw = lambda v: v.get_raw_value() if isinstance(v, nnx.Variable) else v  # noqa: E731
-  old = {path: raw(v) for path, v in before}
+  def leaves(v):  # a tuple of sown values is rebuilt: compare its arrays
+    return jax.tree_util.tree_leaves(
+        v.get_raw_value() if isinstance(v, nnx.Variable) else v)
+
+  old = {path: leaves(v) for path, v in before}
   return [(path, v) for path, v in after
-          if path not in old or raw(v) is not old[path]]
+          if path not in old or len(leaves(v)) != len(old[path])
+          or any(a is not b for a, b in zip(leaves(v), old[path]))]

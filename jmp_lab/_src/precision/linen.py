@@ -63,8 +63,7 @@ class PolicyModule:
     with nn.intercept_methods(interceptor), agreement.agreeing():
       variables = dict(self.module.init(rngs, *args, method=method, **kwargs))
     rules_lib.warn_unmatched_path_overrides(
-        self.plan.rules, interceptor.paths | _variable_paths(variables),
-        type(self.module).__name__)
+        self.plan.rules, interceptor.paths, type(self.module).__name__)
     if "params" in variables:
       variables["params"] = self.policy.cast_to_param(variables["params"])
     return variables
@@ -104,13 +103,6 @@ class PolicyModule:
     return apply_rules(intercepted, make_rules(self.policy.compute_dtype))
 
 
-def _variable_paths(variables: Mapping[str, Any]) -> set[str]:
-  """Each variable's path within its collection (``"Dense_0/kernel"``)."""
-  return {"/".join(str(getattr(k, "key", k)) for k in path)
-          for collection in variables.values()
-          for path, _ in jax.tree_util.tree_flatten_with_path(collection)[0]}
-
-
 def _chain(module: nn.Module) -> list[tuple[str, nn.Module]]:
   """``(path, module)`` from ``module`` up to the model."""
   chain = []
@@ -128,14 +120,18 @@ class _Interceptor:
     self.history_length = owner.fp8_history_length
     self.cache_dtype = owner.cache_dtype
     self.calls: list[nn.Module] = []  # boundary calls running, innermost last
-    self.paths: set[str] = set()  # of every module called
+    # The path of every module called and of every param read, as the plan
+    # matches them (unmatched path overrides are warned of after init).
+    self.paths: set[str] = set()
 
   def __call__(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
-    self.paths.add("/".join(module.path))
+    if module.scope is not None:
+      self.paths.add("/".join(module.path))
     if method == "setup":  # params made in setup are read by the plan too
       decision = self._decide(module)
-      with _reading_params(module, self.plan, decision, (), {}), \
+      with _reading_params(module, self.plan, decision, (), {},
+                           self.paths), \
           _policed_state(module, decision, self.cache_dtype):
         return next_fun(*args, **kwargs)
     if (method.startswith("_") and method != "__call__") or (
@@ -151,7 +147,8 @@ class _Interceptor:
     attached: dict = {}
     self.calls.append(module)
     try:
-      with _reading_params(module, self.plan, decision, attach, attached), \
+      with _reading_params(module, self.plan, decision, attach, attached,
+                           self.paths), \
           _policed_state(module, decision, self.cache_dtype):
         out = linen_layers.call_layer(
             next_fun, module, method, args, kwargs, self.plan, decision,
@@ -174,12 +171,14 @@ class _Interceptor:
 
 @contextlib.contextmanager
 def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
-                    attach: tuple[str, ...], attached: dict):
+                    attach: tuple[str, ...], attached: dict,
+                    read_paths: set):
   """For the block: ``module``'s params are read in the dtype the plan
   gives each; those named in ``attach`` through ``stop_gradient``, their
   differentiable values put in ``attached`` (their gradients are attached
-  after the call, summed in the reduce dtype). Flax has no hook for a
-  param read, so the module's scope's ``param`` is set for the block."""
+  after the call, summed in the reduce dtype); each param's path, as the
+  plan matches it, put in ``read_paths``. Flax has no hook for a param
+  read, so the module's scope's ``param`` is set for the block."""
   scope = module.scope
   if scope is None:
     yield
@@ -190,7 +189,9 @@ def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
 
   def param(name, init_fn, *init_args, unbox=True, **init_kwargs):
     value = read(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
-    dtype = plan.param_dtype(decision, f"{prefix}/{name}" if prefix else name)
+    path = f"{prefix}/{name}" if prefix else name
+    read_paths.add(path)
+    dtype = plan.param_dtype(decision, path)
     with scopes.policy_cast_scope():
       cast = value if dtype is None else cast_floating(value, dtype)
     if name in attach:

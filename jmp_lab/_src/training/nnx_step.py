@@ -204,7 +204,10 @@ def train_step(model: nnx.Module, optimizer: Optimizer, batch: Any, *,
   differentiated with respect to the optimizer's ``wrt`` variables; the
   optimizer unscales, checks, updates or skips. On a skipped step the
   model's other state (batch statistics, RNG counts) is put back as it was,
-  so a skipped step changes nothing but the loss scale.
+  so a skipped step changes nothing but the loss scale, and what the model
+  sowed in it: a new sown variable, or a tuple of sown values grown by the
+  step, stays as sown (a sown value of the same structure, one reduced by
+  ``reduce_fn``, is put back).
 
   Returns:
     ``loss``, the ``loss_scale`` used, ``grads_finite``, ``skipped_steps``
