@@ -167,4 +167,3 @@ def test_the_timings_table_reads_what_the_timing_runs_write(tmp_path, capsys):
   assert rows[("P4", "GPT-2 small step: TF32 / bf16 time")]["met"] is None
   out = capsys.readouterr().out
   assert "| P3 | torch AdamW(fused)+GradScaler / fused update time | not run |" in out
-

@@ -97,5 +97,3 @@ class DynamicLossScale(_loss_scale.DynamicLossScale):
                      backoff_factor=1 / factor if factor > 0 else factor,
                      min_loss_scale=min_loss_scale,
                      max_loss_scale=max_loss_scale)
-
-

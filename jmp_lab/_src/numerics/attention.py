@@ -387,5 +387,3 @@ def attention_fn(query, key, value, bias=None, mask=None, *,
                        1.0 / math.sqrt(query.shape[-1]),
                        dropout_rate if dropout else 0.0, dropout_rng,
                        broadcast_dropout, precision, sow)
-
-

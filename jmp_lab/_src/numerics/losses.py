@@ -526,5 +526,3 @@ def _fused_backward(layout, interpret, kernel_dtype, residuals, g):
 
 
 _fused_linear_cross_entropy.defvjp(_fused_forward, _fused_backward)
-
-

@@ -211,5 +211,3 @@ def unflatten_params(opt_state: Any, flat: jax.Array) -> Any:
         f"flat must be a {want} array from flat_params, got "
         f"{pytrees.leaf_description(flat)}")
   return flat_layout.view(state.layout, flat)
-
-

@@ -27,12 +27,12 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab._src.precision import scopes
-from jmp_lab._src.user_warnings import user_stacklevel
-from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
 from jmp_lab._src.policy import (BLOCK_SCALED_MODES, MATMUL_MODES, Policy,
                                  canonicalize_dtype, get_policy,
                                  is_norm_class, layer_dtype)
+from jmp_lab._src.precision import scopes
+from jmp_lab._src.precision.ops import COMPUTE_OPS, FP32_OPS, MATMUL_OPS
+from jmp_lab._src.user_warnings import user_stacklevel
 
 PolicySpec = Union[Policy, str]
 
@@ -360,4 +360,3 @@ def warn_unmatched_path_overrides(rules: Iterable[PrecisionRule],
         f"{model}, so it changes nothing (a regular expression, searched in "
         f"each path; this model's include {examples})",
         stacklevel=user_stacklevel())
-

@@ -539,5 +539,3 @@ def _checked_call(jitted: Callable, donate: bool) -> Callable:
     if hasattr(jitted, stage):
       setattr(step, stage, getattr(jitted, stage))
   return step
-
-
