@@ -150,6 +150,21 @@ def griffin_case(policy: str, *, batch: int = 8, length: int = 64,
                      _text_batches(batch, length, seed))
 
 
+def hf_gpt2_case(policy: str, *, batch: int = 8, length: int = 64,
+                 seed: int = 0, **config_kw) -> Case:
+  model = jl.with_policy(
+      rm.HFGPT2LM(rm.GPT2Config(n_positions=length, **config_kw)), policy)
+  params = model.init(jax.random.key(0),
+                      jnp.zeros((1, length), jnp.int32))["params"]
+  state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
+                                    tx=_optimizer(policy, 3e-3),
+                                    policy=policy)
+  loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(
+      {"params": params}, tokens))
+  return _linen_case("GPT-2 (Hugging Face's Flax code, linen)", policy,
+                     loss_fn, state, _text_batches(batch, length, seed))
+
+
 def gemma_case(policy: str, *, batch: int = 8, length: int = 64,
                seed: int = 0, **config_kw) -> Case:
   config = rm.GemmaConfig(**config_kw)
@@ -200,6 +215,7 @@ CASES: dict[str, Callable[..., Case]] = {
         linen_lm_case, norm="rmsnorm", attention="custom", scan_layers=True,
         name="Transformer LM (linen; own RMSNorm and attention, nn.scan)"),
     "griffin": griffin_case,
+    "hf_gpt2": hf_gpt2_case,
     "gemma": gemma_case,
     "equinox": equinox_case,
 }

@@ -21,6 +21,12 @@ BatchNorm with an ``axis_name``. These models follow that code:
   params, public helper methods that return their argument, its own
   ``RMSNorm``, a ``custom_jvp`` square root, and a ``lax.scan`` recurrence
   that asserts its inputs agree in dtype and accumulates in fp32.
+* :class:`HFGPT2LM` -- GPT-2 as Hugging Face transformers'
+  ``modeling_flax_gpt2.py`` writes it: every projection a ``FlaxConv1D``
+  that multiplies by its own transposed kernel with ``lax.dot_general``
+  (no ``nn.Dense``), flax's ``dot_product_attention_weights`` with an
+  additive ``finfo.min`` bias, and the tied head as a bias-free ``Dense``
+  applied with the token table's transpose (``lm_head.apply``).
 * :class:`GemmaLM` -- an NNX decoder in the style of Gemma's Flax code.
   ``nnx.Embed``, ``nnx.Einsum`` and ``nnx.Linear`` all get
   ``dtype=jnp.float32`` and ``param_dtype``. The model has its own
@@ -621,6 +627,127 @@ class EqxTransformer(eqx.Module):
     for block in self.blocks:
       x = block(x, mask)
     return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+# ---------------------------------------------------------------------------
+# GPT-2 as Hugging Face transformers' modeling_flax_gpt2.py writes it.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+  vocab_size: int = 256
+  n_positions: int = 64
+  n_embd: int = 64
+  n_layer: int = 2
+  n_head: int = 4
+  layer_norm_epsilon: float = 1e-5
+  dtype: Any = jnp.float32
+
+
+class HFConv1D(nn.Module):
+  """``FlaxConv1D``: every projection of transformers' Flax GPT-2. Its own
+  kernel, stored ``(features, inputs)``, multiplied by its transpose with
+  ``lax.dot_general`` in the config's dtype: no ``nn.Dense``."""
+
+  features: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, inputs):
+    inputs = jnp.asarray(inputs, self.dtype)
+    kernel = self.param("kernel", nn.initializers.normal(stddev=0.02),
+                        (self.features, inputs.shape[-1]))
+    kernel = jnp.asarray(kernel.transpose(), self.dtype)
+    y = jax.lax.dot_general(inputs, kernel,
+                            (((inputs.ndim - 1,), (0,)), ((), ())))
+    bias = self.param("bias", nn.initializers.zeros, (self.features,))
+    return y + jnp.asarray(bias, self.dtype)
+
+
+class HFGPT2Attention(nn.Module):
+  """``FlaxGPT2Attention``: one ``c_attn`` projection split three ways, a
+  causal mask made once in ``setup``, an additive bias of ``finfo.min``,
+  flax's ``dot_product_attention_weights`` and its own ``einsum``."""
+
+  config: GPT2Config
+
+  def setup(self):
+    config = self.config
+    self.head_dim = config.n_embd // config.n_head
+    self.c_attn = HFConv1D(3 * config.n_embd, dtype=config.dtype)
+    self.c_proj = HFConv1D(config.n_embd, dtype=config.dtype)
+    self.causal_mask = nn.make_causal_mask(
+        jnp.ones((1, config.n_positions), dtype="bool"), dtype="bool")
+
+  def _split_heads(self, x):
+    return x.reshape(x.shape[:2] + (self.config.n_head, self.head_dim))
+
+  def __call__(self, hidden_states):
+    dtype = self.config.dtype
+    query, key, value = jnp.split(self.c_attn(hidden_states), 3, axis=2)
+    query, key, value = map(self._split_heads, (query, key, value))
+    length = query.shape[1]
+    mask = jnp.broadcast_to(self.causal_mask[:, :, :length, :length],
+                            (query.shape[0], 1, length, length))
+    bias = jax.lax.select(mask > 0, jnp.full(mask.shape, 0.0).astype(dtype),
+                          jnp.full(mask.shape, jnp.finfo(dtype).min
+                                   ).astype(dtype))
+    weights = nn.attention.dot_product_attention_weights(
+        query, key, bias=bias, deterministic=True, dtype=dtype)
+    out = jnp.einsum("...hqk,...khd->...qhd", weights, value)
+    return self.c_proj(out.reshape(out.shape[:2] + (self.config.n_embd,)))
+
+
+class HFGPT2Block(nn.Module):
+  """``FlaxGPT2Block``: pre-norm attention and an MLP of two ``Conv1D`` with
+  ``gelu_new`` (the tanh approximation)."""
+
+  config: GPT2Config
+
+  @nn.compact
+  def __call__(self, x):
+    config = self.config
+    norm = functools.partial(nn.LayerNorm, epsilon=config.layer_norm_epsilon,
+                             dtype=config.dtype)
+    x = x + HFGPT2Attention(config, name="attn")(norm(name="ln_1")(x))
+    h = norm(name="ln_2")(x)
+    h = HFConv1D(4 * config.n_embd, dtype=config.dtype, name="c_fc")(h)
+    h = jax.nn.gelu(h, approximate=True)
+    return x + HFConv1D(config.n_embd, dtype=config.dtype, name="c_proj")(h)
+
+
+class HFGPT2LM(nn.Module):
+  """``FlaxGPT2LMHeadModule``: token and position ``nn.Embed`` tables,
+  blocks named by their index, a final LayerNorm, and the tied head as
+  transformers writes it: a bias-free ``nn.Dense`` applied with the token
+  table's transpose as its kernel (``lm_head.apply``)."""
+
+  config: GPT2Config
+
+  def setup(self):
+    config = self.config
+    embed = functools.partial(
+        nn.Embed, features=config.n_embd, dtype=config.dtype,
+        embedding_init=nn.initializers.normal(stddev=0.02))
+    self.wte = embed(config.vocab_size)
+    self.wpe = embed(config.n_positions)
+    self.blocks = [HFGPT2Block(config, name=str(i))
+                   for i in range(config.n_layer)]
+    self.ln_f = nn.LayerNorm(epsilon=config.layer_norm_epsilon,
+                             dtype=config.dtype)
+    self.lm_head = nn.Dense(config.vocab_size, use_bias=False,
+                            dtype=config.dtype)
+
+  def __call__(self, input_ids):
+    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]),
+                                 input_ids.shape)
+    x = self.wte(input_ids.astype("i4")) + self.wpe(positions.astype("i4"))
+    for block in self.blocks:
+      x = block(x)
+    x = self.ln_f(x)
+    shared_kernel = self.wte.variables["params"]["embedding"].T
+    return self.lm_head.apply({"params": {"kernel": shared_kernel}}, x)
 
 
 # ---------------------------------------------------------------------------

@@ -1386,3 +1386,151 @@ def test_with_policy_and_autocast_block_scale_the_same_gemms(fmt):
   assert gemms["with_policy"] == gemms["autocast"]
   assert {kind for kind, _, _ in gemms["autocast"]} == {fmt}
   assert len(gemms["autocast"]) == 9   # 3 layers x 3 GEMMs
+
+
+# --- weight matmuls a module writes itself -------------------------------------
+
+
+class Conv1D(nn.Module):
+  """Hugging Face's ``FlaxConv1D`` (transformers' ``modeling_flax_gpt2.py``,
+  every projection of its GPT-2): its own kernel, stored ``(features,
+  inputs)``, multiplied by its transpose with ``lax.dot_general`` in the
+  config's dtype."""
+  features: int
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, inputs):
+    inputs = jnp.asarray(inputs, self.dtype)
+    kernel = self.param("kernel", nn.initializers.normal(0.02),
+                        (self.features, inputs.shape[-1]))
+    kernel = jnp.asarray(kernel.transpose(), self.dtype)
+    y = jax.lax.dot_general(inputs, kernel,
+                            (((inputs.ndim - 1,), (0,)), ((), ())))
+    bias = self.param("bias", nn.initializers.zeros, (self.features,))
+    return y + jnp.asarray(bias, self.dtype)
+
+
+class GPT2MLP(nn.Module):
+  """``FlaxGPT2MLP``, with ``Conv1D`` or with ``nn.Dense`` layers."""
+  layer: type = Conv1D
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.gelu(self.layer(128, name="c_fc")(x), approximate=True)
+    return self.layer(64, name="c_proj")(h)
+
+
+def _as_dense(params):
+  """Conv1D's params as ``nn.Dense``'s: each kernel transposed."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: p.T if path[-1].key == "kernel" else p, params)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_modules_own_weight_matmul_is_block_scaled_as_a_dense_is(fmt):
+  """Hugging Face's GPT-2 multiplies by its params itself. Under the
+  block-scaled keys those GEMMs ran in bf16, silently: only Dense,
+  DenseGeneral and Einsum layers were block-scaled."""
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  own = jmp_lab.linen.with_policy(GPT2MLP(), f"mixed_{fmt}")
+  dense = jmp_lab.linen.with_policy(GPT2MLP(nn.Dense), f"mixed_{fmt}")
+  params = own.init(jax.random.key(1), x)
+
+  def loss(model, params):
+    return jnp.square(model.apply(params, x).astype(jnp.float32)).sum()
+
+  report = audit_step(functools.partial(jax.grad(loss, argnums=1), own),
+                      params)
+  assert _kinds(report) == [fmt] * 6   # 2 layers x 3 GEMMs
+  own_loss, own_grads = jax.jit(jax.value_and_grad(
+      functools.partial(loss, own)))(params)
+  dense_loss, dense_grads = jax.jit(jax.value_and_grad(
+      functools.partial(loss, dense)))(_as_dense(params))
+  # The same quantized products as Dense's, bit for bit.
+  chex.assert_trees_all_equal(own_loss, dense_loss)
+  chex.assert_trees_all_equal(_as_dense(own_grads), dense_grads)
+
+  # A path override keeps the module out, as it does a Dense.
+  kept = jmp_lab.linen.with_policy(
+      GPT2MLP(), f"mixed_{fmt}",
+      path_overrides={"c_proj": "mixed_bfloat16,o=bf16"})
+  report = audit_step(functools.partial(jax.grad(loss, argnums=1), kept),
+                      params)
+  assert _kinds(report) == ["dot_general"] * 3 + [fmt] * 3
+
+
+class NnxConv1D(nnx.Module):
+  """A layer that multiplies by its own ``nnx.Param``, as public NNX code
+  writes one: ``x @ self.kernel.T``."""
+
+  def __init__(self, inputs, features, rngs):
+    self.kernel = nnx.Param(nnx.initializers.normal(0.02)(
+        rngs.params(), (features, inputs)))
+
+  def __call__(self, x):
+    return x @ self.kernel[...].T
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_an_nnx_modules_own_weight_matmul_is_block_scaled_as_linear_is(fmt):
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  own = jmp_lab.nnx.with_policy(NnxConv1D(64, 96, nnx.Rngs(0)), f"mixed_{fmt}")
+  linear = nnx.Linear(64, 96, use_bias=False, rngs=nnx.Rngs(0))
+  linear.kernel[...] = own.kernel[...].T
+  linear = jmp_lab.nnx.with_policy(linear, f"mixed_{fmt}")
+
+  def loss(model):
+    return jnp.square(model(x).astype(jnp.float32)).sum()
+
+  graph, state = nnx.split(own)
+  report = audit_step(jax.grad(lambda s: loss(nnx.merge(graph, s))), state)
+  assert _kinds(report) == [fmt] * 3
+  own_loss, own_grads = nnx.jit(nnx.value_and_grad(loss))(own)
+  linear_loss, linear_grads = nnx.jit(nnx.value_and_grad(loss))(linear)
+  chex.assert_trees_all_equal(own_loss, linear_loss)
+  chex.assert_trees_all_equal(own_grads["kernel"][...].T,
+                              linear_grads["kernel"][...])
+
+
+class CallsTheProductItself(nn.Module):
+  """A layer that calls ``jmp_lab.block_scaled.dot_general`` on its param."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(0.02), (x.shape[-1], 64))
+    return bs.dot_general(x, w, DIMS, fmt="nvfp4")
+
+
+def test_a_block_scaled_product_the_code_calls_is_not_quantized_twice():
+  """The Hadamard transform inside a product the code calls itself is
+  jmp_lab's own small GEMM, not a weight matmul to block-scale again.
+  Under autocast it was: the transform of an input handed in as it is
+  multiplied a stored value, and ran as a fourth NVFP4 GEMM."""
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  model = jmp_lab.linen.with_policy(CallsTheProductItself(), "mixed_nvfp4")
+  params = model.init(jax.random.key(1), x)
+  report = audit_step(jax.grad(lambda p: model.apply(p, x).sum()), params)
+  assert _kinds(report) == ["nvfp4"] * 3
+  assert len([r for r in report.matmuls if r.kind == "hadamard"]) == 2
+
+  def loss(w, x):
+    return bs.dot_general(x, w, DIMS, fmt="nvfp4").astype(jnp.float32).sum()
+
+  report = audit_step(jax.grad(jmp_lab.autocast(loss, "mixed_nvfp4")),
+                      params["params"]["w"], x)
+  assert [r.kind for r in report.matmuls].count("nvfp4") == 3
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_modules_own_weight_matmul_compiles_block_scaled_for_a_b200(fmt):
+  require_cuda_plugin()
+  from jmp_lab.diagnostics import compiled_report
+  x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+  model = jmp_lab.linen.with_policy(GPT2MLP(), f"mixed_{fmt}")
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  report = compiled_report(
+      jax.grad(lambda p, x: jnp.square(model.apply(p, x)).sum(),
+               argnums=(0, 1)), params, x, target="b200")
+  assert len(report.block_scaled_gemms) == 6
+  assert not [g for g in report.gemms if g.block_scaled is None]

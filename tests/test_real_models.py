@@ -37,8 +37,8 @@ from benchmarks import real_models as rm  # noqa: E402
 from cuda_compile import require_cuda_plugin  # noqa: E402
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-CASES = ["resnet", "linen_lm", "linen_lm_custom", "griffin", "gemma",
-         "equinox"]
+CASES = ["resnet", "linen_lm", "linen_lm_custom", "griffin", "hf_gpt2",
+         "gemma", "equinox"]
 
 
 def eqns_named(jaxpr, names, path=()):
@@ -125,7 +125,7 @@ def test_fp8_reaches_layers_with_their_own_float32_dtype(name, policy):
 @pytest.mark.parametrize("name, steps, seeds", [
     ("resnet", 100, 4),   # its small loss is noisy from seed to seed
     ("linen_lm", 60, 1), ("linen_lm_custom", 60, 1), ("griffin", 60, 1),
-    ("gemma", 60, 1), ("equinox", 60, 1)])
+    ("hf_gpt2", 60, 1), ("gemma", 60, 1), ("equinox", 60, 1)])
 @pytest.mark.floor_lane
 def test_loss_within_2_percent_of_fp32_on_the_same_data(name, steps, seeds):
   def loss(policy):
@@ -502,15 +502,17 @@ def test_the_other_policies_train_model_code_as_written(name, policy):
 # bf16, as do convolutions: the keys block-scale Dense/Linear/Einsum layers
 # and, under autocast, products with a stored weight.
 WEIGHT_MATMULS = {"resnet": 1, "linen_lm": 12, "linen_lm_custom": 6,
-                  "griffin": 16, "gemma": 10, "equinox": 13}
+                  "griffin": 16, "hf_gpt2": 9, "gemma": 10, "equinox": 13}
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("name", CASES)
 def test_block_scaled_keys_reach_every_weight_matmul_of_model_code(name, fmt):
   """Layers with their own ``dtype=float32`` (lm1b, Gemma's NNX Einsum and
-  Linear), ``nn.scan``, a recurrent block, and Equinox under ``autocast``,
-  whose ``Linear`` computes ``weight @ x`` under ``jax.vmap`` (before, the
+  Linear), ``nn.scan``, a recurrent block, Hugging Face's GPT-2, whose
+  ``FlaxConv1D`` multiplies by its own kernel (before, its eight
+  projections ran in bf16), and Equinox under ``autocast``, whose
+  ``Linear`` computes ``weight @ x`` under ``jax.vmap`` (before, the
   Equinox model ran no GEMM block-scaled)."""
   case = mr.CASES[name](f"mixed_{fmt}")
   report = audit_step(case.step, case.state, next(case.batches))
@@ -520,7 +522,7 @@ def test_block_scaled_keys_reach_every_weight_matmul_of_model_code(name, fmt):
 
 
 @pytest.mark.parametrize("name", ["linen_lm", "linen_lm_custom", "griffin",
-                                  "gemma", "equinox"])
+                                  "hf_gpt2", "gemma", "equinox"])
 @pytest.mark.floor_lane
 def test_block_scaled_keys_train_model_code_near_bf16(name):
   """60 steps on the same batches (emulated on the CPU as a B200 computes
@@ -533,7 +535,7 @@ def test_block_scaled_keys_train_model_code_near_bf16(name):
 
 @pytest.mark.model_compile
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
-@pytest.mark.parametrize("name", ["gemma", "equinox"])
+@pytest.mark.parametrize("name", ["hf_gpt2", "gemma", "equinox"])
 def test_model_code_compiles_its_weight_gemms_block_scaled_for_a_b200(
     name, fmt):
   """NNX layers with ``dtype=float32`` and Equinox through ``autocast``:

@@ -18,6 +18,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jmp_lab import _gemm
+from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_matmul
 from jmp_lab._src.precision import observers, scopes, table
 from jmp_lab._src.precision.ops import COMPUTE_OPS, MATMUL_OPS
@@ -68,21 +69,29 @@ def matmul(op: Op) -> tuple[list, list]:
 def _block_scaled_weight(op: Op, target, actual) -> Optional[str]:
   """Which operand of ``op`` is the weight, if ``op`` is a weight matmul of
   a block-scaled region: a ``dot_general`` of floating operands one of
-  which is stored. ``"rhs"`` for ``x @ w``, and when both are stored (a
-  layer applied to an argument of the function); ``"lhs"`` for ``w @ x``
-  (Equinox's ``Linear``) where ``w`` is an input as handed in: a stored
-  value the code built (a causal mask, a one-hot dispatch matrix, a
-  constant table) is not taken for a weight on the left. None: not one."""
+  which is stored, or is a param a front end read (a module's own
+  ``x @ kernel.T``: :meth:`~.values.Context.mark_weights`). ``"rhs"`` for
+  ``x @ w``, and when both are stored (a layer applied to an argument of
+  the function); ``"lhs"`` for ``w @ x`` (Equinox's ``Linear``) where ``w``
+  is an input as handed in or a param: a stored value the code built (a
+  causal mask, a one-hot dispatch matrix, a constant table) is not taken
+  for a weight on the left. None: not one."""
   if (op.region.block_scaled is None or target is None
       or op.eqn.primitive.name != "dot_general"
-      or not all(is_floating(d) and d.itemsize > 1 for d in actual)):
+      or not all(is_floating(d) and d.itemsize > 1 for d in actual)
+      # jmp_lab's own quantization (the Hadamard transform's small GEMM)
+      # inside a block-scaled product the code called itself.
+      or BLOCK_QUANTIZE_SCOPE in op.path):
     return None
-  if op.roles[1] == Role.STORED:
+  if op.roles[1] == Role.STORED or op.context.is_weight(op.invals[1]):
     return "rhs"
   left = op.eqn.invars[0]
   handed_in = (not isinstance(left, jex_core.Literal)  # (not hashable)
                and left in op.context.inputs)
-  return "lhs" if op.roles[0] == Role.STORED and handed_in else None
+  if (op.roles[0] == Role.STORED and handed_in) or op.context.is_weight(
+      op.invals[0]):
+    return "lhs"
+  return None
 
 
 def convert(op: Op) -> tuple[list, list]:

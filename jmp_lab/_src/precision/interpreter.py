@@ -147,6 +147,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any],
     with _source_info.user_context(eqn.source_info.traceback,
                                    name_stack=name_stack), eqn.ctx.manager:
       outs, out_roles = _dispatch(op)
+    context.mark_weights(op, outs)
     for var, value, r in zip(eqn.outvars, outs, out_roles):
       env[var], role[var] = value, r
   found = [read(v) for v in jaxpr.outvars]

@@ -192,7 +192,7 @@ def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
     path = f"{prefix}/{name}" if prefix else name
     read_paths.add(path)
     dtype = plan.param_dtype(decision, path)
-    with scopes.policy_cast_scope():
+    with scopes.policy_cast_scope(), scopes.param_read_scope():
       cast = value if dtype is None else cast_floating(value, dtype)
     if name in attach:
       attached[name] = value

@@ -120,7 +120,10 @@ def call_layer(next_fun: Callable, module: nn.Module, method: str,
           module, args, kwargs, _einsum_product(module, mode, history_length),
           compute)
   with contextlib.ExitStack() as stack:
-    stack.enter_context(scopes.scope(compute))
+    # A tied head (attend) is the logits GEMM, kept in the compute dtype.
+    own = None if method == "attend" else plan.own_block_scaled(decision,
+                                                                mode)
+    stack.enter_context(scopes.module_scope(compute, own))
     stack.enter_context(_own_dtype(module, plan.layer_dtype(decision)))
     stack.enter_context(_matmul_override(module, mode, decision,
                                          history_length))

@@ -60,7 +60,7 @@ def _read_in_compute_dtype(variable_class: type) -> Callable:
       return value
     dtype = self.get_metadata("compute_dtype", None)
     if dtype is not None:
-      with scopes.policy_cast_scope():
+      with scopes.policy_cast_scope(), scopes.param_read_scope():
         value = cast_floating(value, dtype)
     return jax.lax.stop_gradient(value) if id(self) in _DETACHED else value
   return get_value
@@ -172,14 +172,18 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
                   own_dtype: Optional[np.dtype], fp8_delayed: bool = False,
                   reduce_bias: Optional[np.dtype] = None,
                   attend: Optional[tuple[np.dtype, np.dtype]] = None,
-                  cache_dtype: Optional[str] = None) -> type:
+                  cache_dtype: Optional[str] = None,
+                  block_scaled: Optional[str] = None) -> type:
   """``base`` whose ``__call__`` runs in ``compute`` (its inputs cast to it
-  with ``cast_inputs``) and returns ``output`` (None: as it comes), with the layer's own ``dtype`` set to ``own_dtype``
-  for the call; with ``fp8_delayed``, its matmul in fp8 scaled by its
+  with ``cast_inputs``) and returns ``output`` (None: as it comes), with
+  the layer's own ``dtype`` set to ``own_dtype`` for the call; with
+  ``fp8_delayed``, its matmul in fp8 scaled by its
   :class:`~.nnx_layers.Fp8State`; with ``reduce_bias``, its bias gradient
-  summed in that dtype. An ``Embed``'s ``attend`` is a boundary too; with
-  ``attend=(compute dtype, reduce dtype)`` its GEMM runs in that compute
-  dtype with the table's gradient summed in the reduce dtype."""
+  summed in that dtype; with ``block_scaled``, the weight matmuls its own
+  code writes block-scaled in that format (:meth:`.Plan.own_block_scaled`).
+  An ``Embed``'s ``attend`` is a boundary too; with ``attend=(compute
+  dtype, reduce dtype)`` its GEMM runs in that compute dtype with the
+  table's gradient summed in the reduce dtype."""
 
   def __call__(self, *args, **kwargs):
     _police_new_state(self, compute, cache_dtype)
@@ -189,7 +193,7 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
                                 else None)
     bias, bias_inside = None, False
     with contextlib.ExitStack() as stack:
-      stack.enter_context(scopes.scope(compute))
+      stack.enter_context(scopes.module_scope(compute, block_scaled))
       stack.enter_context(_MODULE_CALLS.enter())
       if own_dtype is not None:
         stack.enter_context(swapped(self, "dtype", own_dtype))
@@ -325,7 +329,7 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
         plan.output_dtype(decision, path == ()),
         _own_dtype(module, plan, decision), mode == "fp8",
         nnx_layers.bias_reduce_dtype(module, plan, decision, mode), attend,
-        cache_dtype)
+        cache_dtype, plan.own_block_scaled(decision, mode))
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention

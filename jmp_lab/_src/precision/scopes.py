@@ -24,6 +24,8 @@ _CAST = PREFIX + "cast"
 _AGREE = PREFIX + "agree"
 _ISLAND = PREFIX + "island:"
 _REDUCE = PREFIX + "reduce:"
+_BLOCK_SCALED = "+"  # "jmp_lab:bfloat16+mxfp8": module_scope's format
+_PARAM = PREFIX + "param"
 HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -110,6 +112,24 @@ def scope(dtype: Any) -> contextlib.AbstractContextManager:
   return jax.named_scope(PREFIX + _checked_dtype(dtype, "scope dtype").name)
 
 
+def module_scope(dtype: Any, block_scaled: Optional[str] = None
+                 ) -> contextlib.AbstractContextManager:
+  """A front end's mark of a module call: :func:`scope`, and with
+  ``block_scaled`` (``"mxfp8"`` or ``"nvfp4"``) the weight matmuls the
+  module's own code writes (a ``dot_general`` or ``einsum`` of a stored
+  value, as Hugging Face's ``FlaxConv1D`` writes its product) block-scaled,
+  as :func:`jmp_lab.autocast` block-scales them.
+
+  >>> import jax.numpy as jnp
+  >>> with module_scope(jnp.bfloat16, "mxfp8"):
+  ...   innermost_region(current_path()).block_scaled
+  'mxfp8'
+  """
+  name = PREFIX + _checked_dtype(dtype, "scope dtype").name
+  return jax.named_scope(name if block_scaled is None
+                         else name + _BLOCK_SCALED + block_scaled)
+
+
 def island(matmul_dtype: Any) -> contextlib.AbstractContextManager:
   """Ops traced inside run as written (an fp32 island), except matmuls,
   which run in ``matmul_dtype``: how a train step runs its ``loss_fn``, so
@@ -144,12 +164,16 @@ def scope_names(name_stack: Any) -> tuple[str, ...]:
 
 def marker_region(name: str) -> Optional[Region]:
   """The region a scope name sets, or None for a scope that is not one."""
-  if (not name.startswith(PREFIX) or name in (_CAST, _AGREE)
+  if (not name.startswith(PREFIX) or name in (_CAST, _AGREE, _PARAM)
       or name.startswith(_REDUCE)):
     return None
   if name.startswith(_ISLAND):
     return Region.island(name[len(_ISLAND):])
-  return Region.of(name[len(PREFIX):])
+  dtype, _, block_scaled = name[len(PREFIX):].partition(_BLOCK_SCALED)
+  region = Region.of(dtype)
+  if block_scaled and region.compute is not None:
+    return dataclasses.replace(region, block_scaled=block_scaled)
+  return region
 
 
 def innermost_region(path: tuple[str, ...]) -> Optional[Region]:
@@ -163,6 +187,17 @@ def innermost_region(path: tuple[str, ...]) -> Optional[Region]:
 
 def is_policy_cast(path: tuple[str, ...]) -> bool:
   return _CAST in path
+
+
+def param_read_scope() -> contextlib.AbstractContextManager:
+  """Casts traced inside read a param (a front end's read of a layer's
+  weight or bias): the interpreter takes the result, and its transposes and
+  reshapes, for a weight (:func:`module_scope`'s block-scaled matmuls)."""
+  return jax.named_scope(_PARAM)
+
+
+def is_param_read(path: tuple[str, ...]) -> bool:
+  return _PARAM in path
 
 
 def is_agreement_cast(path: tuple[str, ...]) -> bool:

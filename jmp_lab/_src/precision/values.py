@@ -120,6 +120,11 @@ def aval(x: Any) -> Any:
 Handler = Callable[["Op"], tuple[list, list]]
 
 
+# Ops that lay a value out again without computing on it.
+_LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type",
+                         "squeeze", "expand_dims", "copy"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
   """What every equation of one interpretation shares.
@@ -136,6 +141,9 @@ class Context:
       to what it built (a mask, a one-hot matrix, a constant table). In a
       sub-jaxpr (a scan's body, a jitted helper) they are what its caller
       passed, which can be a matrix the caller built.
+    weights: ``{id(value): value}`` of the params the front end read and
+      their layouts (:meth:`mark_weights`), shared by the whole
+      interpretation.
   """
 
   rules: Any
@@ -144,6 +152,24 @@ class Context:
   report: dict
   evaluate: Callable
   inputs: frozenset = frozenset()
+  weights: dict = dataclasses.field(default_factory=dict, compare=False)
+
+  def is_weight(self, value: Any) -> bool:
+    """Whether ``value`` is a param as a layer read it (see
+    :func:`mark_weights`)."""
+    return id(value) in self.weights
+
+  def mark_weights(self, op: "Op", outs: Sequence[Any]) -> None:
+    """Takes ``op``'s results for weights when it reads a param (a front
+    end's cast under :func:`~.scopes.param_read_scope`) or lays one out
+    again (a transpose, a reshape, a cast of a weight), as Hugging Face's
+    ``FlaxConv1D`` multiplies by ``kernel.transpose()``. Keyed by the
+    values themselves, which the dict keeps alive: a jitted helper
+    (``jnp.einsum``) receives the same values."""
+    if ((op.name == "convert_element_type" and scopes.is_param_read(op.path))
+        or (op.name in _LAYOUT_OPS and op.invals
+            and self.is_weight(op.invals[0]))):
+      self.weights.update((id(o), o) for o in outs)
 
   def inside(self, path: tuple[str, ...], **changes) -> "Context":
     return dataclasses.replace(self, base=path, **changes)
