@@ -494,6 +494,45 @@ def test_a_weight_split_finer_than_its_blocks_trains_as_on_one_device(
   assert float(bias_error) <= 0.03 * float(jnp.abs(expected["bias"]).max())
 
 
+def _nnx_tensor_parallel_grads(policy: str, axis_type):
+  """A Linear's output and kernel gradient on a (data 2, model 4) mesh of
+  ``axis_type`` axes, as the Flax NNX sharding guide writes it: the kernel
+  split along its outputs, the tokens along ``data``."""
+  from flax import nnx
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+  with jax.set_mesh(mesh):
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                 (None, "model"))
+    layer = jmp_lab.nnx.with_policy(
+        nnx.Linear(256, 1024, use_bias=False, kernel_init=init,
+                   rngs=nnx.Rngs(0)), policy)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (64, 256)),
+                       NamedSharding(mesh, P("data")))
+    y = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    grads = nnx.jit(nnx.grad(lambda layer, x: jnp.square(
+        layer(x).astype(jnp.float32)).sum()))(layer, x)
+    return y, grads["kernel"][...]
+
+
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("policy", ["mixed_mxfp8", "mixed_nvfp4"])
+def test_block_scaled_keys_train_on_a_mesh_with_explicit_axes(policy):
+  """jax.make_mesh's axes are explicit by default. Under NVFP4 the
+  Hadamard transform's reshape raised a ShardingTypeError; under both keys
+  the products came back unsharded (gathered on every device), and a
+  gradient GEMM over a split contraction, once sharded, needs its result's
+  sharding named. The numbers are those of the same mesh with Auto axes."""
+  y, kernel_grad = _nnx_tensor_parallel_grads(
+      policy, jax.sharding.AxisType.Explicit)
+  assert jax.typeof(y).sharding.spec == P("data", "model")
+  assert jax.typeof(kernel_grad).sharding.spec == P(None, "model")
+  auto_y, auto_grad = _nnx_tensor_parallel_grads(
+      policy, jax.sharding.AxisType.Auto)
+  chex.assert_trees_all_close((y, kernel_grad), (auto_y, auto_grad),
+                              rtol=1e-6, atol=1e-6)
+
+
 
 # --- in the 2-device session ------------------------------------------------
 

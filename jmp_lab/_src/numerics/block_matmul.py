@@ -43,6 +43,7 @@ from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
 from jmp_lab.kernels import mx_cast_transpose as mx
 from jmp_lab.kernels import nvfp4_cast_transpose as nv
 from jmp_lab.kernels import rounding
+from jmp_lab.kernels.mesh import explicitly_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +228,24 @@ def _native_product(dtype: np.dtype) -> Callable[..., jax.Array]:
   return product
 
 
+def _product_spec(a: jax.Array, b: jax.Array) -> jax.sharding.PartitionSpec:
+  """The sharding of ``a (B, M, K) x b (B, N, K) -> (B, M, N)`` on a mesh
+  with explicit axes: the batch and rows as ``a``'s, the columns as
+  ``b``'s rows (unless ``a`` already splits along that mesh axis).
+  A gradient must come back in its primal's sharding."""
+  spec_a = tuple(jax.typeof(a).sharding.spec) + (None,) * 3
+  spec_b = tuple(jax.typeof(b).sharding.spec) + (None,) * 3
+
+  def axes(entry) -> set:
+    return set() if entry is None else set(
+        entry if isinstance(entry, tuple) else (entry,))
+
+  columns = spec_b[1]
+  if axes(columns) & (axes(spec_a[0]) | axes(spec_a[1])):
+    columns = None
+  return jax.sharding.PartitionSpec(spec_a[0], spec_a[1], columns)
+
+
 def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   """``a (B, M, K) x b (B, N, K) -> (B, M, N)`` in ``dtype``: cuDNN's
   block-scaled GEMM on CUDA, its exact emulation elsewhere.
@@ -236,7 +255,22 @@ def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   multiply that result (in fp32, rounded once more to ``dtype``), the same
   on every platform. Under float16 NVFP4's GEMM writes fp32: before its
   global scales (each ``amax / 2688``) its result can be 2688**2 times the
-  true product's, past float16's 65504."""
+  true product's, past float16's 65504.
+
+  On a mesh with explicit axes the product runs under
+  ``jax.sharding.auto_axes`` (the partitioner shards it and sums a split
+  contraction, as it does without explicit axes), its result sharded by
+  :func:`_product_spec`: jax's typing asks every GEMM with a split
+  contraction to name its result's sharding, and ``platform_dependent``
+  returned the product unsharded, gathered on every device."""
+  if explicitly_sharded(a.values) or explicitly_sharded(b.values):
+    return jax.sharding.auto_axes(
+        functools.partial(_scaled_product, dtype=dtype),
+        out_sharding=_product_spec(a.values, b.values))(a, b)
+  return _scaled_product(a, b, dtype)
+
+
+def _scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   _warn_without_block_scaled_cores()
   global_scales = a.values.dtype == bq.NVFP4.value_dtype
   written = (jnp.float32 if global_scales and np.dtype(dtype) == np.float16
