@@ -791,6 +791,28 @@ def test_the_audit_finds_each_block_scaled_gemm_where_its_layer_is_called():
       f"test_block_scaled.py:{line}"}
 
 
+def test_the_audit_names_an_nnx_layers_hadamard_gemms_by_its_gemms():
+  """NNX modules open no name scopes, so NVFP4's Hadamard GEMMs (traced
+  without a call site) had no layer to name: the audit showed ``?`` or an
+  einsum's equation. They are where the GEMM they feed is."""
+  x = jnp.ones((32, 48))
+  model = jmp_lab.nnx.with_policy(NnxLayers(nnx.Rngs(0)), "mixed_nvfp4")
+  graph, state = nnx.split(model)
+  report = audit_step(jax.grad(lambda s: nnx.merge(graph, s)(x).sum()), state)
+  where = collections.defaultdict(set)
+  for r in report.matmuls:
+    where[r.kind].add(r.location)
+  # (Which line an einsum's GEMMs show can be another test's: jax reuses
+  # the trace of jnp.einsum's jitted helper, with its source lines.)
+  assert where["hadamard"] == where["nvfp4"], where
+  assert not [w for w in where["hadamard"] if w == "?" or "->" in w]
+  # The 48-wide input's transform is at the first Linear's forward GEMM.
+  first = {r.location for r in report.matmuls
+           if r.kind == "nvfp4" and r.lhs_shape == (1, 32, 48)}
+  assert {r.location for r in report.matmuls if r.kind == "hadamard"
+          and r.rhs_shape[-1] == 48} == first
+
+
 def test_autocast_block_scales_weight_matmuls_not_attention():
   def loss(p, x):
     h = jnp.tanh(x @ p["w1"])

@@ -116,8 +116,25 @@ def _user_location(eqn, enclosing: str = "?") -> str:
   if frame is not None:
     return f"{frame.file_name.split('/')[-1]}:{frame.start_line}"
   scopes = str(getattr(eqn.source_info, "name_stack", "")).split("/")
-  return "/".join(p for p in scopes if p and "(" not in p
+  # Not a layer: jit names, jmp_lab's scopes, an einsum's equation.
+  return "/".join(p for p in scopes if p and "(" not in p and "->" not in p
                   and not p.startswith("jmp_lab")) or enclosing
+
+
+def hadamards_located(records: list) -> list:
+  """``records`` with each Hadamard GEMM that has no layer to name (NNX
+  modules open no name scopes) at the block-scaled GEMM it feeds: the next
+  one in program order (the input's transform precedes its layer's
+  forward GEMM, the output gradient's its layer's gradient GEMMs)."""
+  located = list(records)
+  for i, record in enumerate(located):
+    if record.kind != "hadamard" or record.location != "?":
+      continue
+    fed = next((r for r in located[i + 1:] if r.kind in ("mxfp8", "nvfp4")),
+               None)
+    if fed is not None:
+      located[i] = dataclasses.replace(record, location=fed.location)
+  return located
 
 
 # Ops a dequantized fp8 value passes through on its way to a matmul: the
@@ -319,4 +336,4 @@ def matmul_records(closed_jaxpr: Any) -> list[MatmulRecord]:
   jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
   records: list[MatmulRecord] = []
   walk(jaxpr, 1, records, {})
-  return records
+  return hadamards_located(records)

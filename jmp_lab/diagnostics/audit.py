@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from jmp_lab._src.matmuls import (FP8_DTYPES, HALF_DTYPES, MatmulRecord,
-                                  gemm_accumulation,
-                                  compiled_sub_jaxprs, matmul_records,
+                                  compiled_sub_jaxprs, gemm_accumulation,
+                                  hadamards_located, matmul_records,
                                   sub_jaxprs, walk)
 from jmp_lab._src.policy import Policy, get_policy
 
@@ -109,6 +109,7 @@ def audit_step(fn: Callable[..., Any], *args, policy: Any = None,
   records: list[MatmulRecord] = []
   casts: dict[str, int] = {}
   walk(closed.jaxpr, 1, records, casts)
+  records = hadamards_located(records)
   lowered = jax.jit(fn).lower(*args, **kwargs).as_text()
   total = sum(r.flops for r in records) or 1.0
   half_flops = sum(r.flops for r in records if r.half)
