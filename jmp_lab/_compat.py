@@ -248,7 +248,9 @@ def named_sharding(sharding: Any, mesh: Any, ndim: int) -> Any:
   ``mesh``, as jax decodes it itself; None where ``mesh``'s axes cannot
   express it: XLA splits a dimension by a factor no axis has (a count of
   blocks smaller than the devices, split 2 ways of 4), and jax's own
-  decoding raises there (``IndivisibleError``), inside XLA's compile."""
+  decoding raises there, inside XLA's compile: ``IndivisibleError`` on a
+  1-D mesh, ``KeyError`` from its search for the factor among a 2-D
+  mesh's axes (6 tiles split 2 ways on a (2, 4) mesh)."""
   # The decoding jax itself runs, and the error it raises where it cannot.
   from jax._src import sharding as jax_sharding, sharding_impls
   if isinstance(sharding, jax.sharding.NamedSharding):
@@ -258,7 +260,7 @@ def named_sharding(sharding: Any, mesh: Any, ndim: int) -> Any:
     return None
   try:
     spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
-  except jax_sharding.IndivisibleError:
+  except (jax_sharding.IndivisibleError, KeyError):
     return None
   spec = tuple(spec) + (None,) * (ndim - len(spec))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))

@@ -534,6 +534,69 @@ def test_block_scaled_keys_train_on_a_mesh_with_explicit_axes(policy):
 
 
 
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("policy", ["mixed_mxfp8", "mixed_nvfp4"])
+@pytest.mark.parametrize("kernel_spec", [P("model", None), P("data", None),
+                                         P(("data", "model"), None)],
+                         ids=["row-parallel", "fsdp", "both"])
+def test_a_kernel_split_along_its_inputs_on_explicit_axes_is_one_devices(
+    policy, kernel_spec):
+  """A kernel split along its inputs (row-parallel, FSDP's layout) on a
+  mesh with explicit axes raised jax's sharding-type errors inside the
+  quantization (``jnp.repeat`` of the tile scales, a reshape); the
+  gradients are one device's."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  model = jmp_lab.linen.with_policy(nn.Dense(128, use_bias=False), policy)
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  params = model.init(jax.random.key(1), x)
+  grad = jax.jit(jax.grad(lambda p, x: jnp.sin(model.apply(p, x)).sum()))
+  expected = grad(params, x)
+  with jax.set_mesh(mesh):
+    split = grad(jax.device_put(params, NamedSharding(mesh, kernel_spec)),
+                 jax.device_put(x, NamedSharding(mesh, P("data", None))))
+  assert split["params"]["kernel"].sharding.spec == kernel_spec
+  chex.assert_trees_all_close(split, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.eight_devices
+@eight_devices
+@pytest.mark.parametrize("policy, hidden", [("mixed_mxfp8", 48),
+                                            ("mixed_nvfp4", 96)])
+def test_tensor_parallel_shards_finer_than_blocks_on_a_2d_mesh(policy, hidden):
+  """MaxText's layout, a hidden axis over a (data 2, model 4) mesh: 96
+  hidden units are 6 NVFP4 tiles (48: 1.5 MXFP8 tiles), which XLA split 2
+  ways, by no mesh axis. jax's decoding of that raised a KeyError (not the
+  1-D mesh's IndivisibleError) inside the compile."""
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      dense = lambda n, axes: nn.Dense(  # noqa: E731
+          n, use_bias=False, kernel_init=nn.with_logical_partitioning(
+              nn.initializers.lecun_normal(), axes))
+      return dense(128, ("mlp", "embed"))(nn.gelu(dense(hidden, (
+          "embed", "mlp"))(x)))
+
+  rules = (("batch", "data"), ("embed", None), ("mlp", "model"))
+  model = jmp_lab.linen.with_policy(MLP(), policy)
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  boxed = model.init(jax.random.key(1), x)["params"]
+  params = nn.unbox(boxed)
+  grad = jax.grad(lambda p, x: model.apply({"params": p}, x).sum())
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    layout = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh,
+                                         rules)
+    tokens = nn.logical_to_mesh_sharding(P("batch", "embed"), mesh, rules)
+    split = jax.jit(grad, in_shardings=(layout, tokens),
+                    out_shardings=layout)(jax.device_put(params, layout),
+                                          jax.device_put(x, tokens))
+  chex.assert_trees_all_close(split, jax.jit(grad)(params, x), rtol=1e-6,
+                              atol=1e-6)
+
+
 # --- in the 2-device session ------------------------------------------------
 
 

@@ -228,24 +228,6 @@ def _native_product(dtype: np.dtype) -> Callable[..., jax.Array]:
   return product
 
 
-def _product_spec(a: jax.Array, b: jax.Array) -> jax.sharding.PartitionSpec:
-  """The sharding of ``a (B, M, K) x b (B, N, K) -> (B, M, N)`` on a mesh
-  with explicit axes: the batch and rows as ``a``'s, the columns as
-  ``b``'s rows (unless ``a`` already splits along that mesh axis).
-  A gradient must come back in its primal's sharding."""
-  spec_a = tuple(jax.typeof(a).sharding.spec) + (None,) * 3
-  spec_b = tuple(jax.typeof(b).sharding.spec) + (None,) * 3
-
-  def axes(entry) -> set:
-    return set() if entry is None else set(
-        entry if isinstance(entry, tuple) else (entry,))
-
-  columns = spec_b[1]
-  if axes(columns) & (axes(spec_a[0]) | axes(spec_a[1])):
-    columns = None
-  return jax.sharding.PartitionSpec(spec_a[0], spec_a[1], columns)
-
-
 def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   """``a (B, M, K) x b (B, N, K) -> (B, M, N)`` in ``dtype``: cuDNN's
   block-scaled GEMM on CUDA, its exact emulation elsewhere.
@@ -255,22 +237,7 @@ def scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   multiply that result (in fp32, rounded once more to ``dtype``), the same
   on every platform. Under float16 NVFP4's GEMM writes fp32: before its
   global scales (each ``amax / 2688``) its result can be 2688**2 times the
-  true product's, past float16's 65504.
-
-  On a mesh with explicit axes the product runs under
-  ``jax.sharding.auto_axes`` (the partitioner shards it and sums a split
-  contraction, as it does without explicit axes), its result sharded by
-  :func:`_product_spec`: jax's typing asks every GEMM with a split
-  contraction to name its result's sharding, and ``platform_dependent``
-  returned the product unsharded, gathered on every device."""
-  if explicitly_sharded(a.values) or explicitly_sharded(b.values):
-    return jax.sharding.auto_axes(
-        functools.partial(_scaled_product, dtype=dtype),
-        out_sharding=_product_spec(a.values, b.values))(a, b)
-  return _scaled_product(a, b, dtype)
-
-
-def _scaled_product(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
+  true product's, past float16's 65504."""
   _warn_without_block_scaled_cores()
   global_scales = a.values.dtype == bq.NVFP4.value_dtype
   written = (jnp.float32 if global_scales and np.dtype(dtype) == np.float16
@@ -505,11 +472,53 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 weight: Literal["rhs", "lhs"] = "rhs") -> jax.Array:
   """``lax.dot_general(lhs, rhs, ...)`` block-scaled in ``fmt``; ``weight``
   (``"rhs"``, or ``"lhs"`` for ``w @ x``) names the weight operand, the
-  other is cast to its dtype, the result is in it."""
+  other is cast to its dtype, the result is in it.
+
+  On a mesh with explicit axes (``jax.make_mesh``'s default) the product
+  runs under ``jax.sharding.auto_axes``, its result split as
+  :func:`_result_spec` says: the quantization's reshapes and the GEMMs
+  over a split contraction are left to the partitioner, as on a mesh of
+  Auto axes (jax's typing refuses several of them, and asks a GEMM over a
+  split contraction to name its result's sharding)."""
   del precision, preferred_element_type
   if out_sharding is not None:
     raise ValueError(f"a block-scaled matmul does not take out_sharding "
                      f"(got {out_sharding!r})")
+  if explicitly_sharded(lhs) or explicitly_sharded(rhs):
+    return jax.sharding.auto_axes(
+        functools.partial(_dot_general, dimension_numbers=dimension_numbers,
+                          fmt=fmt, weight=weight),
+        out_sharding=_result_spec(lhs, rhs, dimension_numbers))(lhs, rhs)
+  return _dot_general(lhs, rhs, dimension_numbers, fmt=fmt, weight=weight)
+
+
+def _result_spec(lhs: jax.Array, rhs: jax.Array, dimension_numbers
+                 ) -> jax.sharding.PartitionSpec:
+  """The sharding of ``lax.dot_general(lhs, rhs, ...)``'s result on a mesh
+  with explicit axes: its batch and free axes split as they are in the
+  operands, a mesh axis used once (a split contraction is summed)."""
+  (lc, rc), (lb, rb) = dimension_numbers
+
+  def spec(x):
+    entries = tuple(jax.typeof(x).sharding.spec)
+    return entries + (None,) * (x.ndim - len(entries))
+
+  lhs_spec, rhs_spec = spec(lhs), spec(rhs)
+  entries = ([lhs_spec[d] for d in lb]
+             + [lhs_spec[d] for d in range(lhs.ndim) if d not in (*lc, *lb)]
+             + [rhs_spec[d] for d in range(rhs.ndim) if d not in (*rc, *rb)])
+  used: set = set()
+  result = []
+  for entry in entries:
+    axes = () if entry is None else (entry if isinstance(entry, tuple)
+                                      else (entry,))
+    result.append(None if used & set(axes) else entry)
+    used |= set(axes)
+  return jax.sharding.PartitionSpec(*result)
+
+
+def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
+                 fmt: str, weight: str) -> jax.Array:
   if weight == "lhs":
     return _weight_on_the_left(lhs, rhs, dimension_numbers, fmt)
   if weight != "rhs":

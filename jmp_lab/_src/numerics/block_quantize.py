@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab.kernels import rounding
-from jmp_lab.kernels.mesh import explicitly_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,21 +432,7 @@ def hadamard_16(x: jax.Array, axis: int = -1) -> jax.Array:
   Written as a batched GEMM of the 16x16 matrix by each group of 16 (one
   read of ``x`` and one write, in its layout, with no transposed copy),
   not as four butterfly stages or a 16-term sum, which XLA compiled to
-  several passes over the tensor or to kernels that spill registers.
-
-  On a mesh with explicit axes the transform runs under
-  ``jax.sharding.auto_axes``, its result sharded as ``x``: the groups'
-  reshape joins a sharded token axis to the axes before it, which jax's
-  sharding-in-types rules refuse (the same numbers: the partitioner
-  places the same GEMM)."""
-  if explicitly_sharded(x):
-    return jax.sharding.auto_axes(
-        lambda x: _hadamard_16(x, axis), out_sharding=jax.typeof(x).sharding
-    )(x)
-  return _hadamard_16(x, axis)
-
-
-def _hadamard_16(x: jax.Array, axis: int) -> jax.Array:
+  several passes over the tensor or to kernels that spill registers."""
   axis = axis % x.ndim
   lead = int(np.prod(x.shape[:axis]))
   trail = int(np.prod(x.shape[axis + 1:]))
