@@ -521,6 +521,27 @@ def test_block_scaled_keys_reach_every_weight_matmul_of_model_code(name, fmt):
   assert set(kinds) <= {fmt, "hadamard", "dot_general", "conv"}, kinds
 
 
+def test_a_path_override_reaches_a_head_applied_inside_the_models_call():
+  """Hugging Face's GPT-2 ties its head as ``self.lm_head.apply({"params":
+  {"kernel": wte.T}}, x)``: a root of its own, whose path was ``""``. Its
+  override (``"lm_head"``, the docs' advice under NVFP4) warned that it
+  matched nothing, and the head stayed in NVFP4."""
+  tokens = jnp.zeros((4, 64), jnp.int32)
+  model = jl.with_policy(rm.HFGPT2LM(rm.GPT2Config()), "mixed_nvfp4",
+                         path_overrides={"lm_head": "mixed_bfloat16"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    params = model.init(jax.random.key(0), tokens)
+  report = audit_step(jax.grad(lambda p: model.apply(p, tokens).astype(
+      jnp.float32).sum()), params)
+  kinds = [r.kind for r in report.matmuls]
+  assert kinds.count("nvfp4") == 3 * 8, kinds   # the blocks' eight Conv1D
+  head = [r for r in report.matmuls if r.kind == "dot_general"
+          and 256 in r.out_shape + r.lhs_shape + r.rhs_shape]
+  assert len(head) == 3 and all(r.operand_dtypes == ("bfloat16", "bfloat16")
+                                for r in head), head
+
+
 @pytest.mark.parametrize("name", ["linen_lm", "linen_lm_custom", "griffin",
                                   "hf_gpt2", "gemma", "equinox"])
 @pytest.mark.floor_lane

@@ -123,15 +123,21 @@ class _Interceptor:
     # The path of every module called and of every param read, as the plan
     # matches them (unmatched path overrides are warned of after init).
     self.paths: set[str] = set()
+    # id(module) of a module applied inside another's call (Hugging Face's
+    # tied head: ``self.lm_head.apply({"params": {"kernel": ...}}, x)``), a
+    # root of its own: (the module, kept alive so that its id is not reused;
+    # its path under its caller; the caller's chain).
+    self.nested: dict[int, tuple[nn.Module, str, list]] = {}
 
   def __call__(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
+    self._note_if_nested(module)
     if module.scope is not None:
-      self.paths.add("/".join(module.path))
+      self.paths.add(self._chain(module)[0][0])
     if method == "setup":  # params made in setup are read by the plan too
       decision = self._decide(module)
       with _reading_params(module, self.plan, decision, (), {},
-                           self.paths), \
+                           self.paths, self._chain(module)[0][0]), \
           _policed_state(module, decision, self.cache_dtype):
         return next_fun(*args, **kwargs)
     if (method.startswith("_") and method != "__call__") or (
@@ -148,7 +154,7 @@ class _Interceptor:
     self.calls.append(module)
     try:
       with _reading_params(module, self.plan, decision, attach, attached,
-                           self.paths), \
+                           self.paths, self._chain(module)[0][0]), \
           _policed_state(module, decision, self.cache_dtype):
         out = linen_layers.call_layer(
             next_fun, module, method, args, kwargs, self.plan, decision,
@@ -166,13 +172,34 @@ class _Interceptor:
       return cast_floating(out, output)
 
   def _decide(self, module: nn.Module) -> Decision:
-    return self.plan.decide(_chain(module))
+    return self.plan.decide(self._chain(module))
+
+  def _note_if_nested(self, module: nn.Module) -> None:
+    """Records a module applied as a root of its own inside another
+    module's call, under the caller's path and its own name."""
+    if (isinstance(module.parent, nn.Module) or not self.calls
+        or not module.name or id(module) in self.nested):
+      return
+    outer = self._chain(self.calls[-1])
+    path = f"{outer[0][0]}/{module.name}" if outer[0][0] else module.name
+    self.nested[id(module)] = (module, path, outer)
+
+  def _chain(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` from ``module`` up to the model, through the
+    call that applied a nested root (its paths under the caller's)."""
+    chain = _chain(module)
+    nested = self.nested.get(id(chain[-1][1]))
+    if nested is None:
+      return chain
+    _, prefix, outer = nested
+    return [(f"{prefix}/{path}" if path else prefix, m)
+            for path, m in chain] + outer
 
 
 @contextlib.contextmanager
 def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
                     attach: tuple[str, ...], attached: dict,
-                    read_paths: set):
+                    read_paths: set, prefix: str):
   """For the block: ``module``'s params are read in the dtype the plan
   gives each; those named in ``attach`` through ``stop_gradient``, their
   differentiable values put in ``attached`` (their gradients are attached
@@ -185,7 +212,6 @@ def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
     return
   read = scope.param
   before = scope.__dict__.get("param")
-  prefix = "/".join(module.path)
 
   def param(name, init_fn, *init_args, unbox=True, **init_kwargs):
     value = read(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
