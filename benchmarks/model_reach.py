@@ -33,6 +33,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Iterator, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,9 +137,10 @@ def linen_lm_case(policy: str, *, batch: int = 8, length: int = 64,
                      state, _text_batches(batch, length, seed))
 
 
-def griffin_case(policy: str, *, batch: int = 8, length: int = 64,
-                 seed: int = 0, **config_kw) -> Case:
-  model = jl.with_policy(rm.GriffinLM(rm.GriffinConfig(**config_kw)), policy)
+def _plain_lm_case(name: str, module: nn.Module, policy: str, batch: int,
+                   length: int, seed: int) -> Case:
+  """A linen LM called as ``apply({"params": ...}, tokens)``."""
+  model = jl.with_policy(module, policy)
   params = model.init(jax.random.key(0),
                       jnp.zeros((1, length), jnp.int32))["params"]
   state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
@@ -146,23 +148,23 @@ def griffin_case(policy: str, *, batch: int = 8, length: int = 64,
                                     policy=policy)
   loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(
       {"params": params}, tokens))
-  return _linen_case("Griffin recurrent LM (linen)", policy, loss_fn, state,
+  return _linen_case(name, policy, loss_fn, state,
                      _text_batches(batch, length, seed))
+
+
+def griffin_case(policy: str, *, batch: int = 8, length: int = 64,
+                 seed: int = 0, **config_kw) -> Case:
+  return _plain_lm_case("Griffin recurrent LM (linen)",
+                        rm.GriffinLM(rm.GriffinConfig(**config_kw)), policy,
+                        batch, length, seed)
 
 
 def hf_gpt2_case(policy: str, *, batch: int = 8, length: int = 64,
                  seed: int = 0, **config_kw) -> Case:
-  model = jl.with_policy(
-      rm.HFGPT2LM(rm.GPT2Config(n_positions=length, **config_kw)), policy)
-  params = model.init(jax.random.key(0),
-                      jnp.zeros((1, length), jnp.int32))["params"]
-  state = jmp_lab.TrainState.create(apply_fn=model.apply, params=params,
-                                    tx=_optimizer(policy, 3e-3),
-                                    policy=policy)
-  loss_fn = _lm_loss(lambda params, state, tokens: state.apply_fn(
-      {"params": params}, tokens))
-  return _linen_case("GPT-2 (Hugging Face's Flax code, linen)", policy,
-                     loss_fn, state, _text_batches(batch, length, seed))
+  return _plain_lm_case(
+      "GPT-2 (Hugging Face's Flax code, linen)",
+      rm.HFGPT2LM(rm.GPT2Config(n_positions=length, **config_kw)), policy,
+      batch, length, seed)
 
 
 def gemma_case(policy: str, *, batch: int = 8, length: int = 64,

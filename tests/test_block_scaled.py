@@ -29,6 +29,9 @@ from cuda_compile import require_cuda_plugin  # noqa: E402
 
 DIMS = (((1,), (0,)), ((), ()))
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.real_models import HFConv1D  # noqa: E402
 
 
 # --- an independent reference, from the OCP MX spec and the NVFP4 paper -------
@@ -1413,29 +1416,10 @@ def test_with_policy_and_autocast_block_scale_the_same_gemms(fmt):
 # --- weight matmuls a module writes itself -------------------------------------
 
 
-class Conv1D(nn.Module):
-  """Hugging Face's ``FlaxConv1D`` (transformers' ``modeling_flax_gpt2.py``,
-  every projection of its GPT-2): its own kernel, stored ``(features,
-  inputs)``, multiplied by its transpose with ``lax.dot_general`` in the
-  config's dtype."""
-  features: int
-  dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, inputs):
-    inputs = jnp.asarray(inputs, self.dtype)
-    kernel = self.param("kernel", nn.initializers.normal(0.02),
-                        (self.features, inputs.shape[-1]))
-    kernel = jnp.asarray(kernel.transpose(), self.dtype)
-    y = jax.lax.dot_general(inputs, kernel,
-                            (((inputs.ndim - 1,), (0,)), ((), ())))
-    bias = self.param("bias", nn.initializers.zeros, (self.features,))
-    return y + jnp.asarray(bias, self.dtype)
-
-
 class GPT2MLP(nn.Module):
-  """``FlaxGPT2MLP``, with ``Conv1D`` or with ``nn.Dense`` layers."""
-  layer: type = Conv1D
+  """``FlaxGPT2MLP``, with Hugging Face's ``FlaxConv1D`` (which multiplies
+  by its own transposed kernel) or with ``nn.Dense`` layers."""
+  layer: type = HFConv1D
 
   @nn.compact
   def __call__(self, x):
