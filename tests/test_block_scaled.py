@@ -1466,6 +1466,40 @@ def test_a_modules_own_weight_matmul_is_block_scaled_as_a_dense_is(fmt):
   assert _kinds(report) == ["dot_general"] * 3 + [fmt] * 3
 
 
+def test_a_modules_own_weight_matmul_under_fp8():
+  """Current-scaled fp8 (stateless) reaches it as it reaches a Dense, to
+  the bit; delayed fp8 keeps its state in a layer, so it cannot, and says
+  so once per module (before, both ran in bf16 without a word)."""
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+
+  def loss(model, params):
+    return jnp.square(model.apply(params, x).astype(jnp.float32)).sum()
+
+  policy = "mixed_bfloat16,matmul=fp8_current"
+  own = jmp_lab.linen.with_policy(GPT2MLP(), policy)
+  dense = jmp_lab.linen.with_policy(GPT2MLP(nn.Dense), policy)
+  params = own.init(jax.random.key(1), x)
+  report = audit_step(functools.partial(jax.grad(loss, argnums=1), own),
+                      params)
+  assert report.fp8_flop_share == 1.0
+  own_loss, own_grads = jax.value_and_grad(functools.partial(loss, own))(
+      params)
+  dense_loss, dense_grads = jax.value_and_grad(functools.partial(
+      loss, dense))(_as_dense(params))
+  chex.assert_trees_all_equal(own_loss, dense_loss)
+  chex.assert_trees_all_equal(_as_dense(own_grads), dense_grads)
+
+  delayed = jmp_lab.linen.with_policy(GPT2MLP(), "mixed_fp8")
+  with pytest.warns(UserWarning, match="matmul=fp8 does not reach the "
+                    "weight matmul '.*c_fc' writes itself") as caught:
+    params = delayed.init(jax.random.key(1), x)
+    loss(delayed, params)
+  assert len([w for w in caught if "does not reach" in str(w.message)]) == 2
+  report = audit_step(functools.partial(jax.grad(loss, argnums=1), delayed),
+                      params)
+  assert report.fp8_flop_share == 0.0 and report.half_flop_share == 1.0
+
+
 class NnxConv1D(nnx.Module):
   """A layer that multiplies by its own ``nnx.Param``, as public NNX code
   writes one: ``x @ self.kernel.T``."""

@@ -19,26 +19,35 @@ from jax.extend import core as jex_core
 
 from jmp_lab import _gemm
 from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
-from jmp_lab._src.numerics import block_matmul
+from jmp_lab._src.numerics import block_matmul, fp8_matmul
 from jmp_lab._src.precision import observers, scopes, table
 from jmp_lab._src.precision.ops import COMPUTE_OPS, MATMUL_OPS
 from jmp_lab._src.precision.values import (F32, Handler, Op, Role, as_written,
                                            bind, cast, dtype_of, is_half,
                                            is_floating, restore, written_dtype)
 
+
 def matmul(op: Op) -> tuple[list, list]:
   """Both operands in the region's matmul dtype; fp32 accumulation. In a
-  block-scaled region, a weight matmul is block-scaled."""
+  block-scaled region, a weight matmul is block-scaled; in a module whose
+  policy has ``matmul=fp8_current``, its own weight matmul is an fp8 GEMM
+  (``matmul=fp8``'s delayed scaling is warned of)."""
   target = op.region.matmul
   written = [written_dtype(v) for v in op.eqn.invars[:2]]
   actual = [dtype_of(x, v) for x, v in zip(op.invals, op.eqn.invars)][:2]
-  weight = _block_scaled_weight(op, target, actual)
-  if weight is not None:
+  weight = _weight_operand(op, target, actual)
+  if weight is not None and op.region.fp8 == "fp8":
+    observers.fp8_unreached(scopes.user_path(op.path))
+  elif weight is not None:
     observers.matmul_ran([target, target], written, False, in_model=True)
     lhs, rhs = (cast(v, target) for v in op.invals[:2])
+    dimension_numbers = op.eqn.params["dimension_numbers"]
+    if op.region.fp8 == "fp8_current":
+      return [fp8_matmul.current_dot_general(lhs, rhs, dimension_numbers)
+              ], [Role.HALF]
     return [block_matmul.dot_general(
-        lhs, rhs, op.eqn.params["dimension_numbers"],
-        fmt=op.region.block_scaled, weight=weight)], [Role.HALF]
+        lhs, rhs, dimension_numbers, fmt=op.region.block_scaled,
+        weight=weight)], [Role.HALF]
   if target is None or not all(is_floating(d) and d.itemsize > 1
                                for d in actual):
     dtypes = [np.dtype(v.aval.dtype) for v in op.eqn.invars[:2]]
@@ -66,9 +75,10 @@ def matmul(op: Op) -> tuple[list, list]:
   return [out], [Role.WIDE]
 
 
-def _block_scaled_weight(op: Op, target, actual) -> Optional[str]:
+def _weight_operand(op: Op, target, actual) -> Optional[str]:
   """Which operand of ``op`` is the weight, if ``op`` is a weight matmul of
-  a block-scaled region: a ``dot_general`` of floating operands one of
+  a block-scaled (or a module's fp8) region: a ``dot_general`` of floating
+  operands one of
   which is stored, or is a param a front end read (a module's own
   ``x @ kernel.T``: :meth:`~.values.Context.mark_weights`). ``"rhs"`` for
   ``x @ w``, and when both are stored (a layer applied to an argument of
@@ -76,7 +86,8 @@ def _block_scaled_weight(op: Op, target, actual) -> Optional[str]:
   is an input as handed in or a param: a stored value the code built (a
   causal mask, a one-hot dispatch matrix, a constant table) is not taken
   for a weight on the left. None: not one."""
-  if (op.region.block_scaled is None or target is None
+  if ((op.region.block_scaled is None and op.region.fp8 is None)
+      or target is None
       or op.eqn.primitive.name != "dot_general"
       or not all(is_floating(d) and d.itemsize > 1 for d in actual)
       # jmp_lab's own quantization (the Hadamard transform's small GEMM)

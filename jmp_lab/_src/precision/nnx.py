@@ -173,14 +173,14 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
                   reduce_bias: Optional[np.dtype] = None,
                   attend: Optional[tuple[np.dtype, np.dtype]] = None,
                   cache_dtype: Optional[str] = None,
-                  block_scaled: Optional[str] = None) -> type:
+                  own_matmul: Optional[str] = None) -> type:
   """``base`` whose ``__call__`` runs in ``compute`` (its inputs cast to it
   with ``cast_inputs``) and returns ``output`` (None: as it comes), with
   the layer's own ``dtype`` set to ``own_dtype`` for the call; with
   ``fp8_delayed``, its matmul in fp8 scaled by its
   :class:`~.nnx_layers.Fp8State`; with ``reduce_bias``, its bias gradient
-  summed in that dtype; with ``block_scaled``, the weight matmuls its own
-  code writes block-scaled in that format (:meth:`.Plan.own_block_scaled`).
+  summed in that dtype; with ``own_matmul``, the weight matmuls its own
+  code writes in that ``matmul=`` format (:meth:`.Plan.own_matmul`).
   An ``Embed``'s ``attend`` is a boundary too; with ``attend=(compute
   dtype, reduce dtype)`` its GEMM runs in that compute dtype with the
   table's gradient summed in the reduce dtype."""
@@ -193,7 +193,7 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
                                 else None)
     bias, bias_inside = None, False
     with contextlib.ExitStack() as stack:
-      stack.enter_context(scopes.module_scope(compute, block_scaled))
+      stack.enter_context(scopes.module_scope(compute, own_matmul))
       stack.enter_context(_MODULE_CALLS.enter())
       if own_dtype is not None:
         stack.enter_context(swapped(self, "dtype", own_dtype))
@@ -329,7 +329,7 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
         plan.output_dtype(decision, path == ()),
         _own_dtype(module, plan, decision), mode == "fp8",
         nnx_layers.bias_reduce_dtype(module, plan, decision, mode), attend,
-        cache_dtype, plan.own_block_scaled(decision, mode))
+        cache_dtype, plan.own_matmul(decision, mode))
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention

@@ -60,6 +60,21 @@ def matmul_ran(operand_dtypes: Sequence[np.dtype],
 _WARNED: set = set()
 
 
+def fp8_unreached(path: str) -> None:
+  """Warns, once per module, that ``matmul=fp8`` (delayed scaling) does
+  not reach a weight matmul the module writes itself."""
+  if ("fp8", path) in _WARNED or getattr(_local, "muted", 0):
+    return
+  _WARNED.add(("fp8", path))
+  warnings.warn(
+      f"matmul=fp8 does not reach the weight matmul {path!r} writes itself "
+      f"(a dot_general of its param): it runs in the compute dtype. Delayed "
+      f"scaling keeps its state in Dense, DenseGeneral and Einsum layers "
+      f"(NNX: Linear, LinearGeneral, Einsum); use matmul=fp8_current "
+      f"(current scaling, no state), which reaches it, or write the layer "
+      f"as one of those", stacklevel=4)
+
+
 def unreached(primitive: str, path: str, why: str) -> None:
   """Warns, once per place, that the rules left an op as written."""
   if (primitive, path) in _WARNED or getattr(_local, "muted", 0):

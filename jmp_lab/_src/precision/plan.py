@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab._src.policy import BLOCK_SCALED_MODES, Policy
+from jmp_lab._src.policy import MATMUL_MODES, Policy
 
 F32 = np.dtype(jnp.float32)
 
@@ -104,17 +104,16 @@ class Plan:
         return None if resolved == _AS_WRITTEN else resolved.compute_dtype
     return None if decision.as_written else decision.policy.compute_dtype
 
-  def own_block_scaled(self, decision: Decision, mode: Optional[str]
-                       ) -> Optional[str]:
-    """The block format of the weight matmuls a module's own code writes
-    (a ``dot_general`` of its param, as Hugging Face's ``FlaxConv1D``
-    writes it): the policy's ``matmul=mxfp8`` or ``nvfp4``, unless the
-    module runs as written or its layer's matmul (``mode``) is block-scaled
-    by jmp_lab's product already (Dense, DenseGeneral, Einsum)."""
-    if decision.as_written or mode in BLOCK_SCALED_MODES:
+  def own_matmul(self, decision: Decision, mode: Optional[str]
+                 ) -> Optional[str]:
+    """The ``matmul=`` format of the weight matmuls a module's own code
+    writes (a ``dot_general`` of its param, as Hugging Face's
+    ``FlaxConv1D`` writes it): the policy's, unless the module runs as
+    written or its layer's matmul (``mode``) is jmp_lab's product already
+    (Dense, DenseGeneral, Einsum)."""
+    if decision.as_written or mode in MATMUL_MODES:
       return None
-    fmt = decision.policy.matmul
-    return fmt if fmt in BLOCK_SCALED_MODES else None
+    return decision.policy.matmul
 
   def layer_dtype(self, decision: Decision) -> Optional[np.dtype]:
     """What a layer's own ``dtype`` attribute is for its call (None: left

@@ -24,7 +24,8 @@ _CAST = PREFIX + "cast"
 _AGREE = PREFIX + "agree"
 _ISLAND = PREFIX + "island:"
 _REDUCE = PREFIX + "reduce:"
-_BLOCK_SCALED = "+"  # "jmp_lab:bfloat16+mxfp8": module_scope's format
+_MATMUL = "+"  # "jmp_lab:bfloat16+mxfp8": module_scope's matmul format
+_FP8_MODES = ("fp8", "fp8_current")
 _PARAM = PREFIX + "param"
 HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -54,11 +55,16 @@ class Region:
     block_scaled: ``"mxfp8"`` or ``"nvfp4"``: weight matmuls (a matmul
       with a stored operand, as ``x @ w`` or ``w @ x``) block-scaled
       (:mod:`jmp_lab.block_scaled`; autocast's ``matmul=`` key), or None.
+    fp8: ``"fp8_current"``: a module's own weight matmuls in fp8 with
+      current scaling (:func:`jmp_lab.fp8.dot_general`); ``"fp8"``: the
+      delayed scaling a module's own matmul cannot keep state for (warned
+      of, in the compute dtype); or None.
   """
 
   compute: Optional[np.dtype]
   matmul: Optional[np.dtype]
   block_scaled: Optional[str] = None
+  fp8: Optional[str] = None
 
   @classmethod
   def of(cls, dtype: Any) -> "Region":
@@ -112,13 +118,16 @@ def scope(dtype: Any) -> contextlib.AbstractContextManager:
   return jax.named_scope(PREFIX + _checked_dtype(dtype, "scope dtype").name)
 
 
-def module_scope(dtype: Any, block_scaled: Optional[str] = None
+def module_scope(dtype: Any, matmul: Optional[str] = None
                  ) -> contextlib.AbstractContextManager:
   """A front end's mark of a module call: :func:`scope`, and with
-  ``block_scaled`` (``"mxfp8"`` or ``"nvfp4"``) the weight matmuls the
-  module's own code writes (a ``dot_general`` or ``einsum`` of a stored
-  value, as Hugging Face's ``FlaxConv1D`` writes its product) block-scaled,
-  as :func:`jmp_lab.autocast` block-scales them.
+  ``matmul`` (a policy's ``matmul=`` key) the weight matmuls the module's
+  own code writes (a ``dot_general`` or ``einsum`` of a param it read, as
+  Hugging Face's ``FlaxConv1D`` writes its product) in that format:
+  ``"mxfp8"``/``"nvfp4"`` block-scaled (as :func:`jmp_lab.autocast`
+  block-scales them), ``"fp8_current"`` in current-scaled fp8, ``"fp8"``
+  warned of (delayed scaling keeps its state in a layer) and left in
+  ``dtype``.
 
   >>> import jax.numpy as jnp
   >>> with module_scope(jnp.bfloat16, "mxfp8"):
@@ -126,8 +135,8 @@ def module_scope(dtype: Any, block_scaled: Optional[str] = None
   'mxfp8'
   """
   name = PREFIX + _checked_dtype(dtype, "scope dtype").name
-  return jax.named_scope(name if block_scaled is None
-                         else name + _BLOCK_SCALED + block_scaled)
+  return jax.named_scope(name if matmul is None
+                         else name + _MATMUL + matmul)
 
 
 def island(matmul_dtype: Any) -> contextlib.AbstractContextManager:
@@ -169,11 +178,13 @@ def marker_region(name: str) -> Optional[Region]:
     return None
   if name.startswith(_ISLAND):
     return Region.island(name[len(_ISLAND):])
-  dtype, _, block_scaled = name[len(PREFIX):].partition(_BLOCK_SCALED)
+  dtype, _, matmul = name[len(PREFIX):].partition(_MATMUL)
   region = Region.of(dtype)
-  if block_scaled and region.compute is not None:
-    return dataclasses.replace(region, block_scaled=block_scaled)
-  return region
+  if not matmul or region.compute is None:
+    return region
+  if matmul in _FP8_MODES:
+    return dataclasses.replace(region, fp8=matmul)
+  return dataclasses.replace(region, block_scaled=matmul)
 
 
 def innermost_region(path: tuple[str, ...]) -> Optional[Region]:
