@@ -264,3 +264,14 @@ def named_sharding(sharding: Any, mesh: Any, ndim: int) -> Any:
     return None
   spec = tuple(spec) + (None,) * (ndim - len(spec))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty
+  outside): jax 0.10's ``manual_axis_type.varying``, earlier jaxes'
+  ``vma``."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))

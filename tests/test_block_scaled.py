@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jmp_lab
 from jmp_lab import block_scaled as bs
@@ -1073,6 +1074,40 @@ def test_the_native_products_batching_rule_joins_the_mapped_axis(batched):
   chex.assert_trees_all_equal(mapped, each)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_block_scaled_product_runs_inside_shard_map(fmt):
+  """Inside ``shard_map`` the emulated GEMM varies over the manual axes and
+  ``scaled_matmul``'s did not, so ``lax.platform_dependent`` refused the
+  two branches (a TypeError, on any mesh). Each device's rows are its own
+  product's, bit for bit."""
+  mesh = jax.make_mesh((2,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.random.normal(jax.random.key(0), (128, 64))
+  w = jax.random.normal(jax.random.key(1), (64, 96))
+
+  def product(x, w):
+    return bs.dot_general(x, w, DIMS, fmt=fmt).astype(jnp.float32)
+
+  def input_gradient(x, w):
+    return jax.grad(lambda x: jnp.square(product(x, w)).sum())(x)
+
+  with jax.set_mesh(mesh):
+    for fn in (product, input_gradient):
+      split = jax.jit(jax.shard_map(fn, in_specs=(P("data"), P()),
+                                    out_specs=P("data")))(x, w)
+      halves = [jax.jit(fn)(x[:64], w), jax.jit(fn)(x[64:], w)]
+      chex.assert_trees_all_equal(split, jnp.concatenate(halves))
+    # The replicated weight's gradient is summed over the devices, as jax's
+    # own transpose sums it (a custom_vjp must return it replicated).
+    weight_gradient = jax.grad(lambda x, w: jnp.square(product(x, w)).sum(),
+                               argnums=1)
+    split = jax.jit(jax.shard_map(weight_gradient, in_specs=(P("data"), P()),
+                                  out_specs=P()))(x, w)
+    chex.assert_trees_all_close(
+        split, weight_gradient(x[:64], w) + weight_gradient(x[64:], w),
+        rtol=1e-6, atol=1e-6)
+
+
 def test_autocast_still_refuses_per_tensor_fp8():
   with pytest.raises(ValueError, match="autocast has no fp8 matmuls: .*"
                                        "does run the block-scaled"):
@@ -1464,6 +1499,52 @@ def test_a_modules_own_weight_matmul_is_block_scaled_as_a_dense_is(fmt):
   report = audit_step(functools.partial(jax.grad(loss, argnums=1), kept),
                       params)
   assert _kinds(report) == ["dot_general"] * 3 + [fmt] * 3
+
+
+def _fp32_accumulating_dot(lhs, rhs, dims, precision=None,
+                           preferred_element_type=None, **_):
+  return jax.lax.dot_general(lhs, rhs, dims, precision="highest",
+                             preferred_element_type=jnp.float32)
+
+
+class OwnDotGeneral(nn.Module):
+  """A Dense given a matmul of its own, and a tie written by hand."""
+
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(256, 64)
+    x = nn.Dense(64, dot_general=_fp32_accumulating_dot)(embed(ids))
+    return x @ embed.embedding.T
+
+
+class NnxTiedByHand(nnx.Module):
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(256, 64, rngs=rngs)
+    self.dense = nnx.Linear(64, 64, dot_general=_fp32_accumulating_dot,
+                            rngs=rngs)
+
+  def __call__(self, ids):
+    return self.dense(self.embed(ids)) @ self.embed.embedding[...].T
+
+
+def test_a_layers_own_matmul_and_a_tie_by_hand_stay_as_they_are():
+  """A layer given its own ``dot_general=`` keeps it, as the docs say, and
+  a tied head written as ``x @ embed.embedding.T`` stays in bf16, as
+  ``Embed.attend`` does: an embedding's table is no weight matmul's."""
+  ids = jnp.zeros((4, 32), jnp.int32)
+  model = jmp_lab.linen.with_policy(OwnDotGeneral(), "mixed_mxfp8")
+  params = model.init(jax.random.key(0), ids)
+  report = audit_step(jax.grad(lambda p: jnp.square(model.apply(
+      p, ids).astype(jnp.float32)).sum()), params)
+  assert {r.kind for r in report.matmuls} == {"dot_general"}, report.table()
+
+  nnx_model = jmp_lab.nnx.with_policy(NnxTiedByHand(nnx.Rngs(0)),
+                                      "mixed_mxfp8")
+  graph, state = nnx.split(nnx_model)
+  report = audit_step(jax.grad(lambda s: jnp.square(nnx.merge(graph, s)(
+      ids).astype(jnp.float32)).sum()), state)
+  assert {r.kind for r in report.matmuls} == {"dot_general"}, report.table()
 
 
 def test_a_modules_own_weight_matmul_under_fp8():

@@ -533,7 +533,6 @@ def test_block_scaled_keys_train_on_a_mesh_with_explicit_axes(policy):
                               rtol=1e-6, atol=1e-6)
 
 
-
 @pytest.mark.eight_devices
 @eight_devices
 @pytest.mark.parametrize("policy", ["mixed_mxfp8", "mixed_nvfp4"])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jmp_lab
+from jmp_lab.diagnostics import audit_step
 from jmp_lab.diagnostics.audit import compiled_sub_jaxprs
 from jmp_lab import linen as jl
 
@@ -176,6 +177,34 @@ def test_path_overrides_that_match_warn_nothing_on_boxed_scanned_params():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     model.init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+class _RematInSub(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(_Block)(name="blk")(x, None)[0]
+
+
+class _Outer(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return _RematInSub(name="sub")(x)
+
+
+def test_an_anchored_override_reaches_a_module_a_lifted_transform_cloned():
+  """``nn.remat``/``nn.scan`` clone a module onto a scope of its own, its
+  path whole: the path was not to be prefixed again (as a module applied
+  inside another's call is), and ``^sub/blk/mlp$`` matched nothing."""
+  model = jl.with_policy(_Outer(), "mixed_bfloat16",
+                         path_overrides={"^sub/blk/mlp$": "float32"})
+  x = jnp.ones((2, 4))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    params = model.init(jax.random.key(0), x)
+  report = audit_step(lambda p: model.apply(p, x), params)
+  assert [r.operand_dtypes for r in report.matmuls] == [("float32",) * 2]
 
 
 def test_class_override_applies_to_inputs_and_params():

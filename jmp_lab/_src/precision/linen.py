@@ -132,12 +132,13 @@ class _Interceptor:
   def __call__(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
     self._note_if_nested(module)
+    path = self._path_chain(module)[0][0]
     if module.scope is not None:
-      self.paths.add(self._chain(module)[0][0])
+      self.paths.add(path)
     if method == "setup":  # params made in setup are read by the plan too
       decision = self._decide(module)
       with _reading_params(module, self.plan, decision, (), {},
-                           self.paths, self._chain(module)[0][0]), \
+                           self.paths, path), \
           _policed_state(module, decision, self.cache_dtype):
         return next_fun(*args, **kwargs)
     if (method.startswith("_") and method != "__call__") or (
@@ -154,7 +155,7 @@ class _Interceptor:
     self.calls.append(module)
     try:
       with _reading_params(module, self.plan, decision, attach, attached,
-                           self.paths, self._chain(module)[0][0]), \
+                           self.paths, path), \
           _policed_state(module, decision, self.cache_dtype):
         out = linen_layers.call_layer(
             next_fun, module, method, args, kwargs, self.plan, decision,
@@ -172,19 +173,22 @@ class _Interceptor:
       return cast_floating(out, output)
 
   def _decide(self, module: nn.Module) -> Decision:
-    return self.plan.decide(self._chain(module))
+    return self.plan.decide(self._path_chain(module))
 
   def _note_if_nested(self, module: nn.Module) -> None:
     """Records a module applied as a root of its own inside another
-    module's call, under the caller's path and its own name."""
-    if (isinstance(module.parent, nn.Module) or not self.calls
-        or not module.name or id(module) in self.nested):
+    module's call, under the caller's path and its own name. (A module
+    that a lifted transform, ``nn.scan`` or ``nn.remat``, cloned onto a
+    scope of its own keeps its whole path: not a root.)"""
+    if (isinstance(module.parent, nn.Module) or module.path
+        or not self.calls or not module.name or id(module) in self.nested
+        or any(call is module for call in self.calls)):
       return
-    outer = self._chain(self.calls[-1])
+    outer = self._path_chain(self.calls[-1])
     path = f"{outer[0][0]}/{module.name}" if outer[0][0] else module.name
     self.nested[id(module)] = (module, path, outer)
 
-  def _chain(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+  def _path_chain(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(path, module)`` from ``module`` up to the model, through the
     call that applied a nested root (its paths under the caller's)."""
     chain = _chain(module)
@@ -212,13 +216,18 @@ def _reading_params(module: nn.Module, plan: Plan, decision: Decision,
     return
   read = scope.param
   before = scope.__dict__.get("param")
+  # An embedding's table is not a weight matmul's: a tie written by hand
+  # (x @ embed.embedding.T) stays in the compute dtype, as Embed.attend.
+  lookup_table = isinstance(module, nn.Embed)
 
   def param(name, init_fn, *init_args, unbox=True, **init_kwargs):
     value = read(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
     path = f"{prefix}/{name}" if prefix else name
     read_paths.add(path)
     dtype = plan.param_dtype(decision, path)
-    with scopes.policy_cast_scope(), scopes.param_read_scope():
+    with scopes.policy_cast_scope(), (
+        contextlib.nullcontext() if lookup_table
+        else scopes.param_read_scope()):
       cast = value if dtype is None else cast_floating(value, dtype)
     if name in attach:
       attached[name] = value

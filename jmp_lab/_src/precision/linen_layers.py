@@ -121,7 +121,9 @@ def call_layer(next_fun: Callable, module: nn.Module, method: str,
           compute)
   with contextlib.ExitStack() as stack:
     # A tied head (attend) is the logits GEMM, kept in the compute dtype.
-    own = None if method == "attend" else plan.own_matmul(decision, mode)
+    # A layer given its own matmul (dot_general=) keeps it as written.
+    own = (None if method == "attend" or layer_kind(module)[1]
+           else plan.own_matmul(decision, mode))
     stack.enter_context(scopes.module_scope(compute, own))
     stack.enter_context(_own_dtype(module, plan.layer_dtype(decision)))
     stack.enter_context(_matmul_override(module, mode, decision,

@@ -60,7 +60,9 @@ def _read_in_compute_dtype(variable_class: type) -> Callable:
       return value
     dtype = self.get_metadata("compute_dtype", None)
     if dtype is not None:
-      with scopes.policy_cast_scope(), scopes.param_read_scope():
+      with scopes.policy_cast_scope(), (
+          contextlib.nullcontext() if self.get_metadata("lookup_table", False)
+          else scopes.param_read_scope()):
         value = cast_floating(value, dtype)
     return jax.lax.stop_gradient(value) if id(self) in _DETACHED else value
   return get_value
@@ -329,7 +331,8 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
         plan.output_dtype(decision, path == ()),
         _own_dtype(module, plan, decision), mode == "fp8",
         nnx_layers.bias_reduce_dtype(module, plan, decision, mode), attend,
-        cache_dtype, plan.own_matmul(decision, mode))
+        cache_dtype, None if nnx_layers.layer_kind(module)[1]
+        else plan.own_matmul(decision, mode))
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention
@@ -345,6 +348,10 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
                              _unsafe_bypass_check=True)
     variable.__class__ = _cast_on_read_class(type(variable))
     variable.set_metadata(compute_dtype=read)
+    if isinstance(modules[owner], nnx.Embed):
+      # Not a weight matmul's (a tie written by hand stays in the compute
+      # dtype, as Embed.attend): scopes.param_read_scope.
+      variable.set_metadata(lookup_table=True)
   _policed_state(model, modules, decisions, cache_dtype)
 
 

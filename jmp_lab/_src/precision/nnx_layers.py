@@ -126,12 +126,11 @@ def _is_stateless_matmul(module: nnx.Module, value: Any) -> bool:
   return any(value is fn for fn in stateless_matmuls(module).values())
 
 
-def matmul_mode(plan: Plan, decision: Decision, module: nnx.Module
-                ) -> Optional[str]:
-  """The plan's matmul for ``module``: a layer keeps a matmul of its own
-  (jmp_lab's current-scaling one counts as flax's)."""
+def layer_kind(module: nnx.Module) -> tuple[Optional[str], bool]:
+  """``(kind, own_matmul)`` for :meth:`~.plan.Plan.matmul_mode`: a layer
+  given a matmul of its own (``dot_general=``; jmp_lab's current-scaling
+  one counts as flax's)."""
   base = base_class(module)
-  kind = _KINDS.get(base)
   own = False
   for cls, attribute, default, factory in _REDUCIBLE_MODULES:
     if base is cls:
@@ -139,7 +138,13 @@ def matmul_mode(plan: Plan, decision: Decision, module: nnx.Module
       own = not (_runs_flax_matmul(module, attribute, default)
                  or value in _INSTALLED
                  or _is_stateless_matmul(module, value))
-  return plan.matmul_mode(decision, kind, own)
+  return _KINDS.get(base), own
+
+
+def matmul_mode(plan: Plan, decision: Decision, module: nnx.Module
+                ) -> Optional[str]:
+  """The plan's matmul for ``module``: a layer keeps a matmul of its own."""
+  return plan.matmul_mode(decision, *layer_kind(module))
 
 
 def set_matmul(module: nnx.Module, mode: Optional[str],

@@ -156,7 +156,7 @@ class Context:
 
   def is_weight(self, value: Any) -> bool:
     """Whether ``value`` is a param as a layer read it (see
-    :func:`mark_weights`)."""
+    :meth:`mark_weights`)."""
     return id(value) in self.weights
 
   def mark_weights(self, op: "Op", outs: Sequence[Any]) -> None:
