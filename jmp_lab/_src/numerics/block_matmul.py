@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab import _compat as compat
 from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_quantize as bq
+from jmp_lab._src.numerics import product_types
 from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
 from jmp_lab.kernels import mx_cast_transpose as mx
 from jmp_lab.kernels import nvfp4_cast_transpose as nv
@@ -180,13 +180,11 @@ def _emulated(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
 def _native(a: bq.Quantized, b: bq.Quantized, dtype) -> jax.Array:
   out = _native_product(np.dtype(dtype))(a.values, b.values, a.scales,
                                          b.scales)
-  # Inside shard_map the product varies over its operands' manual axes, as
-  # the emulated branch's does (lax.platform_dependent asks both to agree);
+  # Inside shard_map the emulated branch's product varies over the manual
+  # axes its operands do, and lax.platform_dependent asks both to agree;
   # the custom_vmap around scaled_matmul drops them.
-  varying = frozenset().union(*map(compat.varying_axes, (
-      a.values, b.values, a.scales, b.scales)))
-  missing = tuple(sorted(varying - compat.varying_axes(out)))
-  return jax.lax.pcast(out, missing, to="varying") if missing else out
+  return product_types.varying_as(out, a.values, b.values, a.scales,
+                                  b.scales)
 
 
 def _mapped_into_rows(x: jax.Array) -> jax.Array:
@@ -434,24 +432,9 @@ def _bmm_fwd(x, w, recipe, weight_k_major):
   qw = _gathered_where_read(_quantized(w, recipe, tiles=recipe.weight_tiles))
   y = _cropped(scaled_product(qx, qw, x.dtype), x.shape[1], w.shape[1])
   residuals = (_weight_for_input_gradient(w, qw, recipe), qx_t,
-               _type_of(x), _type_of(w), jnp.zeros((0, x.shape[2]), jnp.int8))
+               product_types.empty_like(x), product_types.empty_like(w),
+               jnp.zeros((0, x.shape[2]), jnp.int8))
   return y, residuals
-
-
-def _type_of(x: jax.Array) -> jax.Array:
-  """An empty array of ``x``'s dtype that varies over the manual axes
-  ``x`` varies over (inside ``shard_map``): what the backward needs of it."""
-  like = jnp.zeros((0,), x.dtype)
-  varying = tuple(sorted(compat.varying_axes(x)))
-  return jax.lax.pcast(like, varying, to="varying") if varying else like
-
-
-def _as_cotangent_of(ct: jax.Array, like: jax.Array) -> jax.Array:
-  """``ct`` summed over the manual axes it varies over and its primal
-  (``like``) does not: the gradient of a weight ``shard_map`` replicates,
-  as jax's own transpose of the implicit ``pvary`` sums it."""
-  extra = compat.varying_axes(ct) - compat.varying_axes(like)
-  return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
 def _bmm_bwd(recipe, weight_k_major, residuals, g):
@@ -465,7 +448,8 @@ def _bmm_bwd(recipe, weight_k_major, residuals, g):
   else:
     dw = scaled_product(qg_t, qx_t, w_like.dtype)
   dw = _cropped(dw, g.shape[2], k_like.shape[1])
-  return _as_cotangent_of(dx, x_like), _as_cotangent_of(dw, w_like)
+  return (product_types.as_cotangent_of(dx, x_like),
+          product_types.as_cotangent_of(dw, w_like))
 
 
 block_scaled_bmm.defvjp(_bmm_fwd, _bmm_bwd)
@@ -499,10 +483,10 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
 
   On a mesh with explicit axes (``jax.make_mesh``'s default) the product
   runs under ``jax.sharding.auto_axes``, its result split as
-  :func:`_result_spec` says: the quantization's reshapes and the GEMMs
-  over a split contraction are left to the partitioner, as on a mesh of
-  Auto axes (jax's typing refuses several of them, and asks a GEMM over a
-  split contraction to name its result's sharding)."""
+  :func:`.product_types.result_spec` says: the quantization's reshapes and
+  the GEMMs over a split contraction are left to the partitioner, as on a
+  mesh of Auto axes (jax's typing refuses several of them, and asks a GEMM
+  over a split contraction to name its result's sharding)."""
   del precision, preferred_element_type
   if out_sharding is not None:
     raise ValueError(f"a block-scaled matmul does not take out_sharding "
@@ -511,46 +495,10 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
     return jax.sharding.auto_axes(
         functools.partial(_dot_general, dimension_numbers=dimension_numbers,
                           fmt=fmt, weight=weight),
-        axes=_explicit_axes(lhs, rhs),
-        out_sharding=_result_spec(lhs, rhs, dimension_numbers))(lhs, rhs)
+        axes=product_types.explicit_axes(lhs, rhs),
+        out_sharding=product_types.result_spec(lhs, rhs, dimension_numbers)
+    )(lhs, rhs)
   return _dot_general(lhs, rhs, dimension_numbers, fmt=fmt, weight=weight)
-
-
-def _explicit_axes(*xs: jax.Array) -> tuple[str, ...]:
-  """The explicit mesh axes of ``xs``' types: the ones ``auto_axes`` makes
-  Auto (inside a ``shard_map`` the manual ones stay manual)."""
-  axes: list[str] = []
-  for x in xs:
-    mesh = jax.typeof(x).sharding.mesh
-    for name, kind in zip(mesh.axis_names, getattr(mesh, "axis_types", ())):
-      if kind == jax.sharding.AxisType.Explicit and name not in axes:
-        axes.append(name)
-  return tuple(axes)
-
-
-def _result_spec(lhs: jax.Array, rhs: jax.Array, dimension_numbers
-                 ) -> jax.sharding.PartitionSpec:
-  """The sharding of ``lax.dot_general(lhs, rhs, ...)``'s result on a mesh
-  with explicit axes: its batch and free axes split as they are in the
-  operands, a mesh axis used once (a split contraction is summed)."""
-  (lc, rc), (lb, rb) = dimension_numbers
-
-  def spec(x):
-    entries = tuple(jax.typeof(x).sharding.spec)
-    return entries + (None,) * (x.ndim - len(entries))
-
-  lhs_spec, rhs_spec = spec(lhs), spec(rhs)
-  entries = ([lhs_spec[d] for d in lb]
-             + [lhs_spec[d] for d in range(lhs.ndim) if d not in (*lc, *lb)]
-             + [rhs_spec[d] for d in range(rhs.ndim) if d not in (*rc, *rb)])
-  used: set = set()
-  result = []
-  for entry in entries:
-    axes = () if entry is None else (entry if isinstance(entry, tuple)
-                                      else (entry,))
-    result.append(None if used & set(axes) else entry)
-    used |= set(axes)
-  return jax.sharding.PartitionSpec(*result)
 
 
 def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
