@@ -1501,6 +1501,75 @@ def test_a_modules_own_weight_matmul_is_block_scaled_as_a_dense_is(fmt):
   assert _kinds(report) == ["dot_general"] * 3 + [fmt] * 3
 
 
+class Router(nn.Module):
+  """A mixture of experts' router, as MaxText writes its gate: the
+  logits of a param of its own."""
+
+  @nn.compact
+  def __call__(self, x):
+    gate = self.param("gate", nn.initializers.normal(0.02), (x.shape[-1], 32))
+    return jnp.einsum("bd,de->be", x, gate)
+
+
+class LoRA(nn.Module):
+  """A low-rank adapter's two factors, ``x @ a @ b``."""
+
+  @nn.compact
+  def __call__(self, x):
+    a = self.param("a", nn.initializers.normal(0.02), (x.shape[-1], 32))
+    b = self.param("b", nn.initializers.zeros, (32, x.shape[-1]))
+    return x @ a @ b
+
+
+class LearnedQuery(nn.Module):
+  """Attention pooling with a learned query (the weight on the left of
+  the scores' matmul) over computed keys."""
+
+  @nn.compact
+  def __call__(self, x):
+    query = self.param("query", nn.initializers.normal(0.02),
+                       (32, x.shape[-1]))
+    return jnp.einsum("qd,bd->bq", query, x)
+
+
+class ParamMatmuls(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.concatenate([Router(name="router")(x), LoRA(name="lora")(x),
+                            LearnedQuery(name="pool")(x)], axis=-1)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("path", ["router", "lora", "pool"])
+def test_every_matmul_of_a_param_is_block_scaled_and_an_override_keeps_it_out(
+    fmt, path):
+  """The guide's three cases of a weight matmul a module writes itself, one
+  by one: a router's logits, LoRA's two factors, a learned query (the
+  weight on the left). Each runs its three GEMMs block-scaled, and a path
+  override on its module keeps exactly its GEMMs in bf16."""
+  gemms = {"router": 3, "lora": 6, "pool": 3}
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+
+  def loss(model, params, x):
+    return jnp.square(model.apply(params, x).astype(jnp.float32)).sum()
+
+  def step(model):
+    # The input's gradient too, as inside a model: every GEMM runs.
+    return functools.partial(jax.grad(loss, argnums=(1, 2)), model)
+
+  model = jmp_lab.linen.with_policy(ParamMatmuls(), f"mixed_{fmt}")
+  params = model.init(jax.random.key(1), x)
+  report = audit_step(step(model), params, x)
+  assert _kinds(report) == [fmt] * sum(gemms.values())
+  kept = jmp_lab.linen.with_policy(
+      ParamMatmuls(), f"mixed_{fmt}",
+      path_overrides={path: "mixed_bfloat16,o=bf16"})
+  report = audit_step(step(kept), params, x)
+  assert _kinds(report) == (["dot_general"] * gemms[path]
+                            + [fmt] * (sum(gemms.values()) - gemms[path]))
+
+
 def _fp32_accumulating_dot(lhs, rhs, dims, precision=None,
                            preferred_element_type=None, **_):
   return jax.lax.dot_general(lhs, rhs, dims, precision="highest",

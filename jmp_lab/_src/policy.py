@@ -59,9 +59,11 @@ _KEY_TO_FIELD = {
 # (``"fp8_current"``: the amax of the tensor itself), see jmp_lab.fp8; or as
 # Blackwell's block-scaled GEMMs (``"mxfp8"``, ``"nvfp4"``: current scaling
 # per block, no state), see jmp_lab.block_scaled.
-MATMUL_MODES = ("fp8", "fp8_current", "mxfp8", "nvfp4")
+#: The per-tensor fp8 modes (Hopper's).
+FP8_MODES = ("fp8", "fp8_current")
 #: The block-scaled modes (Blackwell's formats).
 BLOCK_SCALED_MODES = ("mxfp8", "nvfp4")
+MATMUL_MODES = FP8_MODES + BLOCK_SCALED_MODES
 
 DTypeLike = Union[str, np.dtype, type, Any]
 

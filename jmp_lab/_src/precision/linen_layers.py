@@ -39,7 +39,7 @@ from jmp_lab._src.numerics import reduce as reduce_lib
 from jmp_lab._src.precision import scopes
 from jmp_lab._src.precision import flax_calls
 from jmp_lab._src.precision.plan import CONV, DENSE, EINSUM, Decision, Plan
-from jmp_lab._src.policy import (BLOCK_SCALED_MODES, MATMUL_MODES,
+from jmp_lab._src.policy import (BLOCK_SCALED_MODES, FP8_MODES, MATMUL_MODES,
                                  layer_dtype)
 
 # Modules whose matmul or convolution is an attribute (see jmp_lab.reduce):
@@ -121,9 +121,8 @@ def call_layer(next_fun: Callable, module: nn.Module, method: str,
           compute)
   with contextlib.ExitStack() as stack:
     # A tied head (attend) is the logits GEMM, kept in the compute dtype.
-    # A layer given its own matmul (dot_general=) keeps it as written.
-    own = (None if method == "attend" or layer_kind(module)[1]
-           else plan.own_matmul(decision, mode))
+    own = (None if method == "attend"
+           else plan.own_matmul(decision, mode, layer_kind(module)[1]))
     stack.enter_context(scopes.module_scope(compute, own))
     stack.enter_context(_own_dtype(module, plan.layer_dtype(decision)))
     stack.enter_context(_matmul_override(module, mode, decision,
@@ -164,7 +163,7 @@ def _matmul_override(module: nn.Module, mode: Optional[str],
     # layer pins float32.
     return set_for_one_call(module, "dot_general", fp8_matmul.operands_in(
         block_matmul.LAYER_MATMULS[mode][0], policy.compute_dtype))
-  if mode in ("fp8", "fp8_current") and any(_is_exactly(module, cls)
+  if mode in FP8_MODES and any(_is_exactly(module, cls)
                                             for cls in _FP8_MODULES):
     if mode == "fp8_current":
       # In the compute dtype: a layer that pins float32 hands its matmul

@@ -331,8 +331,8 @@ def apply_plan(model: nnx.Module, plan: Plan, history_length: int,
         plan.output_dtype(decision, path == ()),
         _own_dtype(module, plan, decision), mode == "fp8",
         nnx_layers.bias_reduce_dtype(module, plan, decision, mode), attend,
-        cache_dtype, None if nnx_layers.layer_kind(module)[1]
-        else plan.own_matmul(decision, mode))
+        cache_dtype,
+        plan.own_matmul(decision, mode, nnx_layers.layer_kind(module)[1]))
     if (isinstance(module, nnx.MultiHeadAttention)
         and module.attention_fn is nnx.dot_product_attention):
       module.attention_fn = dot_product_attention

@@ -104,14 +104,16 @@ class Plan:
         return None if resolved == _AS_WRITTEN else resolved.compute_dtype
     return None if decision.as_written else decision.policy.compute_dtype
 
-  def own_matmul(self, decision: Decision, mode: Optional[str]
-                 ) -> Optional[str]:
+  def own_matmul(self, decision: Decision, mode: Optional[str],
+                 layer_sets_matmul: bool) -> Optional[str]:
     """The ``matmul=`` format of the weight matmuls a module's own code
     writes (a ``dot_general`` of its param, as Hugging Face's
     ``FlaxConv1D`` writes it): the policy's, unless the module runs as
-    written or its layer's matmul (``mode``) is jmp_lab's product already
-    (Dense, DenseGeneral, Einsum)."""
-    if decision.as_written or mode in MATMUL_MODES:
+    written, its layer's matmul (``mode``) is jmp_lab's product already
+    (Dense, DenseGeneral, Einsum), or the layer was given a matmul of its
+    own (``dot_general=``, ``einsum_op=``: ``layer_sets_matmul``), which it
+    keeps as written."""
+    if decision.as_written or mode in MATMUL_MODES or layer_sets_matmul:
       return None
     return decision.policy.matmul
 

@@ -19,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util as _source_info
 
+from jmp_lab._src.policy import FP8_MODES
+
 PREFIX = "jmp_lab:"
 _CAST = PREFIX + "cast"
 _AGREE = PREFIX + "agree"
 _ISLAND = PREFIX + "island:"
 _REDUCE = PREFIX + "reduce:"
 _MATMUL = "+"  # "jmp_lab:bfloat16+mxfp8": module_scope's matmul format
-_FP8_MODES = ("fp8", "fp8_current")
 _PARAM = PREFIX + "param"
 HALF_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -182,7 +183,7 @@ def marker_region(name: str) -> Optional[Region]:
   region = Region.of(dtype)
   if not matmul or region.compute is None:
     return region
-  if matmul in _FP8_MODES:
+  if matmul in FP8_MODES:
     return dataclasses.replace(region, fp8=matmul)
   return dataclasses.replace(region, block_scaled=matmul)
 
