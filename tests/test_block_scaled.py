@@ -1570,6 +1570,96 @@ def test_every_matmul_of_a_param_is_block_scaled_and_an_override_keeps_it_out(
                             + [fmt] * (sum(gemms.values()) - gemms[path]))
 
 
+class StackedWeights(nn.Module):
+  """Three matrices of one stacked param, taken as public code takes an
+  expert's or a layer's: indexed, ``jnp.take``, in a ``fori_loop``, or as a
+  ``lax.scan``'s ``xs``; or three Dense layers holding them (``how=
+  "dense"``, params ``Dense_0..2``)."""
+  how: str
+
+  @nn.compact
+  def __call__(self, x):
+    if self.how == "dense":
+      for _ in range(3):
+        x = jnp.tanh(nn.Dense(64, use_bias=False)(x))
+      return x
+    w = self.param("w", nn.initializers.normal(0.1), (3, 64, 64))
+    if self.how == "scan":
+      return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    if self.how == "fori":
+      return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w[i]), x)
+    for i in range(3):
+      wi = w[i] if self.how == "index" else jnp.take(w, i, axis=0)
+      x = jnp.tanh(x @ wi)
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("how", ["index", "take", "fori", "scan"])
+def test_a_matrix_taken_from_stacked_weights_is_a_weight(fmt, how):
+  """An expert's matrix ``w[e]`` of stacked weights, or a layer's scanned
+  over, ran in bf16 under the block-scaled keys: only a param read whole,
+  or laid out again, was taken for a weight. Each is now block-scaled, with
+  the numbers of Dense layers holding the same matrices."""
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+
+  def loss(model, params, x):
+    return jnp.square(model.apply(params, x).astype(jnp.float32)).sum()
+
+  stacked = jmp_lab.linen.with_policy(StackedWeights(how), f"mixed_{fmt}")
+  dense = jmp_lab.linen.with_policy(StackedWeights("dense"), f"mixed_{fmt}")
+  params = stacked.init(jax.random.key(1), x)
+  as_dense = {"params": {f"Dense_{i}": {"kernel": params["params"]["w"][i]}
+                         for i in range(3)}}
+  report = audit_step(jax.grad(functools.partial(loss, stacked),
+                               argnums=(0, 1)), params, x)
+  assert set(_kinds(report)) == {fmt}
+  # Un-jitted: jit lets XLA keep a fused bf16 tanh in fp32 across its
+  # fusions, which differ between a loop and straight-line code.
+  stacked_loss, (stacked_grads, _) = jax.value_and_grad(
+      functools.partial(loss, stacked), argnums=(0, 1))(params, x)
+  dense_loss, (dense_grads, _) = jax.value_and_grad(
+      functools.partial(loss, dense), argnums=(0, 1))(as_dense, x)
+  chex.assert_trees_all_equal(stacked_loss, dense_loss)
+  chex.assert_trees_all_equal(
+      stacked_grads["params"]["w"],
+      jnp.stack([dense_grads["params"][f"Dense_{i}"]["kernel"]
+                 for i in range(3)]))
+
+
+class PerTokenExperts(nn.Module):
+  """Each token's expert matrix gathered from stacked weights."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.normal(0.1), (4, 64, 64))
+    expert = jnp.argmax(x[:, :4], axis=-1)
+    return jnp.einsum("td,tdh->th", x, w[expert])
+
+
+def test_a_matrix_per_token_is_a_weight_on_every_route():
+  """One semantics: autocast took ``w[expert_of_each_token]`` for a weight
+  (a stored value), linen did not."""
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  params = PerTokenExperts().init(jax.random.key(1), x)
+
+  def loss(apply, params, x):
+    return jnp.square(apply(params, x).astype(jnp.float32)).sum()
+
+  routes = {
+      "with_policy": jmp_lab.linen.with_policy(PerTokenExperts(),
+                                               "mixed_mxfp8").apply,
+      "autocast": jmp_lab.autocast(PerTokenExperts().apply, "mixed_mxfp8"),
+  }
+  gemms = {name: sorted((r.kind, r.lhs_shape, r.rhs_shape) for r in
+                        audit_step(jax.grad(functools.partial(loss, apply),
+                                            argnums=(0, 1)),
+                                   params, x).matmuls)
+           for name, apply in routes.items()}
+  assert gemms["with_policy"] == gemms["autocast"]
+  assert {kind for kind, _, _ in gemms["autocast"]} == {"mxfp8"}
+
+
 def _fp32_accumulating_dot(lhs, rhs, dims, precision=None,
                            preferred_element_type=None, **_):
   return jax.lax.dot_general(lhs, rhs, dims, precision="highest",

@@ -274,6 +274,7 @@ def scan(op: Op) -> tuple[list, list]:
                             op.roles[nconsts + ncarry:])
   context = op.context.inside(op.path)
   body = tracing.open_jaxpr(params["jaxpr"])
+  stacked = xs
   xs = _hoisted_casts(body, nconsts + ncarry, xs, xroles, context)
   x_avals = [aval(x).update(shape=aval(x).shape[1:]) for x in xs]
   carry = [(aval(x), (dtype_of(x), r)) for x, r in zip(init, iroles)]
@@ -284,6 +285,7 @@ def scan(op: Op) -> tuple[list, list]:
   box: dict = {}
 
   def step(carry_in, x):
+    context.mark_slices(stacked, x)
     outs, out_roles = context.evaluate(*body, [*consts, *carry_in, *x], roles,
                                        context)
     box["roles"] = out_roles

@@ -123,6 +123,11 @@ Handler = Callable[["Op"], tuple[list, list]]
 # Ops that lay a value out again without computing on it.
 _LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type",
                          "squeeze", "expand_dims", "copy"})
+# Ops that take a part of their first operand: one expert's or one layer's
+# matrix of a stacked weight (``w[e]``, ``jnp.take(w, e, axis=0)``, ``w[i]``
+# in a ``fori_loop``; ``w[expert_of_each_token]`` too, as autocast takes
+# it: a batch of one matrix per token).
+_SLICING_OPS = frozenset({"slice", "dynamic_slice", "gather"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,15 +166,24 @@ class Context:
 
   def mark_weights(self, op: "Op", outs: Sequence[Any]) -> None:
     """Takes ``op``'s results for weights when it reads a param (a front
-    end's cast under :func:`~.scopes.param_read_scope`) or lays one out
+    end's cast under :func:`~.scopes.param_read_scope`), lays one out
     again (a transpose, a reshape, a cast of a weight), as Hugging Face's
-    ``FlaxConv1D`` multiplies by ``kernel.transpose()``. Keyed by the
+    ``FlaxConv1D`` multiplies by ``kernel.transpose()``, or takes a part of
+    one (an expert's matrix of stacked weights, ``w[e]``). Keyed by the
     values themselves, which the dict keeps alive: a jitted helper
     (``jnp.einsum``) receives the same values."""
     if ((op.name == "convert_element_type" and scopes.is_param_read(op.path))
-        or (op.name in _LAYOUT_OPS and op.invals
+        or (op.name in _LAYOUT_OPS | _SLICING_OPS and op.invals
             and self.is_weight(op.invals[0]))):
       self.weights.update((id(o), o) for o in outs)
+
+  def mark_slices(self, stacked: Sequence[Any], slices: Sequence[Any]
+                  ) -> None:
+    """Takes each of ``slices`` for a weight where its ``stacked`` value
+    (a ``lax.scan``'s ``xs``) is one: a layer's matrices scanned over."""
+    self.weights.update((id(part), part) for whole, part in zip(stacked,
+                                                                slices)
+                        if self.is_weight(whole))
 
   def inside(self, path: tuple[str, ...], **changes) -> "Context":
     return dataclasses.replace(self, base=path, **changes)
