@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import jmp_lab
@@ -1658,6 +1659,45 @@ def test_a_matrix_per_token_is_a_weight_on_every_route():
            for name, apply in routes.items()}
   assert gemms["with_policy"] == gemms["autocast"]
   assert {kind for kind, _, _ in gemms["autocast"]} == {"mxfp8"}
+
+
+class PassedOnKernel(nn.Module):
+  """A kernel read through what MaxText's layers wrap theirs in."""
+  how: str
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.lecun_normal(), (64, 128))
+    if self.how == "constraint":
+      w = jax.lax.with_sharding_constraint(
+          w, jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(),
+                                        P(None, "data")))
+    elif self.how == "logical":
+      w = nn.with_logical_constraint(w, ("embed", "mlp"))
+    elif self.how == "checkpoint_name":
+      w = checkpoint_name(w, "kernel")
+    elif self.how == "optimization_barrier":
+      w = jax.lax.optimization_barrier(w)
+    return x @ w
+
+
+@pytest.mark.parametrize("how", ["constraint", "logical", "checkpoint_name",
+                                 "optimization_barrier"])
+def test_a_kernel_read_through_a_constraint_or_a_name_is_a_weight(how):
+  """A kernel passed through a sharding constraint, ``checkpoint_name`` or
+  an optimization barrier ran in bf16 under linen, silently (autocast
+  block-scaled it)."""
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  x = jnp.ones((32, 64))
+  model = jmp_lab.linen.with_policy(PassedOnKernel(how), "mixed_mxfp8")
+  with jax.set_mesh(mesh), nn.logical_axis_rules([("embed", None),
+                                                  ("mlp", "data")]):
+    params = model.init(jax.random.key(0), x)
+    report = audit_step(jax.grad(
+        lambda p, x: model.apply(p, x).astype(jnp.float32).sum(),
+        argnums=(0, 1)), params, x)
+  assert _kinds(report) == ["mxfp8"] * 3
 
 
 def _fp32_accumulating_dot(lhs, rhs, dims, precision=None,

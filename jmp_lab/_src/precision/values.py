@@ -128,6 +128,11 @@ _LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type",
 # in a ``fori_loop``; ``w[expert_of_each_token]`` too, as autocast takes
 # it: a batch of one matrix per token).
 _SLICING_OPS = frozenset({"slice", "dynamic_slice", "gather"})
+# Ops that hand each operand back as it was, as its result of the same
+# position: a sharding constraint (MaxText's ``nn.with_logical_constraint``
+# on its kernels), ``checkpoint_name``, ``optimization_barrier``.
+_PASSING_OPS = frozenset({"sharding_constraint", "name",
+                          "optimization_barrier"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +181,14 @@ class Context:
         or (op.name in _LAYOUT_OPS | _SLICING_OPS and op.invals
             and self.is_weight(op.invals[0]))):
       self.weights.update((id(o), o) for o in outs)
+    elif op.name in _PASSING_OPS:
+      self.mark_slices(op.invals, outs)
 
   def mark_slices(self, stacked: Sequence[Any], slices: Sequence[Any]
                   ) -> None:
-    """Takes each of ``slices`` for a weight where its ``stacked`` value
-    (a ``lax.scan``'s ``xs``) is one: a layer's matrices scanned over."""
+    """Takes each of ``slices`` for a weight where its ``stacked`` value is
+    one: a ``lax.scan``'s ``xs`` (a layer's matrices scanned over), or the
+    operands of an op that hands them back (``_PASSING_OPS``)."""
     self.weights.update((id(part), part) for whole, part in zip(stacked,
                                                                 slices)
                         if self.is_weight(whole))
