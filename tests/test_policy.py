@@ -174,6 +174,11 @@ class PolicyParsingTest(chex.TestCase):
       ("mixed_bfloat16,matmul=fp8", (F32, BF16, F32, "fp8")),
       ("c=bf16,o=f32,m=fp8_current", (F32, BF16, F32, "fp8_current")),
       ("mixed_bfloat16,reduce=f32,matmul=FP8", (F32, BF16, F32, "fp8")),
+      # A bare dtype before keys (its error said "did you mean
+      # 'bfloat16'?" of "bfloat16").
+      ("bfloat16,matmul=mxfp8", (BF16, BF16, BF16, "mxfp8")),
+      ("f16, m=nvfp4", (F16, F16, F16, "nvfp4")),
+      ("bf16,o=f32", (BF16, BF16, F32, None)),
   ])
   def test_matmul_key(self, spec, expected):
     policy = jmp_lab.get_policy(spec)

@@ -261,7 +261,8 @@ def get_policy(spec: Union[Policy, str]) -> Policy:
       name, which sets all three dtypes (``"bf16"``); or comma-separated
       ``key=dtype`` pairs with keys ``params``/``p``, ``compute``/``c``,
       ``output``/``o`` and ``reduce``/``r``, optionally after a preset
-      (``"mixed_bfloat16,reduce=float32"``); and ``matmul``/``m`` with a
+      (``"mixed_bfloat16,reduce=float32"``) or a bare dtype name
+      (``"bfloat16,output=float32"``); and ``matmul``/``m`` with a
       value of :data:`MATMUL_MODES` (``"mixed_bfloat16,matmul=fp8"``, which
       is the ``"mixed_fp8"`` preset). Unset keys follow jmp: params
       defaults to float32, compute follows params, output follows compute,
@@ -305,7 +306,12 @@ output_dtype=dtype(bfloat16), reduce_dtype=None, matmul=None)
     # A preset followed by keys that change it: "mixed_bfloat16,reduce=f32".
     return _parse_key_values(rest, base=PRESETS[preset.strip()], spec=spec)
   if comma and "=" not in preset:
-    raise ValueError(_unknown_name_message(preset.strip()))
+    if preset.strip().lower() not in _ACCEPTED_DTYPE_NAMES:
+      raise ValueError(_unknown_name_message(preset.strip()))
+    # A bare dtype followed by keys: "bfloat16,matmul=mxfp8".
+    dtype = _parse_dtype(preset.strip(), what=f"dtype in policy {spec!r}")
+    return _parse_key_values(rest, base=Policy(dtype, dtype, dtype),
+                             spec=spec)
   if "=" not in stripped:
     if stripped.lower() not in _ACCEPTED_DTYPE_NAMES:
       raise ValueError(_unknown_name_message(stripped))
