@@ -392,3 +392,37 @@ def test_no_warning_on_reachable_code():
     warnings.simplefilter("error")
     jax.grad(lambda p: jmp_lab.autocast(mlp, "mixed_bfloat16")(p, x).sum())(
         params)
+
+
+def test_a_grouped_gemm_runs_in_the_compute_dtype_and_is_audited():
+  """``lax.ragged_dot`` (a dropless mixture of experts' expert GEMMs) ran
+  with fp32 operands under ``"mixed_bfloat16"``, and the audit did not list
+  it: a model's largest GEMMs missing from its FLOP shares."""
+  w = jax.random.normal(jax.random.key(0), (4, 64, 128))
+  x = jax.random.normal(jax.random.key(1), (64, 64))
+  group_sizes = jnp.array([8, 24, 16, 16], jnp.int32)
+
+  def loss(w, x):
+    return jnp.tanh(jax.lax.ragged_dot(x, w, group_sizes)).sum()
+
+  step = jax.grad(jmp_lab.autocast(loss, "mixed_bfloat16"), argnums=(0, 1))
+  grouped = [eqn for eqn in jax.make_jaxpr(step)(w, x).eqns
+             if eqn.primitive.name == "ragged_dot_general"]
+  assert len(grouped) == 3   # forward, input and weight gradients
+  for eqn in grouped:
+    assert [v.aval.dtype for v in eqn.invars[:2]] == [jnp.bfloat16] * 2
+  report = audit_step(step, w, x)
+  rows = [r for r in report.matmuls if r.kind == "ragged_dot"]
+  # Each row meets one group's matrix: one dense product's FLOPs.
+  assert [r.flops for r in rows] == [2.0 * 64 * 64 * 128] * 3
+  assert report.half_flop_share == 1.0
+  # The numbers: each group's rows times its own matrix, in bf16.
+  bf16 = lambda a: a.astype(jnp.bfloat16)  # noqa: E731
+  starts = np.cumsum([0, 8, 24, 16])
+  expected = jnp.concatenate([
+      bf16(x[s:s + n]) @ bf16(w[g])
+      for g, (s, n) in enumerate(zip(starts, [8, 24, 16, 16]))])
+  got = jmp_lab.autocast(lambda w, x: jax.lax.ragged_dot(
+      x, w, group_sizes), "mixed_bfloat16")(w, x)
+  chex.assert_trees_all_close(got.astype(jnp.float32),
+                              expected.astype(jnp.float32), rtol=1e-2)

@@ -84,6 +84,31 @@ def _dot_dims(eqn):
   return {"M": m, "N": n, "K": k}, 2.0 * batch * m * n * k
 
 
+def _ragged_dims(eqn):
+  """A grouped GEMM's (``lax.ragged_dot``, a mixture of experts'): each
+  row (or, ragged along the contraction, each contraction index) meets one
+  group's matrix, so its FLOPs are those of one dense product of the
+  operands without the group axis."""
+  numbers = eqn.params["ragged_dot_dimension_numbers"]
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = (
+      numbers.dot_dimension_numbers)
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  k = math.prod(lhs[d] for d in lhs_contract)
+  batch = math.prod(lhs[d] for d in lhs_batch)
+  m = math.prod(s for d, s in enumerate(lhs)
+                if d not in lhs_contract and d not in lhs_batch)
+  n = math.prod(s for d, s in enumerate(rhs)
+                if d not in rhs_contract and d not in rhs_batch
+                and d not in numbers.rhs_group_dimensions)
+  return {"M": m, "N": n, "K": k}, 2.0 * batch * m * n * k
+
+
+#: The matmul primitives the audit counts, with their dimensions and FLOPs.
+_GEMM_DIMS = {"dot_general": lambda eqn: _dot_dims(eqn),
+              "conv_general_dilated": lambda eqn: _conv_dims(eqn),
+              "ragged_dot_general": lambda eqn: _ragged_dims(eqn)}
+
+
 def _conv_dims(eqn):
   lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
   out = eqn.outvars[0].aval.shape
@@ -213,8 +238,8 @@ def walk(jaxpr, times, records, casts, producers=None, location="?"):
       records.append(_block_scaled_record(block_scaled, eqn, times,
                                           location))
       continue
-    if name in ("dot_general", "conv_general_dilated"):
-      dims, flops = (_dot_dims if name == "dot_general" else _conv_dims)(eqn)
+    if name in _GEMM_DIMS:
+      dims, flops = _GEMM_DIMS[name](eqn)
       dtypes = tuple(np.dtype(v.aval.dtype) for v in eqn.invars[:2])
       fp8 = all(_from_fp8(v, producers) for v in eqn.invars[:2])
       multiple = 16 if fp8 or all(d in FP8_DTYPES for d in dtypes) else 8
@@ -252,9 +277,11 @@ BLOCK_QUANTIZE_SCOPE = "jmp_lab_block_quantize"
 
 
 def _matmul_kind(eqn) -> str:
-  """``"conv"``, ``"hadamard"`` (the 16-wide transform of NVFP4's weight
-  gradient operands: part of a block-scaled GEMM's quantization) or
-  ``"dot_general"``."""
+  """``"conv"``, ``"ragged_dot"`` (a grouped GEMM), ``"hadamard"`` (the
+  16-wide transform of NVFP4's weight gradient operands: part of a
+  block-scaled GEMM's quantization) or ``"dot_general"``."""
+  if eqn.primitive.name == "ragged_dot_general":
+    return "ragged_dot"
   if eqn.primitive.name != "dot_general":
     return "conv"
   stack = str(getattr(eqn.source_info, "name_stack", ""))

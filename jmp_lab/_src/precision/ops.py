@@ -3,7 +3,8 @@ interpreter's handlers and the module rules read them)."""
 
 #: Primitives that run in the compute dtype whatever dtype their operands
 #: arrive in (with fp32 accumulation).
-MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated"})
+MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated",
+                        "ragged_dot_general"})
 
 #: Primitives that run in fp32 from half inputs (torch.autocast's fp32 list,
 #: as JAX primitives): exponentials and logarithms, ``pow``, rsqrt, the
