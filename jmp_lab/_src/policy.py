@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lab._src.matmul_modes import (  # noqa: F401  (the policy's names)
+    BLOCK_SCALED_MODES, FP8_MODES, MATMUL_MODES)
 from jmp_lab.kernels.pytrees import is_floating_array
 
 T = TypeVar("T")
@@ -52,18 +54,6 @@ _KEY_TO_FIELD = {
     "m": "matmul",
 }
 
-# How a policy's Dense/Linear matmuls run (the ``matmul`` key): in the
-# compute dtype (None), or as fp8 GEMMs with E4M3 inputs and kernels and E5M2
-# output gradients, scaled per tensor by delayed scaling (``"fp8"``: amax
-# history, as Transformer Engine's default) or current scaling
-# (``"fp8_current"``: the amax of the tensor itself), see jmp_lab.fp8; or as
-# Blackwell's block-scaled GEMMs (``"mxfp8"``, ``"nvfp4"``: current scaling
-# per block, no state), see jmp_lab.block_scaled.
-#: The per-tensor fp8 modes (Hopper's).
-FP8_MODES = ("fp8", "fp8_current")
-#: The block-scaled modes (Blackwell's formats).
-BLOCK_SCALED_MODES = ("mxfp8", "nvfp4")
-MATMUL_MODES = FP8_MODES + BLOCK_SCALED_MODES
 
 DTypeLike = Union[str, np.dtype, type, Any]
 

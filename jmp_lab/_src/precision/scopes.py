@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import source_info_util as _source_info
 
-from jmp_lab._src.policy import FP8_MODES
+from jmp_lab._src.matmul_modes import FP8_MODES
 
 PREFIX = "jmp_lab:"
 _CAST = PREFIX + "cast"
