@@ -72,16 +72,7 @@ class MatmulRecord:
 
 
 def _dot_dims(eqn):
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params[
-      "dimension_numbers"]
-  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-  k = math.prod(lhs[d] for d in lhs_contract)
-  batch = math.prod(lhs[d] for d in lhs_batch)
-  m = math.prod(s for d, s in enumerate(lhs)
-                if d not in lhs_contract and d not in lhs_batch)
-  n = math.prod(s for d, s in enumerate(rhs)
-                if d not in rhs_contract and d not in rhs_batch)
-  return {"M": m, "N": n, "K": k}, 2.0 * batch * m * n * k
+  return _product_dims(eqn, eqn.params["dimension_numbers"])
 
 
 def _ragged_dims(eqn):
@@ -90,16 +81,20 @@ def _ragged_dims(eqn):
   group's matrix, so its FLOPs are those of one dense product of the
   operands without the group axis."""
   numbers = eqn.params["ragged_dot_dimension_numbers"]
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = (
-      numbers.dot_dimension_numbers)
+  return _product_dims(eqn, numbers.dot_dimension_numbers,
+                       numbers.rhs_group_dimensions)
+
+
+def _product_dims(eqn, dimension_numbers, rhs_groups=()):
+  """M, N, K and the FLOPs of a product of ``eqn``'s two operands."""
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
   lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
   k = math.prod(lhs[d] for d in lhs_contract)
   batch = math.prod(lhs[d] for d in lhs_batch)
   m = math.prod(s for d, s in enumerate(lhs)
                 if d not in lhs_contract and d not in lhs_batch)
   n = math.prod(s for d, s in enumerate(rhs)
-                if d not in rhs_contract and d not in rhs_batch
-                and d not in numbers.rhs_group_dimensions)
+                if d not in (*rhs_contract, *rhs_batch, *rhs_groups))
   return {"M": m, "N": n, "K": k}, 2.0 * batch * m * n * k
 
 
