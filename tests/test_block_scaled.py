@@ -1700,48 +1700,6 @@ def test_a_kernel_read_through_a_constraint_or_a_name_is_a_weight(how):
   assert _kinds(report) == ["mxfp8"] * 3
 
 
-class GemmaEmbedder(nnx.Module):
-  """gemma's ``Embedder``: a table of its own, and the tied head as its
-  ``decode`` method, which the model calls on it."""
-
-  def __init__(self, rngs):
-    self.input_embedding = nnx.Param(
-        jax.random.normal(rngs.params(), (128, 64)))
-
-  def encode(self, tokens):
-    return self.input_embedding[...][tokens] * jnp.sqrt(64.0)
-
-  def decode(self, x):
-    return jnp.dot(x, self.input_embedding[...].T)
-
-
-class GemmaTiedLM(nnx.Module):
-
-  def __init__(self, rngs):
-    self.embedder = GemmaEmbedder(rngs)
-    self.mlp = nnx.Linear(64, 64, rngs=rngs)
-
-  def __call__(self, tokens):
-    return self.embedder.decode(self.mlp(self.embedder.encode(tokens)))
-
-
-@pytest.mark.parametrize("override", [
-    None, {"path_overrides": {"embedder": "mixed_bfloat16"}},
-    {"class_overrides": {GemmaEmbedder: "mixed_bfloat16"}}])
-def test_an_nnx_override_reaches_a_method_another_module_calls(override):
-  """Only ``__call__`` was a boundary in NNX: gemma's tied head
-  (``self.embedder.decode(x)``) ran under its caller's policy, block-scaled,
-  and no override on the embedder could keep it in bf16 (linen's could)."""
-  tokens = jnp.arange(64).reshape(2, 32) % 128
-  model = jmp_lab.nnx.with_policy(GemmaTiedLM(nnx.Rngs(0)), "mixed_mxfp8",
-                                  **(override or {}))
-  graph, state = nnx.split(model)
-  report = audit_step(jax.grad(lambda state: nnx.merge(graph, state)(
-      tokens).astype(jnp.float32).sum()), state)
-  head = "dot_general" if override else "mxfp8"
-  assert _kinds(report) == sorted(["mxfp8"] * 3 + [head] * 3)
-
-
 def _fp32_accumulating_dot(lhs, rhs, dims, precision=None,
                            preferred_element_type=None, **_):
   return jax.lax.dot_general(lhs, rhs, dims, precision="highest",

@@ -16,19 +16,14 @@ once per module and makes the answers part of the graph:
   it, in Flax's layers and in your own modules alike, inside a policed
   call. Gradients flow back through the cast to the stored dtype.
 
-A module's other public methods, those your classes define (Gemma's
-``Embedder.decode``, the tied head), are boundaries as ``__call__`` is when
-another module's call calls them (:func:`_boundary_method`), as linen's
-interceptor makes them; called by the module itself, or from outside any
-policed call, they run as written.
+A module's other methods are not boundaries: they run as written, inside
+the call that called them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-import threading
 from typing import Any, Callable, Optional
 
 import jax
@@ -56,26 +51,6 @@ _DETACHED: set = set()
 # in its compute dtype inside one, and as stored outside (nnx.state,
 # nnx.to_pure_dict, checkpoints, your own code between calls).
 _MODULE_CALLS = Nesting()
-
-
-class _Running(threading.local):
-  """The policed modules whose calls are running on this thread, innermost
-  last: a method a module calls on itself is no boundary."""
-
-  def __init__(self):
-    self.modules: list = []
-
-
-_RUNNING = _Running()
-
-
-@contextlib.contextmanager
-def _running(module: nnx.Module):
-  _RUNNING.modules.append(module)
-  try:
-    yield
-  finally:
-    _RUNNING.modules.pop()
 
 
 def _read_in_compute_dtype(variable_class: type) -> Callable:
@@ -222,7 +197,6 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
     with contextlib.ExitStack() as stack:
       stack.enter_context(scopes.module_scope(compute, own_matmul))
       stack.enter_context(_MODULE_CALLS.enter())
-      stack.enter_context(_running(self))
       if own_dtype is not None:
         stack.enter_context(swapped(self, "dtype", own_dtype))
       if fp8_delayed:
@@ -243,49 +217,12 @@ def _policy_class(base: type, compute: np.dtype, cast_inputs: bool,
   if hasattr(base, "attend"):
     methods["attend"] = _attend_method(base, compute, cast_inputs, output,
                                        attend)
-  for name in _your_public_methods(base):
-    methods.setdefault(name, _boundary_method(
-        getattr(base, name), compute, cast_inputs, output, own_matmul))
   # A plain subclass, no slots or mixins: instances keep their layout, so
   # their class can be swapped in place.
   return type(base.__name__, (base,), {
       "__module__": base.__module__, "__qualname__": base.__qualname__,
       **methods, "_jmp_lab_base": base,
       "_jmp_lab_dtypes": (compute, output)})
-
-
-def _your_public_methods(base: type) -> list[str]:
-  """The public methods ``base``'s own classes define (not Flax's)."""
-  return sorted({name for cls in base.__mro__
-                 if cls is not object
-                 and not cls.__module__.startswith("flax.")
-                 for name, value in vars(cls).items()
-                 if not name.startswith("_") and inspect.isfunction(value)})
-
-
-def _boundary_method(method: Callable, compute: np.dtype, cast_inputs: bool,
-                     output: Optional[np.dtype],
-                     own_matmul: Optional[str]) -> Callable:
-  """``method`` as a boundary when another policed module's call calls it
-  (``self.embedder.decode(x)``): its floating inputs cast to ``compute``
-  (with ``cast_inputs``), its ops in ``compute`` and its module's
-  ``matmul=`` format, its outputs cast to ``output``. Outside a policed
-  call it runs as written (a ``generate`` loop on concrete values), and so
-  it does called by its own module (a helper)."""
-
-  @functools.wraps(method)
-  def boundary(self, *args, **kwargs):
-    if not is_tracing() or (_RUNNING.modules
-                            and _RUNNING.modules[-1] is self):
-      return method(self, *args, **kwargs)
-    args, kwargs = _cast_arrays((args, kwargs),
-                                compute if cast_inputs else None)
-    with scopes.module_scope(compute, own_matmul), _MODULE_CALLS.enter(), \
-        _running(self):
-      out = method(self, *args, **kwargs)
-    return _cast_arrays(out, output)
-
-  return boundary
 
 
 def _attend_method(base: type, compute: np.dtype, cast_inputs: bool,
