@@ -1700,6 +1700,30 @@ def test_a_kernel_read_through_a_constraint_or_a_name_is_a_weight(how):
   assert _kinds(report) == ["mxfp8"] * 3
 
 
+class RowsOfATable(nn.Module):
+  """Rows of a table of the module's own looked up by token ids, then
+  multiplied by a computed value: two activations."""
+
+  @nn.compact
+  def __call__(self, ids, h):
+    table = self.param("table", nn.initializers.normal(1.0), (128, 64))
+    return jnp.einsum("btd,bsd->bts", table[ids], h)
+
+
+def test_rows_looked_up_from_a_param_are_no_weight():
+  """A review found that taking every gather of a weight for a weight
+  block-scaled this product of two activations, the token rows tiled as a
+  weight. Only whole matrices of stacked weights are parts of a weight."""
+  ids = jnp.arange(64).reshape(2, 32) % 128
+  h = jax.random.normal(jax.random.key(0), (2, 32, 64))
+  model = jmp_lab.linen.with_policy(RowsOfATable(), "mixed_mxfp8")
+  params = model.init(jax.random.key(1), ids, h)
+  report = audit_step(jax.grad(
+      lambda p, h: model.apply(p, ids, h).astype(jnp.float32).sum(),
+      argnums=(0, 1)), params, h)
+  assert _kinds(report) == ["dot_general"] * 3
+
+
 def _fp32_accumulating_dot(lhs, rhs, dims, precision=None,
                            preferred_element_type=None, **_):
   return jax.lax.dot_general(lhs, rhs, dims, precision="highest",

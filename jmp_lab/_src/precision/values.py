@@ -135,6 +135,17 @@ _PASSING_OPS = frozenset({"sharding_constraint", "name",
                           "optimization_barrier"})
 
 
+def _keeps_matrices(name: str, operand: Any, out: Any) -> bool:
+  """Whether an indexed part of a weight is whole matrices of it (an
+  expert's ``w[e]``, a matrix per token): a gather or dynamic slice of
+  stacked weights that keeps their last two axes. Rows looked up by token
+  ids (``table[ids]``) are activations, not a weight."""
+  if name not in ("gather", "dynamic_slice"):
+    return True
+  return (np.ndim(operand) >= 3 and np.ndim(out) >= 2
+          and np.shape(out)[-2:] == np.shape(operand)[-2:])
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
   """What every equation of one interpretation shares.
@@ -179,7 +190,8 @@ class Context:
     (``jnp.einsum``) receives the same values."""
     if ((op.name == "convert_element_type" and scopes.is_param_read(op.path))
         or (op.name in _LAYOUT_OPS | _SLICING_OPS and op.invals
-            and self.is_weight(op.invals[0]))):
+            and self.is_weight(op.invals[0])
+            and _keeps_matrices(op.name, op.invals[0], outs[0]))):
       self.weights.update((id(o), o) for o in outs)
     elif op.name in _PASSING_OPS:
       self.mark_slices(op.invals, outs)
