@@ -98,12 +98,6 @@ def _product_dims(eqn, dimension_numbers, rhs_groups=()):
   return {"M": m, "N": n, "K": k}, 2.0 * batch * m * n * k
 
 
-#: The matmul primitives the audit counts, with their dimensions and FLOPs.
-_GEMM_DIMS = {"dot_general": lambda eqn: _dot_dims(eqn),
-              "conv_general_dilated": lambda eqn: _conv_dims(eqn),
-              "ragged_dot_general": lambda eqn: _ragged_dims(eqn)}
-
-
 def _conv_dims(eqn):
   lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
   out = eqn.outvars[0].aval.shape
@@ -117,6 +111,11 @@ def _conv_dims(eqn):
   flops = 2.0 * out_pixels * out_features * in_features * window
   del lhs, groups  # grouped convs: in_features is already per group
   return dims, flops
+
+
+#: The matmul primitives the audit counts, with their dimensions and FLOPs.
+_GEMM_DIMS = {"dot_general": _dot_dims, "conv_general_dilated": _conv_dims,
+              "ragged_dot_general": _ragged_dims}
 
 
 def _user_location(eqn, enclosing: str = "?") -> str:

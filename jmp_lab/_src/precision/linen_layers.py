@@ -164,7 +164,7 @@ def _matmul_override(module: nn.Module, mode: Optional[str],
     return set_for_one_call(module, "dot_general", fp8_matmul.operands_in(
         block_matmul.LAYER_MATMULS[mode][0], policy.compute_dtype))
   if mode in FP8_MODES and any(_is_exactly(module, cls)
-                                            for cls in _FP8_MODULES):
+                               for cls in _FP8_MODULES):
     if mode == "fp8_current":
       # In the compute dtype: a layer that pins float32 hands its matmul
       # fp32 operands, which compile to 16-bit GEMMs (the delayed mode's
