@@ -178,7 +178,8 @@ def test_nnx_fp8_meta_is_a_deprecated_name_for_fp8_state():
 LAYERS = [
     ("kernels", [r"jmp_lab\.kernels(\..*)?", r"jmp_lab\._compat"]),
     ("base", [r"jmp_lab\._nesting", r"jmp_lab\._src\.precision\.scopes",
-              r"jmp_lab\._src\.policy", r"jmp_lab\._src\.matmuls",
+              r"jmp_lab\._src\.policy", r"jmp_lab\._src\.matmul_modes",
+              r"jmp_lab\._src\.matmuls",
               r"jmp_lab\._src\.sharding", r"jmp_lab\._checks",
               r"jmp_lab\._gemm", r"jmp_lab\._src\.cuda_plugin",
               r"jmp_lab\._src\.user_warnings",
