@@ -1628,6 +1628,64 @@ def test_a_matrix_taken_from_stacked_weights_is_a_weight(fmt, how):
                  for i in range(3)]))
 
 
+class NnxStackedWeights(nnx.Module):
+  """:class:`StackedWeights` as NNX code writes it: one ``nnx.Param`` of
+  three matrices, or three ``nnx.Linear`` layers holding them."""
+
+  def __init__(self, how: str, rngs: nnx.Rngs):
+    self.how = how
+    if how == "dense":
+      self.layers = nnx.List([nnx.Linear(64, 64, use_bias=False, rngs=rngs)
+                              for _ in range(3)])
+    else:
+      self.w = nnx.Param(nnx.initializers.normal(0.1)(rngs.params(),
+                                                      (3, 64, 64)))
+
+  def __call__(self, x):
+    if self.how == "dense":
+      for layer in self.layers:
+        x = jnp.tanh(layer(x))
+      return x
+    w = self.w[...]
+    if self.how == "scan":
+      return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    if self.how == "fori":
+      return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w[i]), x)
+    for i in range(3):
+      wi = w[i] if self.how == "index" else jnp.take(w, i, axis=0)
+      x = jnp.tanh(x @ wi)
+    return x
+
+
+@pytest.mark.parametrize("how", ["index", "take", "fori", "scan"])
+def test_a_matrix_taken_from_stacked_weights_is_a_weight_on_nnx(how):
+  """The same on NNX: each matrix of an ``nnx.Param`` of stacked weights
+  is block-scaled, with the numbers of ``nnx.Linear`` layers holding the
+  same matrices."""
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  stacked = jmp_lab.nnx.with_policy(NnxStackedWeights(how, nnx.Rngs(1)),
+                                    "mixed_mxfp8")
+  dense = NnxStackedWeights("dense", nnx.Rngs(2))
+  for i, layer in enumerate(dense.layers):
+    layer.kernel[...] = stacked.w[...][i]
+  dense = jmp_lab.nnx.with_policy(dense, "mixed_mxfp8")
+
+  def loss(model, x):
+    return jnp.square(model(x).astype(jnp.float32)).sum()
+
+  graph, state = nnx.split(stacked)
+  report = audit_step(jax.grad(
+      lambda s, x: loss(nnx.merge(graph, s), x), argnums=(0, 1)), state, x)
+  assert set(_kinds(report)) == {"mxfp8"}
+  # Un-jitted, as on linen.
+  stacked_loss, stacked_grads = nnx.value_and_grad(loss)(stacked, x)
+  dense_loss, dense_grads = nnx.value_and_grad(loss)(dense, x)
+  chex.assert_trees_all_equal(stacked_loss, dense_loss)
+  chex.assert_trees_all_equal(
+      stacked_grads["w"][...],
+      jnp.stack([dense_grads["layers"][i]["kernel"][...] for i in range(3)]))
+
+
 class PerTokenExperts(nn.Module):
   """Each token's expert matrix gathered from stacked weights."""
 
@@ -1697,6 +1755,44 @@ def test_a_kernel_read_through_a_constraint_or_a_name_is_a_weight(how):
     report = audit_step(jax.grad(
         lambda p, x: model.apply(p, x).astype(jnp.float32).sum(),
         argnums=(0, 1)), params, x)
+  assert _kinds(report) == ["mxfp8"] * 3
+
+
+class NnxPassedOnKernel(nnx.Module):
+  """:class:`PassedOnKernel` on NNX."""
+
+  def __init__(self, how: str, rngs: nnx.Rngs):
+    self.how = how
+    self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(),
+                                                       (64, 128)))
+
+  def __call__(self, x):
+    w = self.w[...]
+    if self.how == "constraint":
+      w = jax.lax.with_sharding_constraint(
+          w, jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(),
+                                        P(None, "data")))
+    elif self.how == "checkpoint_name":
+      w = checkpoint_name(w, "kernel")
+    elif self.how == "optimization_barrier":
+      w = jax.lax.optimization_barrier(w)
+    return x @ w
+
+
+@pytest.mark.parametrize("how", ["constraint", "checkpoint_name",
+                                 "optimization_barrier"])
+def test_a_kernel_read_through_a_constraint_or_a_name_is_a_weight_on_nnx(how):
+  """The same on NNX."""
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  x = jnp.ones((32, 64))
+  model = jmp_lab.nnx.with_policy(NnxPassedOnKernel(how, nnx.Rngs(0)),
+                                  "mixed_mxfp8")
+  graph, state = nnx.split(model)
+  with jax.set_mesh(mesh):
+    report = audit_step(jax.grad(
+        lambda s, x: nnx.merge(graph, s)(x).astype(jnp.float32).sum(),
+        argnums=(0, 1)), state, x)
   assert _kinds(report) == ["mxfp8"] * 3
 
 
