@@ -66,6 +66,7 @@ from jmp_lab._src.numerics.block_quantize import (MXFP8, NVFP4, BlockFormat,
                                                   dequantize, hadamard_16,
                                                   quantize_mxfp8,
                                                   quantize_nvfp4)
+from jmp_lab._src.numerics.product_remat import checkpoint_policy
 
 __all__ = [
     "BlockFormat",
@@ -73,6 +74,7 @@ __all__ = [
     "NVFP4",
     "Quantized",
     "Recipe",
+    "checkpoint_policy",
     "dequantize",
     "dot_general",
     "einsum",

@@ -39,7 +39,7 @@ import numpy as np
 
 from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
 from jmp_lab._src.numerics import block_quantize as bq
-from jmp_lab._src.numerics import product_types
+from jmp_lab._src.numerics import product_remat, product_types
 from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
 from jmp_lab.kernels import mx_cast_transpose as mx
 from jmp_lab.kernels import nvfp4_cast_transpose as nv
@@ -431,6 +431,8 @@ def _bmm_fwd(x, w, recipe, weight_k_major):
   qx, qx_t = _both_ways(x, recipe)
   qw = _gathered_where_read(_quantized(w, recipe, tiles=recipe.weight_tiles))
   y = _cropped(scaled_product(qx, qw, x.dtype), x.shape[1], w.shape[1])
+  # Named, so that a remat policy that saves dots saves it (product_remat).
+  y = product_remat.mark_product(y, x.shape[2])
   residuals = (_weight_for_input_gradient(w, qw, recipe), qx_t,
                product_types.empty_like(x), product_types.empty_like(w),
                jnp.zeros((0, x.shape[2]), jnp.int8))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lab import _compat as compat
+from jmp_lab._src.numerics import product_remat
 from jmp_lab._src.precision import (observers, reads, scopes, table,
                                     tracing)
 from jmp_lab._src.precision.ops import MATMUL_OPS
@@ -389,8 +390,11 @@ def checkpoint(op: Op) -> tuple[list, list]:
   jaxpr, consts = tracing.open_jaxpr(params["jaxpr"])
   box: dict = {}
   body = _evaluator(jaxpr, consts, op.roles, context, box)
+  # The body's block-scaled products are asked of the policy as the
+  # dot_generals they stand for (a policy that saves dots saves them).
+  policy = product_remat.checkpoint_policy(params.get("policy"))
   outs = jax.checkpoint(body, prevent_cse=params["prevent_cse"],
-                        policy=params.get("policy"))(*op.invals)
+                        policy=policy)(*op.invals)
   return list(outs), box["roles"]
 
 
