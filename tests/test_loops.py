@@ -514,3 +514,28 @@ def test_multisteps_around_the_optimizer_refuses_marked_gradients_in_a_step():
   with pytest.raises(TypeError, match=r"Put the accumulation inside: "
                      r"jmp_lab.mixed_precision\(optax.MultiSteps"):
     step(model, optimizer, full_batch())
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda policy: jmp_lab.mixed_precision(optax.sgd(0.1), policy=policy),
+    lambda policy: jmp_lab.fused_adamw(1e-3, policy=policy),
+], ids=["mixed_precision", "fused_adamw"])
+def test_a_clip_chained_before_the_optimizer_warns_where_the_loss_is_scaled(
+    make_tx):
+  """``optax.chain(optax.clip_by_global_norm(0.5), jmp_lab...)`` under fp16
+  clipped the gradients of the scaled loss, 32768 times too large, and
+  the step moved 32768 times too little, silently (a trial's update norm:
+  1.5e-6 against 0.05 with the clip inside). Its init now warns with the
+  fix; jmp_lab first in the chain, the clip inside, or no loss scale
+  (bf16) do not."""
+  params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+  clip = optax.clip_by_global_norm(0.5)
+  with pytest.warns(UserWarning, match=r"comes after 1 other "
+                    r"transformation\(s\) in an optax.chain.*Put them inside"):
+    optax.chain(clip, make_tx("mixed_float16")).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    optax.chain(make_tx("mixed_float16"), optax.scale(1.0)).init(params)
+    optax.chain(clip, make_tx("mixed_bfloat16")).init(params)
+    jmp_lab.mixed_precision(optax.chain(clip, optax.sgd(0.1)),
+                            policy="mixed_float16").init(params)

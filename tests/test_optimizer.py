@@ -42,7 +42,9 @@ class StateTest(chex.TestCase):
     mp = jmp_lab.mixed_precision(optax.adam(1e-3), policy="p=bf16",
                                  loss_scale=jmp_lab.DynamicLossScale(64.0))
     tx = optax.chain(optax.identity(), mp)
-    state = tx.init(params_of(jnp.bfloat16))
+    # A transformation before a loss-scaling jmp_lab optimizer is warned of.
+    with pytest.warns(UserWarning, match="comes after 1 other"):
+      state = tx.init(params_of(jnp.bfloat16))
     loss_scale = optax.tree_utils.tree_get(state, "loss_scale")
     assert isinstance(loss_scale, jmp_lab.DynamicLossScale)
     chex.assert_trees_all_equal(loss_scale.loss_scale, jnp.float32(64.0))
@@ -53,6 +55,23 @@ class StateTest(chex.TestCase):
   def test_master_params_on_foreign_state_raises(self):
     with pytest.raises(ValueError, match="exactly one"):
       jmp_lab.master_params(optax.adam(1e-3).init(params_of(jnp.float32)))
+
+  def test_one_optimizer_per_group_names_the_fix(self):
+    """``optax.multi_transform`` around jmp_lab optimizers keeps a loss
+    scale and a skip decision per group; asking for the one loss scale
+    says to put the combinator inside."""
+    params = params_of(jnp.float32)
+    labels = jax.tree.map(lambda _: "a", params)
+    first = next(iter(params))
+    labels[first] = "b"
+    tx = optax.multi_transform(
+        {"a": jmp_lab.mixed_precision(optax.sgd(0.1), policy="mixed_float16"),
+         "b": jmp_lab.mixed_precision(optax.sgd(0.1), policy="mixed_float16")},
+        labels)
+    with pytest.raises(ValueError, match=r"found 2 .*Put a combinator of "
+                       r"several optimizers inside it: jmp_lab.mixed_precision"
+                       r"\(optax.multi_transform"):
+      jmp_lab.current_loss_scale(tx.init(params))
 
 
 class SkipTest(chex.TestCase):

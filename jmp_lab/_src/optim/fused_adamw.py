@@ -196,6 +196,8 @@ def _init(spec: FusedSpec, given: Any) -> FusedAdamWState:
   # Variables and updates with their values; linen's may be boxed), then
   # wrapped as the params are, so Flax's layout flows shard it as optax's.
   scaled.warn_if_initialised_by_multisteps("jmp_lab.fused_adamw", fused=True)
+  scaled.warn_if_chained_after_others("jmp_lab.fused_adamw", fused=True,
+                                      loss_scale=spec.loss_scale)
   params = boxes.values_of(given)
   _checks.check_params(params, spec.policy)
   common = dict(count=jnp.zeros((), jnp.int32),

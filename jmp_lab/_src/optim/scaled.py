@@ -22,7 +22,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +171,62 @@ def warn_if_initialised_by_multisteps(where: str, fused: bool) -> None:
                       stacklevel=user_stacklevel())
       return
     frame = frame.f_back
+
+
+def chained_after_others_message(where: str, position: int,
+                                 fused: bool) -> str:
+  """The warning for transformations chained before a jmp_lab optimizer
+  that scales the loss (see :func:`warn_if_chained_after_others`)."""
+  example = ("jmp_lab.fused_adamw(..., max_grad_norm=...)" if fused else
+             "jmp_lab.mixed_precision(optax.chain(optax.clip_by_global_norm("
+             "1.0), optax.adamw(...)), policy=...)")
+  return (
+      f"{where} comes after {position} other transformation(s) in an "
+      f"optax.chain: they run first, on the gradients of the scaled loss "
+      f"(the loss times its loss scale, 32768 at the start under fp16), "
+      f"which only the jmp_lab optimizer divides back. A clip by global "
+      f"norm there clips values 32768 times too large, and the step then "
+      f"moves about 32768 times too little. Put them inside: {example}")
+
+
+def warn_if_chained_after_others(where: str, fused: bool,
+                                 loss_scale: LossScale) -> None:
+  """Warns when ``optax.chain``'s ``init`` initialises a jmp_lab optimizer
+  that scales the loss after other transformations: they would see the
+  gradients of the scaled loss (``optax.chain(optax.clip_by_global_norm(
+  ...), jmp_lab.mixed_precision(...))`` under fp16 trained 32768 times too
+  slowly, silently). The chain's ``init`` is the one moment its order can
+  be seen, as :func:`warn_if_initialised_by_multisteps` does for
+  ``MultiSteps``; a transformation that only rescales (``optax.scale``)
+  would be harmless there, which is why this warns and does not refuse."""
+  if not _asks_for_scaling(loss_scale):
+    return
+  frame = sys._getframe(2)  # the caller of the optimizer's init
+  for _ in range(4):
+    if frame is None:
+      return
+    position = _position_in_chain_init(frame)
+    if position is not None:
+      if position > 0:
+        warnings.warn(chained_after_others_message(where, position, fused),
+                      UserWarning, stacklevel=user_stacklevel())
+      return
+    frame = frame.f_back
+
+
+def _position_in_chain_init(frame: Any) -> Optional[int]:
+  """Which transformation ``optax.chain``'s ``init`` is initialising, when
+  ``frame`` is its generator (``tuple(fn(params) for fn in init_fns)``);
+  None for any other frame."""
+  outer = frame.f_back
+  if outer is None or frame.f_code.co_name != "<genexpr>":
+    return None
+  init_fns = outer.f_locals.get("init_fns")
+  if (outer.f_code.co_name != "init_fn" or not isinstance(init_fns, tuple)
+      or "optax" not in outer.f_code.co_filename):
+    return None
+  current = frame.f_locals.get("fn")
+  return next((i for i, fn in enumerate(init_fns) if fn is current), None)
 
 
 def _called_by_jmp_lab(frame: Any) -> bool:

@@ -180,11 +180,21 @@ def find_state(opt_state: Any) -> State:
   """
   found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state)
            if _is_state(x)]
-  if len(found) != 1:
+  if not found:
     raise ValueError(
         f"expected exactly one jmp_lab optimizer state in opt_state, found "
-        f"{len(found)} in a {type(opt_state).__name__}; build the optimizer "
+        f"none in a {type(opt_state).__name__}; build the optimizer "
         f"with jmp_lab.mixed_precision(...) or jmp_lab.fused_adamw(...)")
+  if len(found) > 1:
+    # optax.multi_transform around jmp_lab optimizers: a loss scale and a
+    # skip decision per group, where one step needs one of each.
+    raise ValueError(
+        f"expected exactly one jmp_lab optimizer state in opt_state, found "
+        f"{len(found)} in a {type(opt_state).__name__}: one jmp_lab "
+        f"optimizer wraps the whole update, with one loss scale and one "
+        f"skip decision. Put a combinator of several optimizers inside it: "
+        f"jmp_lab.mixed_precision(optax.multi_transform({{...}}, labels), "
+        f"policy=...)")
   return found[0]
 
 

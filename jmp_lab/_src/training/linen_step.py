@@ -111,7 +111,8 @@ class TrainState(flax.struct.PyTreeNode):
         raise TypeError(
             "TrainState.create needs a policy: give policy=..., or a tx "
             "built by jmp_lab.mixed_precision / jmp_lab.fused_adamw (whose "
-            "policy it then takes)")
+            "policy it then takes; a tx that wraps one, as optax.chain does, "
+            "does not tell it: give policy=... then)")
     policy = get_policy(policy)
     _checks.check_policies_agree(known + [("TrainState.create's", policy)],
                                  "TrainState.create")
