@@ -1572,6 +1572,21 @@ def test_every_matmul_of_a_param_is_block_scaled_and_an_override_keeps_it_out(
                             + [fmt] * (sum(gemms.values()) - gemms[path]))
 
 
+def _through_each_matrix(x, w, how):
+  """``x`` through ``tanh(x @ w[i])`` for each matrix of ``w``, taken as
+  ``how`` says: indexed, ``jnp.take``, in a ``fori_loop``, or as a
+  ``lax.scan``'s ``xs``."""
+  if how == "scan":
+    return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+  if how == "fori":
+    return jax.lax.fori_loop(0, w.shape[0], lambda i, h: jnp.tanh(h @ w[i]),
+                             x)
+  for i in range(w.shape[0]):
+    wi = w[i] if how == "index" else jnp.take(w, i, axis=0)
+    x = jnp.tanh(x @ wi)
+  return x
+
+
 class StackedWeights(nn.Module):
   """Three matrices of one stacked param, taken as public code takes an
   expert's or a layer's: indexed, ``jnp.take``, in a ``fori_loop``, or as a
@@ -1586,14 +1601,7 @@ class StackedWeights(nn.Module):
         x = jnp.tanh(nn.Dense(64, use_bias=False)(x))
       return x
     w = self.param("w", nn.initializers.normal(0.1), (3, 64, 64))
-    if self.how == "scan":
-      return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
-    if self.how == "fori":
-      return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w[i]), x)
-    for i in range(3):
-      wi = w[i] if self.how == "index" else jnp.take(w, i, axis=0)
-      x = jnp.tanh(x @ wi)
-    return x
+    return _through_each_matrix(x, w, self.how)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
@@ -1648,14 +1656,7 @@ class NnxStackedWeights(nnx.Module):
         x = jnp.tanh(layer(x))
       return x
     w = self.w[...]
-    if self.how == "scan":
-      return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
-    if self.how == "fori":
-      return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w[i]), x)
-    for i in range(3):
-      wi = w[i] if self.how == "index" else jnp.take(w, i, axis=0)
-      x = jnp.tanh(x @ wi)
-    return x
+    return _through_each_matrix(x, w, self.how)
 
 
 @pytest.mark.parametrize("how", ["index", "take", "fori", "scan"])
