@@ -531,11 +531,22 @@ def test_a_clip_chained_before_the_optimizer_warns_where_the_loss_is_scaled(
   params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
   clip = optax.clip_by_global_norm(0.5)
   with pytest.warns(UserWarning, match=r"comes after 1 other "
-                    r"transformation\(s\) in an optax.chain.*Put them inside"):
+                    r"transformation\(s\) in an optax.chain.*loss scale, "
+                    r"32768 at the start\).*Put them inside"):
     optax.chain(clip, make_tx("mixed_float16")).init(params)
+  # optax.named_chain, and a chain nested in another after the clip.
+  with pytest.warns(UserWarning, match=r"comes after 1 other"):
+    optax.named_chain(("clip", clip), ("opt", make_tx("mixed_float16"))
+                      ).init(params)
+  with pytest.warns(UserWarning, match=r"comes after 2 other"):
+    optax.chain(clip, optax.scale(1.0),
+                optax.chain(make_tx("mixed_float16"), optax.scale(1.0))
+                ).init(params)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     optax.chain(make_tx("mixed_float16"), optax.scale(1.0)).init(params)
+    optax.named_chain(("opt", make_tx("mixed_float16")),
+                      ("clip", clip)).init(params)
     optax.chain(clip, make_tx("mixed_bfloat16")).init(params)
     jmp_lab.mixed_precision(optax.chain(clip, optax.sgd(0.1)),
                             policy="mixed_float16").init(params)

@@ -195,9 +195,8 @@ def _init(spec: FusedSpec, given: Any) -> FusedAdamWState:
   # Built from the values (Flax's nnx.Optimizer inits with the model's
   # Variables and updates with their values; linen's may be boxed), then
   # wrapped as the params are, so Flax's layout flows shard it as optax's.
-  scaled.warn_if_initialised_by_multisteps("jmp_lab.fused_adamw", fused=True)
-  scaled.warn_if_chained_after_others("jmp_lab.fused_adamw", fused=True,
-                                      loss_scale=spec.loss_scale)
+  scaled.warn_if_wrapped("jmp_lab.fused_adamw", fused=True,
+                         loss_scale=spec.loss_scale)
   params = boxes.values_of(given)
   _checks.check_params(params, spec.policy)
   common = dict(count=jnp.zeros((), jnp.int32),

@@ -110,11 +110,8 @@ class MixedPrecisionUpdate(Update):
     # Built from the values (Flax's nnx.Optimizer inits with the model's
     # Variables and updates with their values; linen's may be boxed), then
     # wrapped as the params are, so Flax's layout flows shard it as optax's.
-    scaled.warn_if_initialised_by_multisteps("jmp_lab.mixed_precision",
-                                             fused=False)
-    scaled.warn_if_chained_after_others("jmp_lab.mixed_precision",
-                                        fused=False,
-                                        loss_scale=self.loss_scale)
+    scaled.warn_if_wrapped("jmp_lab.mixed_precision", fused=False,
+                           loss_scale=self.loss_scale)
     params = boxes.values_of(given)
     _checks.check_params(params, self.policy)
     # The inner transformation sees the fp32 master's trainable leaves.

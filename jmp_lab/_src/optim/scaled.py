@@ -156,13 +156,15 @@ def accumulated_outside_message(where: str, fused: bool) -> str:
       f"with its own scale and summed in fp32")
 
 
-def warn_if_initialised_by_multisteps(where: str, fused: bool) -> None:
+def warn_if_initialised_by_multisteps(where: str, fused: bool,
+                                      caller: Any) -> None:
   """Warns when ``optax.MultiSteps.init`` is what calls a jmp_lab
-  optimizer's ``init``: the one moment the mistake can be seen whatever
-  builds the state (Flax's own ``TrainState.create``, a hand-written loop),
-  not only :class:`jmp_lab.TrainState`, which checks the state it builds."""
-  frame = sys._getframe(2)  # the caller of the optimizer's init
-  for _ in range(3):
+  optimizer's ``init`` (``caller``: the frame that called it): the one
+  moment the mistake can be seen whatever builds the state (Flax's own
+  ``TrainState.create``, a hand-written loop), not only
+  :class:`jmp_lab.TrainState`, which checks the state it builds."""
+  frame = caller
+  for _ in range(3):  # MultiSteps.init calls it through a helper or two
     if frame is None:
       return
     if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
@@ -173,8 +175,17 @@ def warn_if_initialised_by_multisteps(where: str, fused: bool) -> None:
     frame = frame.f_back
 
 
-def chained_after_others_message(where: str, position: int,
-                                 fused: bool) -> str:
+def warn_if_wrapped(where: str, fused: bool, loss_scale: LossScale) -> None:
+  """The checks a jmp_lab optimizer's ``init`` makes of what wraps it:
+  ``optax.MultiSteps`` around it, transformations chained before it. Call
+  it from that ``init`` itself: the frames above it are what it reads."""
+  caller = sys._getframe(2)  # 0: this function, 1: the init, 2: its caller
+  warn_if_initialised_by_multisteps(where, fused, caller)
+  warn_if_chained_after_others(where, fused, loss_scale, caller)
+
+
+def chained_after_others_message(where: str, position: int, fused: bool,
+                                 loss_scale: LossScale) -> str:
   """The warning for transformations chained before a jmp_lab optimizer
   that scales the loss (see :func:`warn_if_chained_after_others`)."""
   example = ("jmp_lab.fused_adamw(..., max_grad_norm=...)" if fused else
@@ -183,50 +194,87 @@ def chained_after_others_message(where: str, position: int,
   return (
       f"{where} comes after {position} other transformation(s) in an "
       f"optax.chain: they run first, on the gradients of the scaled loss "
-      f"(the loss times its loss scale, 32768 at the start under fp16), "
+      f"(the loss times its loss scale, {_scale_in_words(loss_scale)}), "
       f"which only the jmp_lab optimizer divides back. A clip by global "
-      f"norm there clips values 32768 times too large, and the step then "
-      f"moves about 32768 times too little. Put them inside: {example}")
+      f"norm there clips at the threshold divided by the scale, so it "
+      f"clips every step: an SGD or momentum step then moves as many times "
+      f"too little as the scale is large (Adam's step, nearly free of the "
+      f"gradient's scale, hides it but for its eps). Put them inside: "
+      f"{example}")
+
+
+def _scale_in_words(loss_scale: LossScale) -> str:
+  """``loss_scale``'s scale as the warning names it: its value where it
+  is concrete, where it starts for a dynamic one."""
+  value = getattr(loss_scale, "loss_scale", None)
+  if value is None or isinstance(value, jax.core.Tracer):
+    return f"as its {type(loss_scale).__name__} sets it"
+  start = " at the start" if isinstance(loss_scale, DynamicLossScale) else ""
+  return f"{float(value):g}{start}"
 
 
 def warn_if_chained_after_others(where: str, fused: bool,
-                                 loss_scale: LossScale) -> None:
-  """Warns when ``optax.chain``'s ``init`` initialises a jmp_lab optimizer
-  that scales the loss after other transformations: they would see the
+                                 loss_scale: LossScale, caller: Any) -> None:
+  """Warns when ``optax.chain``'s (or ``optax.named_chain``'s) ``init``
+  initialises a jmp_lab optimizer (``caller``: the frame that called its
+  ``init``) that scales the loss after other
+  transformations, at any depth of nested chains: they would see the
   gradients of the scaled loss (``optax.chain(optax.clip_by_global_norm(
-  ...), jmp_lab.mixed_precision(...))`` under fp16 trained 32768 times too
-  slowly, silently). The chain's ``init`` is the one moment its order can
-  be seen, as :func:`warn_if_initialised_by_multisteps` does for
-  ``MultiSteps``; a transformation that only rescales (``optax.scale``)
-  would be harmless there, which is why this warns and does not refuse."""
+  ...), jmp_lab.mixed_precision(optax.sgd(...)))`` under fp16 stepped
+  32768 times too little, silently). The chain's ``init`` is the one
+  moment its order can be seen, as :func:`warn_if_initialised_by_multisteps`
+  does for ``MultiSteps``; a transformation that only rescales
+  (``optax.scale``) or does nothing (``optax.identity``) would be harmless
+  there, and stateless transformations cannot be told apart by their
+  state, which is why this warns and does not refuse."""
   if not _asks_for_scaling(loss_scale):
     return
-  frame = sys._getframe(2)  # the caller of the optimizer's init
-  for _ in range(4):
+  position = _transformations_chained_before(caller)
+  if position:
+    warnings.warn(
+        chained_after_others_message(where, position, fused, loss_scale),
+        UserWarning, stacklevel=user_stacklevel())
+
+
+# Frames between a chain's ``init`` and the ``init`` it calls: a nested
+# chain adds two (its generator and its ``init_fn``), user code a few more.
+_CHAIN_FRAMES_SEARCHED = 12
+
+
+def _transformations_chained_before(frame: Any) -> int:
+  """How many transformations run before the ``init`` whose caller is
+  ``frame``, summed over every ``optax.chain``/``named_chain`` around it."""
+  before = 0
+  for _ in range(_CHAIN_FRAMES_SEARCHED):
     if frame is None:
-      return
-    position = _position_in_chain_init(frame)
-    if position is not None:
-      if position > 0:
-        warnings.warn(chained_after_others_message(where, position, fused),
-                      UserWarning, stacklevel=user_stacklevel())
-      return
+      break
+    before += _position_in_chain_init(frame) or 0
     frame = frame.f_back
+  return before
 
 
 def _position_in_chain_init(frame: Any) -> Optional[int]:
-  """Which transformation ``optax.chain``'s ``init`` is initialising, when
-  ``frame`` is its generator (``tuple(fn(params) for fn in init_fns)``);
-  None for any other frame."""
-  outer = frame.f_back
-  if outer is None or frame.f_code.co_name != "<genexpr>":
+  """Which transformation an optax chain's ``init`` is initialising, when
+  ``frame`` is ``optax.chain``'s generator (``tuple(fn(params) for fn in
+  init_fns)``) or ``optax.named_chain``'s ``init_fn`` (a loop over its
+  ``(name, tx)`` pairs); None for any other frame. optax's own local names
+  are read: they are what its ``init`` holds, and no public API says."""
+  if "optax" not in frame.f_code.co_filename:
     return None
-  init_fns = outer.f_locals.get("init_fns")
-  if (outer.f_code.co_name != "init_fn" or not isinstance(init_fns, tuple)
-      or "optax" not in outer.f_code.co_filename):
-    return None
-  current = frame.f_locals.get("fn")
-  return next((i for i, fn in enumerate(init_fns) if fn is current), None)
+  if frame.f_code.co_name == "<genexpr>":
+    outer = frame.f_back
+    init_fns = outer.f_locals.get("init_fns") if outer is not None else None
+    if (outer is None or outer.f_code.co_name != "init_fn"
+        or not isinstance(init_fns, tuple)):
+      return None
+    current = frame.f_locals.get("fn")
+    return next((i for i, fn in enumerate(init_fns) if fn is current), None)
+  transforms = frame.f_locals.get("transforms")
+  if frame.f_code.co_name == "init_fn" and isinstance(transforms, list):
+    name = frame.f_locals.get("name")
+    return next((i for i, (n, _) in enumerate(transforms) if n == name),
+                None)
+  return None
 
 
 def _called_by_jmp_lab(frame: Any) -> bool:
