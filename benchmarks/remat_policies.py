@@ -78,6 +78,9 @@ def main() -> None:
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--tokens", type=int, default=4096)
   args = parser.parse_args()
+  if args.tokens < 512 or args.tokens % 512:
+    parser.error(f"--tokens must be a positive multiple of 512 (sequences "
+                 f"of 512), got {args.tokens}")
   x = jnp.ones((args.tokens // 512, 512, args.width), jnp.float32)
   configs = args.configs.split(",")
   print(f"| remat policy | bf16 GEMMs | "

@@ -1853,19 +1853,26 @@ REMAT_POLICIES = {
 }
 
 
-def _remat_step_gemms(front_end: str, policy_name: str, policy: str):
-  """The kinds of the GEMMs one gradient step of the remat blocks runs."""
+def _remat_step_gemms(front_end: str, policy_name: str, policy: str,
+                      vmapped: bool = False):
+  """The kinds of the GEMMs one gradient step of the remat blocks runs;
+  ``vmapped``: the model ``jax.vmap``-ed over a batch of inputs, as code
+  that writes a model for one example does."""
   x = jax.random.normal(jax.random.key(0), (64, 64))
   remat_policy = REMAT_POLICIES[policy_name]
   if front_end == "linen":
     model = jmp_lab.linen.with_policy(RematBlocks(remat_policy), policy)
     params = model.init(jax.random.key(1), x)
-    loss = lambda p, x: model.apply(p, x).astype(jnp.float32).sum()  # noqa: E731
+    apply = lambda p, x: model.apply(p, x)  # noqa: E731
   else:
     model = jmp_lab.nnx.with_policy(
         NnxRematBlocks(remat_policy, nnx.Rngs(1)), policy)
     graph, params = nnx.split(model)
-    loss = lambda s, x: nnx.merge(graph, s)(x).astype(jnp.float32).sum()  # noqa: E731
+    apply = lambda s, x: nnx.merge(graph, s)(x)  # noqa: E731
+  if vmapped:
+    apply = jax.vmap(apply, in_axes=(None, 0))
+    x = jnp.stack([x, -x])
+  loss = lambda p, x: apply(p, x).astype(jnp.float32).sum()  # noqa: E731
   report = audit_step(jax.grad(loss, argnums=(0, 1)), params, x)
   return _kinds(report)
 
@@ -1884,6 +1891,35 @@ def test_a_remat_policy_saves_block_scaled_products_as_it_saves_dots(
   mxfp8 = _remat_step_gemms(front_end, remat_policy, "mixed_mxfp8")
   assert set(bf16) == {"dot_general"}
   assert mxfp8 == ["mxfp8"] * len(bf16)
+
+
+@pytest.mark.parametrize("front_end", ["linen", "nnx"])
+@pytest.mark.parametrize("remat_policy",
+                         ["nothing", "dots_without_batch_dims"])
+def test_a_remat_policy_sees_block_scaled_products_under_vmap(
+    front_end, remat_policy):
+  """Under ``vmap`` a product's named output gains the mapped axis, and
+  the policy's view of it took it for (B, M, N): any remat with a policy
+  in a policed model vmapped over its inputs raised a ValueError (too many
+  values to unpack) inside the policy. The mapped axis is rows, as it is
+  of bf16's dot with a shared weight: the same GEMMs as bf16."""
+  bf16 = _remat_step_gemms(front_end, remat_policy, "mixed_bfloat16",
+                           vmapped=True)
+  mxfp8 = _remat_step_gemms(front_end, remat_policy, "mixed_mxfp8",
+                            vmapped=True)
+  assert set(bf16) == {"dot_general"}
+  assert mxfp8 == ["mxfp8"] * len(bf16)
+
+
+def test_checkpoint_policy_wraps_a_policy_once():
+  """The same policy gives the same wrapper, so that two traces of one
+  ``jax.checkpoint`` carry equal params (a new closure each time made
+  each trace's remat differ)."""
+  dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  wrapped = jmp_lab.block_scaled.checkpoint_policy(dots)
+  assert jmp_lab.block_scaled.checkpoint_policy(dots) is wrapped
+  assert jmp_lab.block_scaled.checkpoint_policy(wrapped) is wrapped
+  assert jmp_lab.block_scaled.checkpoint_policy(None) is None
 
 
 def test_saving_block_scaled_products_leaves_the_gradients_as_they_were():
