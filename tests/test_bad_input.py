@@ -7,6 +7,7 @@ import re
 
 import chex
 import flax.linen as nn
+from flax import nnx
 from flax.training import train_state as flax_ts
 import jax
 import jax.numpy as jnp
@@ -360,6 +361,22 @@ CASES = [
      lambda: jl.with_policy(nn.Dense(2), "float32",
                             path_overrides={"(": "float32"}),
      ValueError, ["path_overrides", "'('"]),
+    # A list of pairs, or a string, was an AttributeError ('list' object
+    # has no attribute 'items').
+    ("linen-path-overrides-a-list",
+     lambda: jl.with_policy(nn.Dense(2), "mixed_bfloat16",
+                            path_overrides=[("head", "float32")]),
+     TypeError, ["path_overrides must be a mapping", "list", "'head'"]),
+    ("linen-class-overrides-a-list",
+     lambda: jl.with_policy(nn.Dense(2), "mixed_bfloat16",
+                            class_overrides=[nn.Dense]),
+     TypeError, ["class_overrides must be a mapping", "list"]),
+    ("nnx-path-overrides-a-string",
+     lambda: jmp_lab.nnx.with_policy(
+         nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16",
+         path_overrides="head=float32"),
+     TypeError, ["path_overrides must be a mapping", "str",
+                 "'head=float32'"]),
 ]
 
 

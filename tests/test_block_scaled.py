@@ -649,6 +649,69 @@ def test_bad_arguments_are_named(bad, pattern):
     bs.dot_general(jnp.ones((4, 32)), jnp.ones((32, 4)), DIMS, **bad)
 
 
+@pytest.mark.parametrize("call, error, pattern", [
+    (lambda: bs.dot_general(jnp.ones((4, 32), jnp.int32),
+                            jnp.ones((32, 4), jnp.int32), DIMS, fmt="nvfp4"),
+     TypeError, "takes floating-point operands; lhs is int32"),
+    (lambda: bs.quantize_mxfp8(jnp.ones((64, 40))),
+     ValueError, "x's axis 1 (shape (64, 40)) must be a multiple of 32"),
+    (lambda: bs.quantize_nvfp4(jnp.ones((40, 64)), tiles=True),
+     ValueError, "x's axis 0 (shape (40, 64)) must be a multiple of 16"),
+    (lambda: bs.hadamard_16(jnp.ones((64, 40))),
+     ValueError, "must be a multiple of 16"),
+    (lambda: bs.quantize_mxfp8(jnp.ones((64, 64)), axis=5),
+     ValueError, "axis must be an axis of x (shape (64, 64)), got 5"),
+    (lambda: bs.quantize_nvfp4(jnp.ones((64, 64)), axis=-3),
+     ValueError, "axis must be an axis of x (shape (64, 64)), got -3"),
+    (lambda: bs.checkpoint_policy("dots_saveable"),
+     TypeError, "policy must be a remat policy (a callable"),
+], ids=["integer-operands", "mxfp8-axis-not-blocks", "nvfp4-tile-rows",
+        "hadamard-axis", "axis-out-of-range", "negative-axis-out-of-range",
+        "policy-a-string"])
+def test_bad_operands_and_axes_are_named(call, error, pattern):
+  """Each was accepted silently (integers quantized, an axis out of range
+  wrapped around, a string policy failing only when differentiated) or
+  failed inside a reshape that named neither argument."""
+  with pytest.raises(error, match=re.escape(pattern)):
+    call()
+
+
+class ScaledByAParam(nn.Module):
+  """A per-channel scale written as an einsum (``"btd,d->btd"``): a
+  product over no contraction."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.normal(1.0), (64,))
+    return jnp.einsum("btd,d->btd", x, scale)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_product_over_no_contraction_is_no_gemm(fmt):
+  """A product that contracts nothing was block-scaled, its contraction
+  padded to a block: both operands rounded to E4M3 (E2M1), 17 times
+  bf16's error. It is now the compute dtype's product, on every route: a
+  layer's einsum, and autocast's one-hot dispatch of an input."""
+  x = jax.random.normal(jax.random.key(0), (2, 32, 64))
+  model = jmp_lab.linen.with_policy(ScaledByAParam(), f"mixed_{fmt}")
+  params = model.init(jax.random.key(1), x)
+  report = audit_step(jax.grad(
+      lambda p: model.apply(p, x).astype(jnp.float32).sum()), params)
+  assert _kinds(report) == ["dot_general"] * len(report.matmuls)
+  scale = params["params"]["scale"]
+  chex.assert_trees_all_equal(
+      model.apply(params, x),
+      x.astype(jnp.bfloat16) * scale.astype(jnp.bfloat16))
+
+  def dispatch(x, one_hot):
+    return jnp.einsum("btd,te->ebtd", x, one_hot)
+
+  one_hot = jax.nn.one_hot(jnp.arange(32) % 4, 4)
+  chex.assert_trees_all_close(
+      jmp_lab.autocast(dispatch, f"mixed_{fmt}")(x, one_hot),
+      dispatch(x, one_hot), atol=2e-2, rtol=0)
+
+
 def test_a_gpu_without_block_scaled_cores_warns_once(monkeypatch):
   class Hopper:
     platform, compute_capability, device_kind = "gpu", "9.0", "NVIDIA H100"

@@ -517,6 +517,26 @@ def test_multisteps_around_the_optimizer_refuses_marked_gradients_in_a_step():
 
 
 @pytest.mark.parametrize("make_tx", [
+    lambda: jmp_lab.mixed_precision(optax.sgd(0.1), policy="p=bf16,c=bf16"),
+    lambda: jmp_lab.fused_adamw(1e-3, policy="p=bf16,c=bf16"),
+], ids=["mixed_precision", "fused_adamw"])
+def test_apply_if_finite_around_the_optimizer_warns_at_init(make_tx):
+  """``optax.apply_if_finite(jmp_lab...)`` with bf16 params failed at its
+  first update inside jax's cond ("cond branches must have equal output
+  types": jmp_lab's updates are fp32), naming neither. Its init now warns
+  that jmp_lab skips non-finite steps itself; inside, it does not."""
+  params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+  with pytest.warns(UserWarning, match=r"optax.apply_if_finite wraps "
+                    r"jmp_lab.* skips a non-finite step itself.*"
+                    r"jmp_lab.skipped_steps"):
+    optax.apply_if_finite(make_tx(), 3).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp_lab.mixed_precision(optax.apply_if_finite(optax.sgd(0.1), 3),
+                            policy="p=bf16,c=bf16").init(params)
+
+
+@pytest.mark.parametrize("make_tx", [
     lambda policy: jmp_lab.mixed_precision(optax.sgd(0.1), policy=policy),
     lambda policy: jmp_lab.fused_adamw(1e-3, policy=policy),
 ], ids=["mixed_precision", "fused_adamw"])

@@ -488,11 +488,24 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   :func:`.product_types.result_spec` says: the quantization's reshapes and
   the GEMMs over a split contraction are left to the partitioner, as on a
   mesh of Auto axes (jax's typing refuses several of them, and asks a GEMM
-  over a split contraction to name its result's sharding)."""
+  over a split contraction to name its result's sharding).
+
+  A product over one value or none (an elementwise scale by a param
+  written as an einsum, ``"btd,d->btd"``; a one-hot dispatch's batch
+  product) is no GEMM: it runs as ``lax.dot_general`` of the unquantized
+  operands in the weight's dtype. Block-scaled, its contraction padded to a
+  block, it rounded both operands to E4M3 (E2M1) for nothing."""
   del precision, preferred_element_type
   if out_sharding is not None:
     raise ValueError(f"a block-scaled matmul does not take out_sharding "
                      f"(got {out_sharding!r})")
+  if weight not in ("rhs", "lhs"):
+    raise ValueError(f"weight must be 'rhs' or 'lhs', got {weight!r}")
+  _check_floating(lhs=lhs, rhs=rhs)
+  recipe_for(fmt)  # a clear error for a bad name, whichever route follows
+  (lc, _), _ = dimension_numbers
+  if math.prod(jnp.shape(lhs)[d] for d in lc) == 1:
+    return _unquantized(lhs, rhs, dimension_numbers, weight)
   if explicitly_sharded(lhs) or explicitly_sharded(rhs):
     return jax.sharding.auto_axes(
         functools.partial(_dot_general, dimension_numbers=dimension_numbers,
@@ -503,12 +516,26 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   return _dot_general(lhs, rhs, dimension_numbers, fmt=fmt, weight=weight)
 
 
+def _check_floating(**operands: jax.Array) -> None:
+  for name, operand in operands.items():
+    dtype = jnp.result_type(operand)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"a block-scaled matmul takes floating-point operands; "
+                      f"{name} is {dtype}")
+
+
+def _unquantized(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
+                 weight: str) -> jax.Array:
+  """The product in the weight's dtype, as the block-scaled one returns it."""
+  dtype = jnp.result_type(rhs if weight == "rhs" else lhs)
+  return jax.lax.dot_general(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype),
+                             dimension_numbers)
+
+
 def _dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
                  fmt: str, weight: str) -> jax.Array:
   if weight == "lhs":
     return _weight_on_the_left(lhs, rhs, dimension_numbers, fmt)
-  if weight != "rhs":
-    raise ValueError(f"weight must be 'rhs' or 'lhs', got {weight!r}")
   recipe = recipe_for(fmt)
   (lc, rc), (lb, rb) = dimension_numbers
   lhs = jnp.asarray(lhs).astype(rhs.dtype)

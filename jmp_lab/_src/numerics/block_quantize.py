@@ -101,6 +101,30 @@ def padded_to_block(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def _block_axis(x: jax.Array, axis: int, block: int, *,
+                tiles: bool = False) -> int:
+  """``axis`` of ``x`` made non-negative, checked: within ``x``'s axes and
+  a whole number of blocks long (with ``tiles``, the last axis, and the
+  second last a whole number of blocks too)."""
+  shape = jnp.shape(x)
+  if not isinstance(axis, (int, np.integer)) or not -len(shape) <= axis < len(
+      shape):
+    raise ValueError(f"axis must be an axis of x (shape {shape}), got "
+                     f"{axis!r}")
+  axis = int(axis) % len(shape)
+  if tiles and axis != len(shape) - 1:
+    raise ValueError(f"{block}x{block} tiles block the last two axes, got "
+                     f"axis={axis}")
+  for checked in ((len(shape) - 2, axis) if tiles else (axis,)):
+    if checked < 0 or shape[checked] % block:
+      raise ValueError(
+          f"x's axis {checked} (shape {shape}) must be a multiple of "
+          f"{block} long{' (tiles block the last two axes)' if tiles else ''};"
+          f" pad it, or let jmp_lab.block_scaled.dot_general pad the "
+          f"contraction")
+  return axis
+
+
 def _blocked(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
   """``x`` with ``axis`` split into (blocks, ``block``): the block's own
   values on the axis right after it."""
@@ -170,9 +194,7 @@ def quantize_mxfp8(x: jax.Array, axis: int = -1, *,
   last two axes shares one scale (still an MX encoding along either axis:
   every 32 values have one E8M0 scale, the tile's), so that the
   transposed weight is the same quantization."""
-  axis = axis % x.ndim
-  if tiles and axis != x.ndim - 1:
-    raise ValueError(f"32x32 tiles block the last two axes, got axis={axis}")
+  axis = _block_axis(x, axis, MXFP8.block, tiles=tiles)
   blocks = _blocked(x, MXFP8.block, axis)
   amax = _block_amax(blocks, axis).astype(jnp.float32)
   if tiles:
@@ -314,9 +336,7 @@ def quantize_nvfp4(x: jax.Array, *, tiles: bool = False,
       asked); the global scale leaves room for the larger scale
       (``scale_max`` 256).
   """
-  axis = axis % x.ndim
-  if tiles and axis != x.ndim - 1:
-    raise ValueError(f"16x16 tiles block the last two axes, got axis={axis}")
+  axis = _block_axis(x, axis, NVFP4.block, tiles=tiles)
   blocks = _blocked(x, NVFP4.block, axis)
   amax = _block_amax(blocks, axis).astype(jnp.float32)
   # From the block maxima: one pass over x fewer (and XLA fused the
@@ -433,7 +453,7 @@ def hadamard_16(x: jax.Array, axis: int = -1) -> jax.Array:
   read of ``x`` and one write, in its layout, with no transposed copy),
   not as four butterfly stages or a 16-term sum, which XLA compiled to
   several passes over the tensor or to kernels that spill registers."""
-  axis = axis % x.ndim
+  axis = _block_axis(x, axis, HADAMARD_SIZE)
   lead = int(np.prod(x.shape[:axis]))
   trail = int(np.prod(x.shape[axis + 1:]))
   groups = x.reshape(lead * (x.shape[axis] // HADAMARD_SIZE), HADAMARD_SIZE,

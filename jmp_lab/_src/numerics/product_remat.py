@@ -116,6 +116,10 @@ def checkpoint_policy(policy: Optional[Callable[..., Any]]
   >>> gemms(dots), gemms(jmp_lab.block_scaled.checkpoint_policy(dots))
   (4, 3)
   """
+  if policy is not None and not callable(policy):
+    raise TypeError(f"policy must be a remat policy (a callable, such as "
+                    f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable"
+                    f") or None, got {type(policy).__name__} {policy!r}")
   if policy is None or getattr(policy, "_jmp_lab_sees_products", False):
     return policy
   try:  # one wrapper a policy: the same policy, the same remat params

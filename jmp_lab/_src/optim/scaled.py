@@ -181,7 +181,29 @@ def warn_if_wrapped(where: str, fused: bool, loss_scale: LossScale) -> None:
   it from that ``init`` itself: the frames above it are what it reads."""
   caller = sys._getframe(2)  # 0: this function, 1: the init, 2: its caller
   warn_if_initialised_by_multisteps(where, fused, caller)
+  warn_if_initialised_by_apply_if_finite(where, caller)
   warn_if_chained_after_others(where, fused, loss_scale, caller)
+
+
+def warn_if_initialised_by_apply_if_finite(where: str, caller: Any) -> None:
+  """Warns when ``optax.apply_if_finite``'s ``init`` (``caller``, the frame
+  that called the jmp_lab optimizer's) initialises it. jmp_lab skips a
+  non-finite step itself; around it, ``apply_if_finite`` tests the gradients
+  of the scaled loss, and with half-precision params its two branches
+  differ in dtype (jmp_lab's updates are fp32), which jax's ``cond``
+  refuses at the first update with an error that names neither."""
+  if not (caller is not None and caller.f_code.co_name == "init"
+          and "optax" in caller.f_code.co_filename
+          and "ApplyIfFiniteState" in caller.f_code.co_names):
+    return
+  warnings.warn(
+      f"optax.apply_if_finite wraps {where}, which skips a non-finite step "
+      f"itself (and backs off its loss scale): drop the wrapper and read "
+      f"jmp_lab.skipped_steps(opt_state). Around it, apply_if_finite tests "
+      f"the gradients of the scaled loss, and with half-precision params "
+      f"its update fails in jax's cond (its branches differ in dtype: "
+      f"jmp_lab's updates are fp32).",
+      UserWarning, stacklevel=user_stacklevel())
 
 
 def chained_after_others_message(where: str, position: int, fused: bool,

@@ -284,6 +284,16 @@ def _is_norm(module: Any) -> bool:
   return is_norm_class(getattr(type(module), "_jmp_lab_base", type(module)))
 
 
+def _mapping(given: Any, name: str, example: str) -> Iterable[tuple]:
+  """The items of an overrides argument: a mapping, or None for none."""
+  if given is None:
+    return ()
+  if not isinstance(given, Mapping):
+    raise TypeError(f"{name} must be a mapping (a dict such as {example}), "
+                    f"got {type(given).__name__} {given!r}")
+  return given.items()
+
+
 def rules_from_options(
     policy: Policy, *, rules: Iterable[PrecisionRule] = (),
     class_overrides: Optional[Mapping[type, PolicySpec]] = None,
@@ -300,8 +310,9 @@ def rules_from_options(
   (``keep_layer_dtypes``).
 
   Raises:
-    TypeError: a ``class_overrides`` key that is not a class, a rule that is
-      not a :class:`PrecisionRule`, a flag that is not a bool.
+    TypeError: overrides that are not a mapping, a ``class_overrides`` key
+      that is not a class, a rule that is not a :class:`PrecisionRule`, a
+      flag that is not a bool.
     ValueError: a bad policy spec or an invalid regular expression.
   """
   for name, flag in (("fp32_norms", fp32_norms),
@@ -314,10 +325,12 @@ def rules_from_options(
       raise TypeError(f"rules must hold jmp_lab.precision.PrecisionRule, got "
                       f"{type(rule).__name__} {rule!r}")
     found.append(rule)
-  for pattern, spec in (path_overrides or {}).items():
+  for pattern, spec in _mapping(path_overrides, "path_overrides",
+                                "{'head': 'mixed_bfloat16'}"):
     _compiled(pattern, "path_overrides")
     found.append(PrecisionRule(get_policy(spec), path=pattern))
-  for cls, spec in (class_overrides or {}).items():
+  for cls, spec in _mapping(class_overrides, "class_overrides",
+                            "{nn.Dense: 'float32'}"):
     if not isinstance(cls, type):
       raise TypeError(f"class_overrides keys must be classes, got {cls!r}")
     found.append(PrecisionRule(get_policy(spec), cls=cls))
