@@ -71,6 +71,16 @@ class MatmulRecord:
         np.dtype(d) in HALF_DTYPES + FP8_DTYPES for d in self.operand_dtypes)
 
 
+def contracts_nothing(lhs: Any, dimension_numbers) -> bool:
+  """Whether ``lax.dot_general(lhs, _, dimension_numbers)`` sums over one
+  value or none (an elementwise scale written as an einsum, a one-hot
+  dispatch's batch product): no GEMM, so the fp8 and block-scaled products
+  leave it in the compute dtype rather than round both operands for
+  nothing."""
+  (lhs_contracting, _), _ = dimension_numbers
+  return math.prod(jnp.shape(lhs)[d] for d in lhs_contracting) == 1
+
+
 def _dot_dims(eqn):
   return _product_dims(eqn, eqn.params["dimension_numbers"])
 

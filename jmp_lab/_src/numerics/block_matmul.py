@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE
+from jmp_lab._src.matmuls import BLOCK_QUANTIZE_SCOPE, contracts_nothing
 from jmp_lab._src.numerics import block_quantize as bq
 from jmp_lab._src.numerics import product_remat, product_types
 from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
@@ -503,8 +503,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
     raise ValueError(f"weight must be 'rhs' or 'lhs', got {weight!r}")
   _check_floating(lhs=lhs, rhs=rhs)
   recipe_for(fmt)  # a clear error for a bad name, whichever route follows
-  (lc, _), _ = dimension_numbers
-  if math.prod(jnp.shape(lhs)[d] for d in lc) == 1:
+  if contracts_nothing(lhs, dimension_numbers):
     return _unquantized(lhs, rhs, dimension_numbers, weight)
   if explicitly_sharded(lhs) or explicitly_sharded(rhs):
     return jax.sharding.auto_axes(

@@ -5,7 +5,6 @@ quantization they build on is :mod:`jmp_lab._src.numerics.fp8_quantize`)."""
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
+from jmp_lab._src.matmuls import contracts_nothing
 from jmp_lab._src.numerics.consumer_layout import laid_out_for_consumer
 from jmp_lab._src.numerics.fp8_quantize import (current_scale, observation,
                                                 quantize)
@@ -290,12 +290,6 @@ def _check_bias(bias: Any, features: tuple[int, ...]) -> None:
         f"trailing axes of the result), got shape {tuple(bias.shape)}")
 
 
-def _contracts_nothing(lhs: jax.Array, dimension_numbers) -> bool:
-  """Whether a product sums over one value or none: no GEMM."""
-  (lhs_contracting, _), _ = dimension_numbers
-  return math.prod(jnp.shape(lhs)[d] for d in lhs_contracting) == 1
-
-
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
                 precision=None, preferred_element_type=None, *,
                 meta: Optional[Fp8Meta] = None,
@@ -341,7 +335,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   [8.0, 8.0]
   """
   del precision, preferred_element_type
-  if meta is None and _contracts_nothing(lhs, dimension_numbers):
+  if meta is None and contracts_nothing(lhs, dimension_numbers):
     # No GEMM (an elementwise scale by a param written as an einsum): in
     # fp8 it rounded both operands to E4M3 for nothing, 10x bf16's error.
     out = jax.lax.dot_general(jnp.asarray(lhs, rhs.dtype), rhs,
