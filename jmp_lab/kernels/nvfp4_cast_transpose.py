@@ -167,10 +167,15 @@ def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-def _scale(amax: jax.Array, global_scale: jax.Array, divide: Callable):
-  """A block's E4M3 scale (its amax maps to 6; NaN for a block with an
-  infinity or a NaN, as XLA's path) and its decode scale."""
-  scale = jnp.clip(divide(amax, global_scale * _E2M1_MAX), 0.0, _E4M3_MAX)
+def _scale(amax: jax.Array, global_scale: jax.Array, divide: Callable,
+           headroom: float = 1.0):
+  """A block's E4M3 scale (its amax maps to 6, or with ``headroom`` 1.5 to
+  4; NaN for a block with an infinity or a NaN, as XLA's path) and its
+  decode scale."""
+  scale = divide(amax, global_scale * _E2M1_MAX)
+  if headroom != 1.0:  # as XLA's path: the scale to 6, then times 1.5
+    scale = scale * jnp.float32(headroom)
+  scale = jnp.clip(scale, 0.0, _E4M3_MAX)
   scale = jnp.where(amax < jnp.inf, scale, jnp.float32(jnp.nan)).astype(
       jnp.float8_e4m3fn)
   return scale, scale.astype(jnp.float32) * global_scale
@@ -184,10 +189,10 @@ def _uniform(key: jax.Array, token: jax.Array, feature: jax.Array,
   return rounding.uniform_from_bits(rounding.hash32(index ^ key))
 
 
-def _e2m1_codes(x, decode, uniform, divide: Callable):
+def _e2m1_rounded(x, decode, uniform, divide: Callable):
   """``x`` over its decode scale rounded into E2M1 (to nearest even, or
-  up with the probability of its distance from the lower neighbour), as
-  the 4-bit codes (sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+  up with the probability of its distance from the lower neighbour): the
+  magnitude, and whether it is negative."""
   scaled = jnp.where(decode > 0, divide(x, jnp.where(decode > 0, decode, 1.0)),
                      0.0)
   magnitude = jnp.minimum(jnp.abs(scaled), _E2M1_MAX)
@@ -198,10 +203,16 @@ def _e2m1_codes(x, decode, uniform, divide: Callable):
                        jnp.where(magnitude < 4.0, 1.0, 0.5))
   multiple = (_round_half_even(magnitude * per_step) if uniform is None
               else jnp.floor(magnitude * per_step + uniform))
-  rounded = jnp.minimum(multiple * step, _E2M1_MAX)
+  return jnp.minimum(multiple * step, _E2M1_MAX), scaled < 0
+
+
+def _e2m1_codes(x, decode, uniform, divide: Callable):
+  """:func:`_e2m1_rounded` as the 4-bit codes (sign, then 0, 0.5, 1, 1.5,
+  2, 3, 4, 6)."""
+  rounded, negative = _e2m1_rounded(x, decode, uniform, divide)
   code = jnp.where(rounded < 2.0, rounded * 2.0,
                    jnp.where(rounded < 4.0, rounded + 2.0, rounded * 0.5 + 4.0))
-  return code.astype(jnp.uint32) | jnp.where(scaled < 0, jnp.uint32(8),
+  return code.astype(jnp.uint32) | jnp.where(negative, jnp.uint32(8),
                                              jnp.uint32(0))
 
 
@@ -219,6 +230,32 @@ def _packed(low, high):
   return (low | (high << jnp.uint32(4))).astype(jnp.uint8)
 
 
+def _squared_errors(tiles, scale, decode, global_scale, divide: Callable):
+  """The tiles' squared errors, element by element and summed over the
+  tiles, rounded to nearest with ``scale`` (fp32; ``decode`` its decode
+  scale; both broadcast against a tile), in units of the global scale:
+  how XLA's path measures a Four Over Six candidate
+  (:func:`~jmp_lab._src.numerics.block_quantize.quantize_nvfp4`)."""
+  total = None
+  for x in tiles:
+    magnitude, negative = _e2m1_rounded(x, decode, None, divide)
+    value = jnp.where(negative, -magnitude, magnitude)
+    error = jnp.square(value * scale - divide(x, global_scale))
+    total = error if total is None else total + error
+  return total
+
+
+def _fp32(scale):
+  return scale.astype(jnp.float32)
+
+
+def _selected(take_four, four, six):
+  """E4M3 scales selected in fp32 (which holds every E4M3 value, NaN
+  included) and stored as E4M3 again."""
+  return jnp.where(take_four, _fp32(four), _fp32(six)).astype(
+      jnp.float8_e4m3fn)
+
+
 class _Program(NamedTuple):
   """What both of a program's copies need: its element coordinates (each
   (16, 8): row ``pair`` of the even and odd tokens, word ``feature``), its
@@ -228,6 +265,7 @@ class _Program(NamedTuple):
   feature: jax.Array
   noise: Callable
   divide: Callable
+  four_over_six: bool
 
 
 def _write_along_features(program, even, odd, global_scale, key, q_ref,
@@ -236,8 +274,17 @@ def _write_along_features(program, even, odd, global_scale, key, q_ref,
   i, j = pl.program_id(0), pl.program_id(1)
   rows = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
   for parity, (x_even, x_odd) in enumerate((even, odd)):  # even, odd tokens
-    scale, decode = _scale(_max_abs(x_even, x_odd, axis=1), global_scale,
-                           program.divide)
+    amax = _max_abs(x_even, x_odd, axis=1)
+    scale, decode = _scale(amax, global_scale, program.divide)
+    if program.four_over_six:
+      four, decode_4 = _scale(amax, global_scale, program.divide, 1.5)
+      error_6, error_4 = (jnp.sum(_squared_errors(
+          (x_even, x_odd), _fp32(s)[:, None], d[:, None], global_scale,
+          program.divide), axis=1) for s, d in ((scale, decode),
+                                                (four, decode_4)))
+      take_four = error_4 < error_6
+      scale = _selected(take_four, four, scale)
+      decode = jnp.where(take_four, decode_4, decode)
     token = 2 * program.pair + parity
     codes = [_e2m1_codes(x, decode[:, None],
                          program.noise(key, token, 2 * program.feature + f),
@@ -258,9 +305,31 @@ def _write_along_tokens(program, t_even, t_odd, global_scale, key, q_t_ref,
   columns = jax.lax.broadcasted_iota(jnp.int32, (_HALF, 2), 1)
   for parity in (0, 1):   # the even, then the odd features
     a, b = t_even[parity], t_odd[parity]
+    groups = (first_group, ~first_group)
+    amaxes = [_max_abs(a, b, axis=0, where=group) for group in groups]
     (scale_0, decode_0), (scale_1, decode_1) = (
-        _scale(_max_abs(a, b, axis=0, where=group), global_scale,
-               program.divide) for group in (first_group, ~first_group))
+        _scale(amax, global_scale, program.divide) for amax in amaxes)
+    if program.four_over_six:
+      (four_0, decode_40), (four_1, decode_41) = (
+          _scale(amax, global_scale, program.divide, 1.5) for amax in amaxes)
+
+      def per_group(scales, decodes):  # each group's sum of squared errors
+        errors = _squared_errors(
+            (a, b), jnp.where(first_group, _fp32(scales[0])[None, :],
+                              _fp32(scales[1])[None, :]),
+            jnp.where(first_group, decodes[0][None, :], decodes[1][None, :]),
+            global_scale, program.divide)
+        return [jnp.sum(jnp.where(group, errors, 0.0), axis=0)
+                for group in groups]
+
+      take_0, take_1 = (
+          e4 < e6 for e6, e4 in zip(
+              per_group((scale_0, scale_1), (decode_0, decode_1)),
+              per_group((four_0, four_1), (decode_40, decode_41))))
+      scale_0, scale_1 = (_selected(take_0, four_0, scale_0),
+                          _selected(take_1, four_1, scale_1))
+      decode_0, decode_1 = (jnp.where(take_0, decode_40, decode_0),
+                            jnp.where(take_1, decode_41, decode_1))
     decode = jnp.where(first_group, decode_0[None, :], decode_1[None, :])
     feature = 2 * program.feature + parity
     codes = [_e2m1_codes(x, decode, program.noise(
@@ -272,8 +341,8 @@ def _write_along_tokens(program, t_even, t_odd, global_scale, key, q_t_ref,
             _packed(*codes).T)
     # The two groups' scales side by side (selected in fp32, which holds
     # every E4M3 value, then stored as E4M3 again).
-    both = jnp.where(columns == 0, scale_0[:, None].astype(jnp.float32),
-                     scale_1[:, None].astype(jnp.float32))
+    both = jnp.where(columns == 0, _fp32(scale_0)[:, None],
+                     _fp32(scale_1)[:, None])
     s_t_ref[features, pl.ds(2 * i + parity * (s_t_ref.shape[1] // 2), 2)] = (
         both.astype(jnp.float8_e4m3fn))
 
@@ -281,7 +350,7 @@ def _write_along_tokens(program, t_even, t_odd, global_scale, key, q_t_ref,
 def _cast_kernel(words_ref, h_ref, scales_ref, keys_ref, tokens_ref,
                  features_ref, q_ref, s_ref, q_t_ref, s_t_ref, *,
                  half_words: int, features: int, stochastic: bool,
-                 divide: Callable):
+                 four_over_six: bool, divide: Callable):
   even, odd = _load(words_ref, half_words)
   first_token = tokens_ref[pl.program_id(0)].astype(jnp.uint32)
   first_feature = features_ref[pl.program_id(1)].astype(jnp.uint32)
@@ -294,7 +363,8 @@ def _cast_kernel(words_ref, h_ref, scales_ref, keys_ref, tokens_ref,
 
   program = _Program(
       jax.lax.broadcasted_iota(jnp.uint32, (BLOCK, _HALF), 0),
-      jax.lax.broadcasted_iota(jnp.uint32, (BLOCK, _HALF), 1), noise, divide)
+      jax.lax.broadcasted_iota(jnp.uint32, (BLOCK, _HALF), 1), noise, divide,
+      four_over_six)
   _write_along_features(program, even, odd, scales_ref[0], keys_ref[0],
                         q_ref, s_ref, half_words)
   _write_along_tokens(program, *_transformed(h_ref, even, odd),
@@ -363,8 +433,8 @@ def nvfp4_amaxes(x: jax.Array, hadamard: np.ndarray, *,
 
 def nvfp4_cast_transpose(x: jax.Array, hadamard: np.ndarray,
                          global_scales: jax.Array, keys, *,
-                         stochastic: bool, first_token=None,
-                         first_feature=None, features=None,
+                         stochastic: bool, four_over_six: bool = False,
+                         first_token=None, first_feature=None, features=None,
                          interpret: bool = False) -> tuple[jax.Array, ...]:
   """``(q, s, q_t, s_t)``: ``x`` (tokens, features; bf16, see :func:`fits`)
   in NVFP4 blocked along its features (``q`` E2M1 codes packed two
@@ -382,6 +452,12 @@ def nvfp4_cast_transpose(x: jax.Array, hadamard: np.ndarray,
     keys: uint32 ``(2,)``: the two copies' noise streams' keys
       (``counter_bits``'s ``stream_key``); read only when ``stochastic``.
     stochastic: round stochastically (else to nearest even).
+    four_over_six: each block scaled so that its amax maps to 6 or to 4,
+      whichever dequantizes with the smaller sum of squared errors rounded
+      to nearest (arXiv 2512.02010; XLA's path's rule, ``global_scales``
+      then taken with its ``scale_max`` 256); the values are then rounded
+      as ``stochastic`` says. Chosen in the program's registers: the
+      kernel reads and writes the same bytes.
     first_token, first_feature: int32, the first token of each 32 and the
       first feature of each 16 in the whole tensor (a device's shard's
       noise is the whole tensor's); default ``x`` is whole.
@@ -402,7 +478,7 @@ def nvfp4_cast_transpose(x: jax.Array, hadamard: np.ndarray,
                                      jnp.float8_e4m3fn))
   kernel = functools.partial(
       _cast_kernel, features=features or width, stochastic=stochastic,
-      divide=jnp.divide if interpret else _divide_rn)
+      four_over_six=four_over_six, divide=jnp.divide if interpret else _divide_rn)
   q, s, q_t, s_t = _call(
       kernel, x, (_words(x), jnp.asarray(hadamard_blocks(np.asarray(hadamard))
                               if np.ndim(hadamard) == 2 else hadamard),
@@ -468,14 +544,16 @@ def _partial_amaxes(x, blocks, interpret: bool = False):
                "nvfp4_amax", interpret)
 
 
-def _cast_partition(stochastic, features, mesh, arg_shapes, result_shape):
+def _cast_partition(stochastic, features, four_over_six, mesh, arg_shapes,
+                    result_shape):
   del result_shape
   rows, columns = _whole_or_split(mesh, arg_shapes[0].sharding,
                                   arg_shapes[0].shape)
   whole = split_dims(mesh)
   args = (split_dims(mesh, rows, columns), whole, whole, whole,
           split_dims(mesh, rows), split_dims(mesh, columns))
-  local = functools.partial(_cast, stochastic=stochastic, features=features)
+  local = functools.partial(_cast, stochastic=stochastic, features=features,
+                            four_over_six=four_over_six)
   return mesh, local, _cast_outputs(mesh, rows, columns), args
 
 
@@ -485,17 +563,19 @@ def _cast_outputs(mesh, rows, columns):
   return (straight, straight, transposed, transposed)
 
 
-def _cast_infer(stochastic, features, mesh, arg_shapes, result_shape):
-  del stochastic, features, result_shape
+def _cast_infer(stochastic, features, four_over_six, mesh, arg_shapes,
+                result_shape):
+  del stochastic, features, four_over_six, result_shape
   return _cast_outputs(mesh, *_whole_or_split(mesh, arg_shapes[0].sharding,
                                               arg_shapes[0].shape))
 
 
 def _cast(x, blocks, global_scales, keys, first_token, first_feature,
-          stochastic, features):
+          stochastic, features, four_over_six):
   return nvfp4_cast_transpose(
       x, blocks, global_scales, keys, stochastic=stochastic,
-      first_token=first_token, first_feature=first_feature, features=features)
+      four_over_six=four_over_six, first_token=first_token,
+      first_feature=first_feature, features=features)
 
 
 def _amaxes_on_gpu(x, blocks):
@@ -509,7 +589,7 @@ _PARTITIONED_AMAXES.def_partition(
     partition=_amax_partition, infer_sharding_from_operands=_amax_infer,
     sharding_rule="(m i) (c j), b r s -> m c, m c", i=TOKENS, j=BLOCK)
 
-_PARTITIONED_CAST = custom_partitioning(_cast, static_argnums=(6, 7))
+_PARTITIONED_CAST = custom_partitioning(_cast, static_argnums=(6, 7, 8))
 _PARTITIONED_CAST.def_partition(
     partition=_cast_partition, infer_sharding_from_operands=_cast_infer,
     sharding_rule=("(m i) (c j), b r s, t, k, m, c -> (m i) (c h), (m i) c, "
@@ -519,7 +599,8 @@ _PARTITIONED_CAST.def_partition(
 
 def quantize_both_ways(x: jax.Array, hadamard: np.ndarray, *,
                        stochastic: bool, scales_and_keys: Callable,
-                       xla: Callable) -> tuple[jax.Array, ...]:
+                       xla: Callable, four_over_six: bool = False
+                       ) -> tuple[jax.Array, ...]:
   """``(q, s, g, q_t, s_t, g_t)``: ``x`` (tokens, features) in NVFP4
   blocked along its features (E2M1 ``q``, E4M3 ``s``, global scale ``g``)
   and, transformed by ``hadamard`` along its tokens, blocked along them and
@@ -530,7 +611,9 @@ def quantize_both_ways(x: jax.Array, hadamard: np.ndarray, *,
   sharded types, a jax without Pallas' Triton backend) ``xla(x)``, which
   must return the same six arrays (``tests/test_block_scaled.py`` checks
   they agree). ``scales_and_keys(amax, amax_t)`` gives the two copies'
-  global scales and noise keys from their amaxes, as ``xla`` derives them.
+  global scales and noise keys from their amaxes, as ``xla`` derives them
+  (with ``four_over_six``, :func:`nvfp4_cast_transpose`'s, their
+  ``scale_max`` 256).
 
   Across devices each device quantizes its own tiles (``custom_partitioning``;
   the amaxes are reduced over all of them, and each element draws the noise
@@ -550,7 +633,7 @@ def quantize_both_ways(x: jax.Array, hadamard: np.ndarray, *,
         x, blocks, global_scales, keys,
         jnp.arange(0, tokens, TOKENS, dtype=jnp.int32),
         jnp.arange(0, features, BLOCK, dtype=jnp.int32),
-        stochastic, features)
+        stochastic, features, four_over_six)
     return (as_e2m1(q), s, global_scales[0], as_e2m1(q_t), s_t,
             global_scales[1])
 

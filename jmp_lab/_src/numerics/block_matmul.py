@@ -306,14 +306,13 @@ def _mxfp8_both_ways(x: jax.Array) -> tuple[jax.Array, ...]:
 
 def _fused_both_ways(x: jax.Array, recipe: Recipe, salt) -> Optional[str]:
   """Which one-pass kernel quantizes ``x`` both ways, if any: MXFP8
-  rounded to nearest, or NVFP4's full recipe (the Hadamard transform, no
-  Four Over Six); one matrix of whole tiles (padding takes XLA's passes)."""
+  rounded to nearest, or NVFP4 with the Hadamard transform (Four Over Six
+  too); one matrix of whole tiles (padding takes XLA's passes)."""
   if x.shape[0] != 1:
     return None
   if recipe.fmt == bq.MXFP8 and not recipe.hadamard and salt is None:
     return "mxfp8" if mx.fits(x.shape[1:]) else None
-  if (recipe.fmt == bq.NVFP4 and recipe.hadamard and not recipe.four_over_six
-      and nv.fits(x.shape[1:])):
+  if recipe.fmt == bq.NVFP4 and recipe.hadamard and nv.fits(x.shape[1:]):
     return "nvfp4"
   return None
 
@@ -326,12 +325,16 @@ def _xla_both_ways(x: jax.Array, recipe: Recipe, salt: Optional[int]
 
 
 def nvfp4_scales_and_keys(amax: jax.Array, amax_t: jax.Array,
-                          salt: Optional[int]) -> tuple[jax.Array, jax.Array]:
+                          salt: Optional[int], four_over_six: bool = False
+                          ) -> tuple[jax.Array, jax.Array]:
   """The two copies' global scales and noise keys, from the amaxes of
   ``x`` and of its Hadamard transform, as :func:`_xla_both_ways` derives
   them (:func:`~.block_quantize.quantize_nvfp4`: the seed from the amax,
-  the streams ``salt`` and ``salt + 1``); zero keys without noise."""
-  global_scales = jnp.stack([bq.nvfp4_global_scale(None, amax=a)
+  the streams ``salt`` and ``salt + 1``; Four Over Six's room for the
+  larger scale); zero keys without noise."""
+  room = ({"scale_max": bq.FOUR_OVER_SIX_SCALE_MAX} if four_over_six
+          else {})
+  global_scales = jnp.stack([bq.nvfp4_global_scale(None, amax=a, **room)
                              for a in (amax, amax_t)])
   if salt is None:
     return global_scales, jnp.zeros((2,), jnp.uint32)
@@ -352,8 +355,10 @@ def _nvfp4_both_ways(x: jax.Array, recipe: Recipe, salt: Optional[int]
 
   q, s, g, q_t, s_t, g_t = nv.quantize_both_ways(
       x[0], bq.HADAMARD, stochastic=salt is not None,
-      scales_and_keys=functools.partial(nvfp4_scales_and_keys, salt=salt),
-      xla=xla)
+      scales_and_keys=functools.partial(
+          nvfp4_scales_and_keys, salt=salt,
+          four_over_six=recipe.four_over_six),
+      xla=xla, four_over_six=recipe.four_over_six)
   return (bq.Quantized(q[None], s[None], g),
           bq.Quantized(q_t[None], s_t[None], g_t))
 
