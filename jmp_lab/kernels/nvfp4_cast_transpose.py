@@ -249,11 +249,26 @@ def _fp32(scale):
   return scale.astype(jnp.float32)
 
 
-def _selected(take_four, four, six):
-  """E4M3 scales selected in fp32 (which holds every E4M3 value, NaN
-  included) and stored as E4M3 again."""
-  return jnp.where(take_four, _fp32(four), _fp32(six)).astype(
-      jnp.float8_e4m3fn)
+def _chosen(take_four, four, six):
+  """Four Over Six's choice between two ``(scale, decode)`` candidates
+  (the scales selected in fp32, which holds every E4M3 value, NaN
+  included, and stored as E4M3 again)."""
+  scale = jnp.where(take_four, _fp32(four[0]), _fp32(six[0]))
+  return (scale.astype(jnp.float8_e4m3fn),
+          jnp.where(take_four, four[1], six[1]))
+
+
+def _group_errors(a, b, groups, candidates, global_scale, divide):
+  """Each of the two token groups' sums of squared errors (per feature)
+  with its own ``(scale, decode)`` candidate (tiles ``a`` and ``b``, rows
+  in ``groups[0]`` the first group's)."""
+  def tile(values):
+    return jnp.where(groups[0], values[0][None, :], values[1][None, :])
+
+  errors = _squared_errors(
+      (a, b), tile([_fp32(c[0]) for c in candidates]),
+      tile([c[1] for c in candidates]), global_scale, divide)
+  return [jnp.sum(jnp.where(group, errors, 0.0), axis=0) for group in groups]
 
 
 class _Program(NamedTuple):
@@ -275,16 +290,15 @@ def _write_along_features(program, even, odd, global_scale, key, q_ref,
   rows = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
   for parity, (x_even, x_odd) in enumerate((even, odd)):  # even, odd tokens
     amax = _max_abs(x_even, x_odd, axis=1)
-    scale, decode = _scale(amax, global_scale, program.divide)
+    six = _scale(amax, global_scale, program.divide)
     if program.four_over_six:
-      four, decode_4 = _scale(amax, global_scale, program.divide, 1.5)
+      four = _scale(amax, global_scale, program.divide, 1.5)
       error_6, error_4 = (jnp.sum(_squared_errors(
-          (x_even, x_odd), _fp32(s)[:, None], d[:, None], global_scale,
-          program.divide), axis=1) for s, d in ((scale, decode),
-                                                (four, decode_4)))
-      take_four = error_4 < error_6
-      scale = _selected(take_four, four, scale)
-      decode = jnp.where(take_four, decode_4, decode)
+          (x_even, x_odd), _fp32(scale)[:, None], decode[:, None],
+          global_scale, program.divide), axis=1) for scale, decode in (six,
+                                                                       four))
+      six = _chosen(error_4 < error_6, four, six)
+    scale, decode = six
     token = 2 * program.pair + parity
     codes = [_e2m1_codes(x, decode[:, None],
                          program.noise(key, token, 2 * program.feature + f),
@@ -307,29 +321,15 @@ def _write_along_tokens(program, t_even, t_odd, global_scale, key, q_t_ref,
     a, b = t_even[parity], t_odd[parity]
     groups = (first_group, ~first_group)
     amaxes = [_max_abs(a, b, axis=0, where=group) for group in groups]
-    (scale_0, decode_0), (scale_1, decode_1) = (
-        _scale(amax, global_scale, program.divide) for amax in amaxes)
+    sixes = [_scale(amax, global_scale, program.divide) for amax in amaxes]
     if program.four_over_six:
-      (four_0, decode_40), (four_1, decode_41) = (
-          _scale(amax, global_scale, program.divide, 1.5) for amax in amaxes)
-
-      def per_group(scales, decodes):  # each group's sum of squared errors
-        errors = _squared_errors(
-            (a, b), jnp.where(first_group, _fp32(scales[0])[None, :],
-                              _fp32(scales[1])[None, :]),
-            jnp.where(first_group, decodes[0][None, :], decodes[1][None, :]),
-            global_scale, program.divide)
-        return [jnp.sum(jnp.where(group, errors, 0.0), axis=0)
-                for group in groups]
-
-      take_0, take_1 = (
-          e4 < e6 for e6, e4 in zip(
-              per_group((scale_0, scale_1), (decode_0, decode_1)),
-              per_group((four_0, four_1), (decode_40, decode_41))))
-      scale_0, scale_1 = (_selected(take_0, four_0, scale_0),
-                          _selected(take_1, four_1, scale_1))
-      decode_0, decode_1 = (jnp.where(take_0, decode_40, decode_0),
-                            jnp.where(take_1, decode_41, decode_1))
+      fours = [_scale(amax, global_scale, program.divide, 1.5)
+               for amax in amaxes]
+      sixes = [_chosen(e4 < e6, four, six) for e6, e4, four, six in zip(
+          _group_errors(a, b, groups, sixes, global_scale, program.divide),
+          _group_errors(a, b, groups, fours, global_scale, program.divide),
+          fours, sixes)]
+    (scale_0, decode_0), (scale_1, decode_1) = sixes
     decode = jnp.where(first_group, decode_0[None, :], decode_1[None, :])
     feature = 2 * program.feature + parity
     codes = [_e2m1_codes(x, decode, program.noise(
