@@ -27,6 +27,8 @@ jmp_lab's own Pallas kernels compile for sm_100a without spills)::
       --size 1.3b --lean --per-layer
 
 ``--four-over-six`` adds each NVFP4 config under Four Over Six.
+``--forward`` compiles the model's forward alone (evaluation: ``apply``, no
+gradient) under each policy instead of the train step.
 """
 
 from __future__ import annotations
@@ -119,6 +121,40 @@ def gradient_step_report(front_end: str, policy: str, size: ts.ModelSize):
   step = jax.grad(lambda s, b: loss_of(nnx.merge(graph, s)(b[:, :-1]), b))
   return compiled_report(step, state, batch, target="b200",
                          fail_on_spill=False)
+
+
+def forward_row(policy: str, size: ts.ModelSize) -> dict:
+  """GPT-2 at ``size``: its forward alone (``model.apply`` on a batch of
+  tokens, no gradient) under ``policy``, compiled for a B200."""
+  from jmp_lab.diagnostics import compiled_report  # pylint: disable=import-outside-toplevel
+  model = jmp_lab.linen.with_policy(ts.GPT(size), policy)
+  params = jax.eval_shape(model.init, jax.random.key(0),
+                          jnp.zeros((1, size.seq_len), jnp.int32))
+  tokens = jax.ShapeDtypeStruct((size.batch, size.seq_len), jnp.int32)
+  report = compiled_report(model.apply, params, tokens, target="b200",
+                           fail_on_spill=False)
+  roof = report.roofline_seconds()
+  return {
+      "policy": policy,
+      "block_scaled_gemms": sum(g.times for g in report.block_scaled_gemms),
+      "pallas_kernels": len(report.pallas_kernels),
+      "temp_gib": report.memory.get("temp", 0) / 2**30,
+      "roofline_ms": roof["total"] * 1e3,
+      "memory_ms": roof["memory"] * 1e3,
+      "gemm_ms": roof["gemm"] * 1e3,
+  }
+
+
+def forward_table(rows: list[dict]) -> str:
+  lines = ["| forward | block-scaled GEMMs | Pallas kernels | temp GiB | "
+           "roofline ms (memory + GEMM) | vs first |", "|---" * 6 + "|"]
+  for r in rows:
+    lines.append(
+        f"| {r['policy']} | {r['block_scaled_gemms']} | {r['pallas_kernels']}"
+        f" | {r['temp_gib']:.2f} | {r['roofline_ms']:.3f} "
+        f"({r['memory_ms']:.3f} + {r['gemm_ms']:.3f}) | "
+        f"{r['roofline_ms'] / rows[0]['roofline_ms']:.3f}x |")
+  return "\n".join(lines)
 
 
 FOUR_OVER_SIX = "+4/6"
@@ -332,6 +368,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--four-over-six", action="store_true",
                       help="also each NVFP4 config under Four Over Six "
                            "(nvfp4_recipe(four_over_six=True)), named +4/6")
+  parser.add_argument("--forward", action="store_true",
+                      help="the forward alone (apply, no gradient) under "
+                           "mixed_bfloat16, mixed_mxfp8 and mixed_nvfp4")
   parser.add_argument("--configs", default=None,
                       help="','-separated config names to run (the first of "
                            "the list is the baseline)")
@@ -350,6 +389,13 @@ def main(argv=None) -> dict:
     configs = [by_name[name] for name in wanted]
   results = {}
   for name in args.size or ["gpt2-small"]:
+    if args.forward:
+      rows = [forward_row(policy, SIZES[name]) for policy in
+              ("mixed_bfloat16", "mixed_mxfp8", "mixed_nvfp4")]
+      results[name] = rows
+      print(f"{name}, the forward compiled for 1 x B200 (models)")
+      print(forward_table(rows), flush=True)
+      continue
     if args.per_layer:
       results[name] = per_layer(configs, SIZES[name])
       continue

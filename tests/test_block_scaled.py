@@ -91,17 +91,20 @@ def reference_mxfp8(x: np.ndarray):
 def reference_nvfp4(x: np.ndarray):
   """NVFP4 (arXiv 2509.25149 section 2): global decode scale amax/(448*6)
   and each block's E4M3 scale amax_b/(6 g), in fp32 arithmetic; values
-  rounded to nearest even into E2M1 after dividing by scale * g."""
+  rounded to nearest even into E2M1 after dividing by scale * g. Each
+  division by a scale (a constant, a block's) is a product with the fp32
+  reciprocal, as XLA compiles a division by a constant or a broadcast
+  (jmp_lab writes it so on every path, its kernels too)."""
   f32 = np.float32
   x = x.astype(f32)
   amax = f32(np.max(np.abs(x)))
-  g = f32(amax / f32(2688.0)) if amax > 0 else f32(1.0)
+  g = f32(amax * (f32(1) / f32(2688.0))) if amax > 0 else f32(1.0)
   blocks = x.reshape(-1, 16)
-  decode = np.max(np.abs(blocks), axis=1) / f32(g * f32(6.0))
+  decode = np.max(np.abs(blocks), axis=1) * (f32(1) / f32(g * f32(6.0)))
   scales = _round_nearest_even(np.minimum(decode, f32(448.0)), E4M3)
   d = (scales.astype(f32) * g).astype(f32)[:, None]
   with np.errstate(invalid="ignore", divide="ignore"):
-    scaled = np.clip((blocks / d).astype(f32), -6, 6)
+    scaled = np.clip((blocks * (f32(1) / d)).astype(f32), -6, 6)
   values = np.where(d == 0, 0.0, _round_nearest_even(
       np.nan_to_num(scaled), E2M1))
   return values, scales, float(g)
@@ -119,21 +122,21 @@ def reference_nvfp4_four_over_six(x: np.ndarray, tiles: bool = False):
   f32 = np.float32
   x = x.astype(f32)
   amax = f32(np.max(np.abs(x)))
-  g = f32(amax / f32(1536.0))
+  g = f32(amax * (f32(1) / f32(1536.0)))   # as reference_nvfp4's
   rows, columns = x.shape
   if tiles:
     blocks = x.reshape(rows // 16, 16, columns // 16, 16).transpose(
         0, 2, 1, 3).reshape(-1, 256)
   else:
     blocks = x.reshape(-1, 16)
-  decode = np.max(np.abs(blocks), axis=1) / f32(g * f32(6.0))
+  decode = np.max(np.abs(blocks), axis=1) * (f32(1) / f32(g * f32(6.0)))
   candidates = []
   for factor in (f32(1.0), f32(1.5)):
     scales = _round_nearest_even(np.minimum(f32(decode * factor), f32(448.0)),
                                  E4M3)
     d = (scales.astype(f32) * g).astype(f32)[:, None]
     with np.errstate(invalid="ignore", divide="ignore"):
-      scaled = np.clip((blocks / d).astype(f32), -6, 6)
+      scaled = np.clip((blocks * (f32(1) / d)).astype(f32), -6, 6)
     values = np.where(d == 0, 0.0, _round_nearest_even(
         np.nan_to_num(scaled), E2M1))
     error = np.sum((values * d.astype(np.float64) - blocks) ** 2, axis=1)
@@ -458,6 +461,27 @@ def test_the_nvfp4_kernels_name_a_tensor_they_do_not_take(shape, dtype):
                             stochastic=False, interpret=True)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_a_tensors_scale_has_the_same_bits_eagerly_and_jitted(fmt):
+  """The per-tensor scale (NVFP4's global scale, fp8's current scale) is
+  its amax over a constant, which XLA compiles as a product with the
+  reciprocal under ``jit`` but divided eagerly: one bit apart for this
+  tensor, which rounded four of its values on E2M1's 3.5 tie to 4 eagerly
+  and to 3 jitted. The model's numbers then depended on ``jax.jit``."""
+  x = jax.random.normal(jax.random.key(1), (3, 32, 48))[1].astype(
+      jnp.bfloat16)
+  if fmt == "fp8":
+    from jmp_lab._src.numerics import fp8_quantize
+    scale = functools.partial(fp8_quantize.current_scale,
+                              fp8_dtype=jnp.float8_e4m3fn)
+    chex.assert_trees_all_equal(scale(x), jax.jit(scale)(x))
+    return
+  eager, jitted = bs.quantize_nvfp4(x), jax.jit(bs.quantize_nvfp4)(x)
+  chex.assert_trees_all_equal(eager.global_scale, jitted.global_scale)
+  np.testing.assert_array_equal(np.asarray(eager.values, np.float32),
+                                np.asarray(jitted.values, np.float32))
+
+
 def test_nvfp4_gives_an_overflowed_block_a_nan_scale():
   """A block (or a weight's 16x16 tile) holding an infinity or a NaN
   dequantizes to NaN, as MXFP8's do: clipped to E4M3's 448 instead, an
@@ -529,6 +553,21 @@ class ProductTest(chex.TestCase):
         np.asarray(y, np.float32),
         np.asarray(jnp.asarray((xd @ wd.T).astype(np.float32)).astype(
             jnp.bfloat16), np.float32))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_a_product_without_a_gradient_is_the_forward_of_one_with_it(self):
+    """Called without a gradient, a product quantizes its input one way
+    only (and on a GPU by XLA): the same numbers as the forward that saves
+    the backward's copies."""
+    x = jax.random.normal(jax.random.key(0), (96, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
+    for fmt in ("mxfp8", "nvfp4"):
+      product = functools.partial(bs.dot_general, dimension_numbers=DIMS,
+                                  fmt=fmt)
+      y = self.variant(product)(x, w)
+      with_gradient, _ = jax.vjp(product, x, w)
+      chex.assert_type(y, jnp.bfloat16)
+      chex.assert_trees_all_equal(y, with_gradient)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_gradients_are_block_scaled_along_their_own_contractions(self):
@@ -1330,6 +1369,23 @@ def test_four_over_six_chooses_inside_nvfp4s_kernels_on_a_b200():
       ["nvfp4_amax"] * 8 + ["nvfp4_cast_transpose"] * 8)
   assert all(k.spill_bytes == 0 for k in report.pallas_kernels)
   assert len(report.block_scaled_gemms) == 12
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_forward_without_a_gradient_quantizes_one_way_by_xla_on_a_b200(
+    fmt):
+  """Evaluation (``apply``, no gradient) compiled for a B200: no kernel
+  writes the weight gradient's copies; each input is quantized along its
+  contraction by XLA, which fuses it into its producer (GPT-2 small's
+  forward: 0.90x the modelled time under NVFP4, 0.98x under MXFP8)."""
+  require_cuda_plugin()
+  from jmp_lab.diagnostics import compiled_report
+  x = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+  model = jmp_lab.linen.with_policy(Layers(), f"mixed_{fmt}")
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  report = compiled_report(model.apply, params, x, target="b200")
+  assert not report.pallas_kernels, [k.name for k in report.pallas_kernels]
+  assert len(report.block_scaled_gemms) == 4
 
 
 class SelfAttention(nn.Module):

@@ -35,8 +35,10 @@ column-wise copy): bit for bit in Pallas interpret mode
 transform sum is not exact in fp32, its order of additions (this kernel's,
 or a GEMM's) can round it differently, in a few transposed bytes where
 magnitudes within a group lie far apart (``benchmarks/RESULTS.md``); the
-copy along the features has no sum. The divisions are IEEE's on
-the GPU too (``div.rn.f32``: Triton's own fp32 division is approximate).
+copy along the features has no sum. Each division by a scale is a
+product with the scale's reciprocal, as XLA's path writes it (XLA compiles
+a division by a broadcast so); the reciprocals are IEEE's on the GPU too
+(``div.rn.f32``: Triton's own fp32 division is approximate).
 The tile comes from compiling for the B200 target without register spills,
 not from GPU timings.
 """
@@ -156,23 +158,32 @@ def _max_abs(*tiles: jax.Array, axis=None, where=None) -> jax.Array:
   return jnp.where(nan > 0, jnp.float32(jnp.nan), largest)
 
 
-def _divide_rn(x: jax.Array, y: jax.Array) -> jax.Array:
-  """``x / y`` rounded to nearest on the GPU, as XLA divides: Triton's
-  fp32 division is approximate (``div.full.f32``, up to 2 ulp), which
-  would move a quotient near an E2M1 tie or an E4M3 rounding boundary."""
+def _reciprocal_rn(y: jax.Array) -> jax.Array:
+  """``1 / y`` rounded to nearest on the GPU, as XLA divides
+  (``rcp.rn.f32``: Triton's own fp32 division is approximate, which would
+  move a quotient near an E2M1 tie or an E4M3 rounding boundary)."""
   from jax.experimental.pallas import triton as pltriton  # GPU only
-  x, y = jnp.broadcast_arrays(x, y)
-  return pltriton.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+  shape = jnp.shape(y)
+  if not shape:  # a scalar (the global scale) as a one-element tensor
+    y = jnp.broadcast_to(y, (1,))
+  out = pltriton.elementwise_inline_asm(
+      "rcp.rn.f32 $0, $1;", args=[y], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
+  return out.reshape(shape)
 
 
-def _scale(amax: jax.Array, global_scale: jax.Array, divide: Callable,
+def _reciprocal_exact(y: jax.Array) -> jax.Array:
+  """``1 / y`` off the GPU (the Pallas interpreter)."""
+  return jnp.float32(1.0) / y
+
+
+def _scale(amax: jax.Array, global_scale: jax.Array, reciprocal: Callable,
            headroom: float = 1.0):
   """A block's E4M3 scale (its amax maps to 6, or with ``headroom`` 1.5 to
   4; NaN for a block with an infinity or a NaN, as XLA's path) and its
   decode scale."""
-  scale = divide(amax, global_scale * _E2M1_MAX)
+  # Divisions as XLA's path writes them: times the fp32 reciprocal.
+  scale = amax * reciprocal(global_scale * _E2M1_MAX)
   if headroom != 1.0:  # as XLA's path: the scale to 6, then times 1.5
     scale = scale * jnp.float32(headroom)
   scale = jnp.clip(scale, 0.0, _E4M3_MAX)
@@ -189,12 +200,12 @@ def _uniform(key: jax.Array, token: jax.Array, feature: jax.Array,
   return rounding.uniform_from_bits(rounding.hash32(index ^ key))
 
 
-def _e2m1_rounded(x, decode, uniform, divide: Callable):
+def _e2m1_rounded(x, decode, uniform, reciprocal: Callable):
   """``x`` over its decode scale rounded into E2M1 (to nearest even, or
   up with the probability of its distance from the lower neighbour): the
   magnitude, and whether it is negative."""
-  scaled = jnp.where(decode > 0, divide(x, jnp.where(decode > 0, decode, 1.0)),
-                     0.0)
+  scaled = jnp.where(
+      decode > 0, x * reciprocal(jnp.where(decode > 0, decode, 1.0)), 0.0)
   magnitude = jnp.minimum(jnp.abs(scaled), _E2M1_MAX)
   # Multiples of E2M1's step there (0.5 below 2, 1 below 4, 2 up to 6),
   # by multiplying with powers of two (exact; no division to approximate).
@@ -206,10 +217,10 @@ def _e2m1_rounded(x, decode, uniform, divide: Callable):
   return jnp.minimum(multiple * step, _E2M1_MAX), scaled < 0
 
 
-def _e2m1_codes(x, decode, uniform, divide: Callable):
+def _e2m1_codes(x, decode, uniform, reciprocal: Callable):
   """:func:`_e2m1_rounded` as the 4-bit codes (sign, then 0, 0.5, 1, 1.5,
   2, 3, 4, 6)."""
-  rounded, negative = _e2m1_rounded(x, decode, uniform, divide)
+  rounded, negative = _e2m1_rounded(x, decode, uniform, reciprocal)
   code = jnp.where(rounded < 2.0, rounded * 2.0,
                    jnp.where(rounded < 4.0, rounded + 2.0, rounded * 0.5 + 4.0))
   return code.astype(jnp.uint32) | jnp.where(negative, jnp.uint32(8),
@@ -230,7 +241,7 @@ def _packed(low, high):
   return (low | (high << jnp.uint32(4))).astype(jnp.uint8)
 
 
-def _squared_errors(tiles, scale, decode, global_scale, divide: Callable):
+def _squared_errors(tiles, scale, decode, global_scale, reciprocal: Callable):
   """The tiles' squared errors, element by element and summed over the
   tiles, rounded to nearest with ``scale`` (fp32; ``decode`` its decode
   scale; both broadcast against a tile), in units of the global scale:
@@ -238,9 +249,9 @@ def _squared_errors(tiles, scale, decode, global_scale, divide: Callable):
   (:func:`~jmp_lab._src.numerics.block_quantize.quantize_nvfp4`)."""
   total = None
   for x in tiles:
-    magnitude, negative = _e2m1_rounded(x, decode, None, divide)
+    magnitude, negative = _e2m1_rounded(x, decode, None, reciprocal)
     value = jnp.where(negative, -magnitude, magnitude)
-    error = jnp.square(value * scale - divide(x, global_scale))
+    error = jnp.square(value * scale - x * reciprocal(global_scale))
     total = error if total is None else total + error
   return total
 
@@ -258,7 +269,7 @@ def _chosen(take_four, four, six):
           jnp.where(take_four, four[1], six[1]))
 
 
-def _group_errors(a, b, groups, candidates, global_scale, divide):
+def _group_errors(a, b, groups, candidates, global_scale, reciprocal):
   """Each of the two token groups' sums of squared errors (per feature)
   with its own ``(scale, decode)`` candidate (tiles ``a`` and ``b``, rows
   in ``groups[0]`` the first group's)."""
@@ -267,19 +278,19 @@ def _group_errors(a, b, groups, candidates, global_scale, divide):
 
   errors = _squared_errors(
       (a, b), tile([_fp32(c[0]) for c in candidates]),
-      tile([c[1] for c in candidates]), global_scale, divide)
+      tile([c[1] for c in candidates]), global_scale, reciprocal)
   return [jnp.sum(jnp.where(group, errors, 0.0), axis=0) for group in groups]
 
 
 class _Program(NamedTuple):
   """What both of a program's copies need: its element coordinates (each
   (16, 8): row ``pair`` of the even and odd tokens, word ``feature``), its
-  noise (None when rounding to nearest) and its division."""
+  noise (None when rounding to nearest) and its reciprocal."""
 
   pair: jax.Array
   feature: jax.Array
   noise: Callable
-  divide: Callable
+  reciprocal: Callable
   four_over_six: bool
 
 
@@ -290,19 +301,19 @@ def _write_along_features(program, even, odd, global_scale, key, q_ref,
   rows = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
   for parity, (x_even, x_odd) in enumerate((even, odd)):  # even, odd tokens
     amax = _max_abs(x_even, x_odd, axis=1)
-    six = _scale(amax, global_scale, program.divide)
+    six = _scale(amax, global_scale, program.reciprocal)
     if program.four_over_six:
-      four = _scale(amax, global_scale, program.divide, 1.5)
+      four = _scale(amax, global_scale, program.reciprocal, 1.5)
       error_6, error_4 = (jnp.sum(_squared_errors(
           (x_even, x_odd), _fp32(scale)[:, None], decode[:, None],
-          global_scale, program.divide), axis=1) for scale, decode in (six,
+          global_scale, program.reciprocal), axis=1) for scale, decode in (six,
                                                                        four))
       six = _chosen(error_4 < error_6, four, six)
     scale, decode = six
     token = 2 * program.pair + parity
     codes = [_e2m1_codes(x, decode[:, None],
                          program.noise(key, token, 2 * program.feature + f),
-                         program.divide)
+                         program.reciprocal)
              for f, x in enumerate((x_even, x_odd))]
     q_ref[rows, pl.ds(pl.multiple_of(j * _HALF + parity * half_words, _HALF),
                       _HALF)] = _packed(*codes)
@@ -321,19 +332,19 @@ def _write_along_tokens(program, t_even, t_odd, global_scale, key, q_t_ref,
     a, b = t_even[parity], t_odd[parity]
     groups = (first_group, ~first_group)
     amaxes = [_max_abs(a, b, axis=0, where=group) for group in groups]
-    sixes = [_scale(amax, global_scale, program.divide) for amax in amaxes]
+    sixes = [_scale(amax, global_scale, program.reciprocal) for amax in amaxes]
     if program.four_over_six:
-      fours = [_scale(amax, global_scale, program.divide, 1.5)
+      fours = [_scale(amax, global_scale, program.reciprocal, 1.5)
                for amax in amaxes]
       sixes = [_chosen(e4 < e6, four, six) for e6, e4, four, six in zip(
-          _group_errors(a, b, groups, sixes, global_scale, program.divide),
-          _group_errors(a, b, groups, fours, global_scale, program.divide),
+          _group_errors(a, b, groups, sixes, global_scale, program.reciprocal),
+          _group_errors(a, b, groups, fours, global_scale, program.reciprocal),
           fours, sixes)]
     (scale_0, decode_0), (scale_1, decode_1) = sixes
     decode = jnp.where(first_group, decode_0[None, :], decode_1[None, :])
     feature = 2 * program.feature + parity
     codes = [_e2m1_codes(x, decode, program.noise(
-        key, 2 * program.pair + t, feature), program.divide)
+        key, 2 * program.pair + t, feature), program.reciprocal)
              for t, x in enumerate((a, b))]
     features = pl.ds(pl.multiple_of(j * _HALF, _HALF), _HALF)
     q_t_ref[features, pl.ds(pl.multiple_of(
@@ -350,7 +361,7 @@ def _write_along_tokens(program, t_even, t_odd, global_scale, key, q_t_ref,
 def _cast_kernel(words_ref, h_ref, scales_ref, keys_ref, tokens_ref,
                  features_ref, q_ref, s_ref, q_t_ref, s_t_ref, *,
                  half_words: int, features: int, stochastic: bool,
-                 four_over_six: bool, divide: Callable):
+                 four_over_six: bool, reciprocal: Callable):
   even, odd = _load(words_ref, half_words)
   first_token = tokens_ref[pl.program_id(0)].astype(jnp.uint32)
   first_feature = features_ref[pl.program_id(1)].astype(jnp.uint32)
@@ -363,7 +374,7 @@ def _cast_kernel(words_ref, h_ref, scales_ref, keys_ref, tokens_ref,
 
   program = _Program(
       jax.lax.broadcasted_iota(jnp.uint32, (BLOCK, _HALF), 0),
-      jax.lax.broadcasted_iota(jnp.uint32, (BLOCK, _HALF), 1), noise, divide,
+      jax.lax.broadcasted_iota(jnp.uint32, (BLOCK, _HALF), 1), noise, reciprocal,
       four_over_six)
   _write_along_features(program, even, odd, scales_ref[0], keys_ref[0],
                         q_ref, s_ref, half_words)
@@ -478,7 +489,8 @@ def nvfp4_cast_transpose(x: jax.Array, hadamard: np.ndarray,
                                      jnp.float8_e4m3fn))
   kernel = functools.partial(
       _cast_kernel, features=features or width, stochastic=stochastic,
-      four_over_six=four_over_six, divide=jnp.divide if interpret else _divide_rn)
+      four_over_six=four_over_six,
+      reciprocal=_reciprocal_exact if interpret else _reciprocal_rn)
   q, s, q_t, s_t = _call(
       kernel, x, (_words(x), jnp.asarray(hadamard_blocks(np.asarray(hadamard))
                               if np.ndim(hadamard) == 2 else hadamard),

@@ -427,15 +427,34 @@ def block_scaled_bmm(x: jax.Array, w: jax.Array, recipe: Recipe,
   it reached the optimizer through a transpose, and XLA cannot update a
   buffer in place from a transposing read, so it wrote each updated param
   and moment elsewhere and copied them back (1.1 GB a layer of the
-  1.3B-class MXFP8 step: ``benchmarks/RESULTS.md``)."""
-  return _bmm_fwd(x, w, recipe, weight_k_major)[0]
+  1.3B-class MXFP8 step: ``benchmarks/RESULTS.md``).
+
+  Called without a gradient (evaluation, inference), ``x`` is quantized
+  along K only, and by XLA, not by the kernels that write both layouts:
+  the copy the weight gradient would read is not written, and XLA fuses
+  the quantization into the kernel that produces ``x`` (a LayerNorm, an
+  activation), which a Pallas kernel cannot join. The forward's numbers
+  are the same. GPT-2 small's forward compiled for a B200: 0.90x the
+  modelled time under NVFP4, 0.98x under MXFP8 (``benchmarks/RESULTS.md``).
+  """
+  del weight_k_major  # only the backward's dw layout depends on it
+  return _product(_quantized(x, recipe), x, w, recipe)[0]
+
+
+def _product(qx: bq.Quantized, x: jax.Array, w: jax.Array, recipe: Recipe
+             ) -> tuple[jax.Array, bq.Quantized]:
+  """The forward GEMM of ``qx`` (``x`` quantized along K) and ``w``
+  (quantized here), cropped to ``x``'s rows and ``w``'s; and the
+  quantized weight."""
+  qw = _gathered_where_read(_quantized(w, recipe, tiles=recipe.weight_tiles))
+  return _cropped(scaled_product(qx, qw, x.dtype), x.shape[1],
+                  w.shape[1]), qw
 
 
 def _bmm_fwd(x, w, recipe, weight_k_major):
   del weight_k_major  # only the backward's dw layout depends on it
   qx, qx_t = _both_ways(x, recipe)
-  qw = _gathered_where_read(_quantized(w, recipe, tiles=recipe.weight_tiles))
-  y = _cropped(scaled_product(qx, qw, x.dtype), x.shape[1], w.shape[1])
+  y, qw = _product(qx, x, w, recipe)
   # Named, so that a remat policy that saves dots saves it (product_remat).
   y = product_remat.mark_product(y, x.shape[2])
   residuals = (_weight_for_input_gradient(w, qw, recipe), qx_t,

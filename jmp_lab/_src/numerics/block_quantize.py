@@ -16,7 +16,9 @@ source agrees bit for bit (``tests/test_block_scaled.py`` has one):
   fp32 scale ``g = amax(tensor) / (448 * 6)`` (current scaling: no state);
   blocks of 16 values (or 16x16 tiles for weights), each with the E4M3 scale
   ``s = e4m3(amax(block) / (6 * g))``; values ``x / (s * g)`` rounded into
-  E2M1, to nearest even or stochastically (gradients).
+  E2M1, to nearest even or stochastically (gradients). Each division is a
+  product with the divisor's fp32 reciprocal, as XLA compiles a division by
+  a broadcast scale (``_times_reciprocal``).
 * **Four Over Six** (Cook et al., arXiv 2512.02010, and the rule of its
   reference code, ``fouroversix/quantize/reference.py``; optional): the global scale is
   ``amax(tensor) / (256 * 6)``, and each block (a weight's 16x16 tile)
@@ -215,7 +217,8 @@ FOUR_OVER_SIX_SCALE_MAX = 256.0
 
 def nvfp4_global_scale(x: jax.Array, *, amax: Optional[jax.Array] = None,
                        scale_max: float = _E4M3_MAX) -> jax.Array:
-  """The per-tensor fp32 decode scale ``amax / (scale_max * 6)``, with
+  """The per-tensor fp32 decode scale ``amax / (scale_max * 6)`` (times
+  its fp32 reciprocal: :func:`~jmp_lab.kernels.rounding.over_constant`), with
   ``scale_max`` 448 (E4M3's largest, the paper's) or 256 (Four Over Six).
   It is 1 for a tensor of zeros or a non-finite amax, whose non-finite
   blocks then carry a NaN scale (:func:`quantize_nvfp4`). ``amax`` if given: the max of the block maxima, the same
@@ -224,13 +227,24 @@ def nvfp4_global_scale(x: jax.Array, *, amax: Optional[jax.Array] = None,
     amax = jnp.max(jnp.abs(x))
   amax = amax.astype(jnp.float32)
   usable = (amax > 0) & jnp.isfinite(amax)
-  return jnp.where(usable, amax / jnp.float32(scale_max * NVFP4.value_max),
-                   jnp.float32(1.0))
+  # As a product with the reciprocal: the same bits eagerly and jitted.
+  return jnp.where(usable, rounding.over_constant(
+      amax, scale_max * NVFP4.value_max), jnp.float32(1.0))
+
+
+def _times_reciprocal(x: jax.Array, divisor: jax.Array) -> jax.Array:
+  """``x / divisor`` for a ``divisor`` that broadcasts against ``x`` (a
+  block's scale, the tensor's), written as XLA compiles it: ``x`` times
+  the fp32 reciprocal. XLA's algebraic simplifier rewrites a division by a
+  broadcast so, on every backend; written out, the numbers no longer
+  depend on how a program's division reaches XLA, and NVFP4's kernels
+  (:mod:`jmp_lab.kernels.nvfp4_cast_transpose`) compute the same."""
+  return x * (jnp.float32(1.0) / divisor)
 
 
 def _e4m3_decode(amax: jax.Array, global_scale: jax.Array) -> jax.Array:
   """Each block's scale before rounding: its amax maps to 6."""
-  return amax / (global_scale * jnp.float32(NVFP4.value_max))
+  return _times_reciprocal(amax, global_scale * jnp.float32(NVFP4.value_max))
 
 
 def _e4m3(decode: jax.Array) -> jax.Array:
@@ -243,8 +257,8 @@ def _e2m1_values(blocks: jax.Array, scales: jax.Array,
   """``blocks`` over their scales times the global scale, rounded into E2M1
   (stochastically with ``uniform``, blocked as ``blocks``)."""
   decode = jnp.expand_dims(scales.astype(jnp.float32), axis + 1) * global_scale
-  scaled = jnp.where(decode > 0, blocks.astype(jnp.float32) / jnp.where(
-      decode > 0, decode, 1.0), 0.0)
+  scaled = jnp.where(decode > 0, _times_reciprocal(
+      blocks.astype(jnp.float32), jnp.where(decode > 0, decode, 1.0)), 0.0)
   scaled = jnp.clip(scaled, -NVFP4.value_max, NVFP4.value_max)
   if uniform is None:
     scaled = _round_e2m1_nearest(scaled)
@@ -383,7 +397,7 @@ def _four_over_six_scales(blocks: jax.Array, decode: jax.Array,
   more rather than writing both candidates out."""
   scales_6 = _e4m3(decode)
   scales_4 = _e4m3(decode * jnp.float32(1.5))
-  target = blocks.astype(jnp.float32) / global_scale
+  target = _times_reciprocal(blocks.astype(jnp.float32), global_scale)
 
   def squared_error(scales):
     values = _e2m1_values(blocks, scales, global_scale, axis, None)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 from jmp_lab._src.numerics.fp8_state import E4M3, E5M2, Fp8Meta, check_meta
+from jmp_lab.kernels import rounding
 from jmp_lab.kernels.stats import all_finite, part_maxima
 
 
@@ -184,10 +185,13 @@ def quantize_output_gradient(y: jax.Array, meta: Optional[Fp8Meta] = None
 
 def current_scale(x: jax.Array, fp8_dtype) -> jax.Array:
   """Current scaling's scale of ``x``: its amax over the fp8 format's
-  largest value (1 for an all-zero ``x``)."""
+  largest value (1 for an all-zero ``x``), as a product with its fp32
+  reciprocal (:func:`~jmp_lab.kernels.rounding.over_constant`: the same bits
+  eagerly and jitted)."""
   amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
   fp8_max = fp8_ops.get_fp8_max(fp8_dtype, jnp.float32)
-  return jax.lax.stop_gradient(jnp.where(amax > 0, amax / fp8_max, 1.0))
+  return jax.lax.stop_gradient(jnp.where(
+      amax > 0, rounding.over_constant(amax, fp8_max), 1.0))
 
 
 def observed_finite(observed: Any) -> jax.Array:
