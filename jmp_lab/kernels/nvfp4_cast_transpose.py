@@ -31,14 +31,16 @@ features, or two tokens) sit in one program's registers without a shuffle.
 The numbers are those of :func:`jmp_lab._src.numerics.block_quantize.quantize_nvfp4`
 (with :func:`~jmp_lab._src.numerics.block_quantize.hadamard_16` before the
 column-wise copy): bit for bit in Pallas interpret mode
-(``tests/test_block_scaled.py``), with one exception. Where a group's
-transform sum is not exact in fp32, its order of additions (this kernel's,
-or a GEMM's) can round it differently, in a few transposed bytes where
-magnitudes within a group lie far apart (``benchmarks/RESULTS.md``); the
-copy along the features has no sum. Each division by a scale is a
-product with the scale's reciprocal, as XLA's path writes it (XLA compiles
-a division by a broadcast so); the reciprocals are IEEE's on the GPU too
-(``div.rn.f32``: Triton's own fp32 division is approximate).
+(``tests/test_block_scaled.py``), with two exceptions, both sums whose
+order of additions differs. Where a group's transform sum is not exact in
+fp32, this kernel's order (or a GEMM's) can round it differently, in a few
+transposed bytes where magnitudes within a group lie far apart
+(``benchmarks/RESULTS.md``). Under Four Over Six, a block whose two sums of
+squared errors lie within their last bits of each other can take the other
+scale, in either copy. Each division by a scale is a product with the
+scale's reciprocal, as XLA's path writes it (XLA compiles a division by a
+broadcast so); the reciprocals are IEEE's on the GPU too (``rcp.rn.f32``:
+Triton's own fp32 division is approximate).
 The tile comes from compiling for the B200 target without register spills,
 not from GPU timings.
 """

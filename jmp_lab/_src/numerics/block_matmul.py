@@ -434,7 +434,9 @@ def block_scaled_bmm(x: jax.Array, w: jax.Array, recipe: Recipe,
   the copy the weight gradient would read is not written, and XLA fuses
   the quantization into the kernel that produces ``x`` (a LayerNorm, an
   activation), which a Pallas kernel cannot join. The forward's numbers
-  are the same. GPT-2 small's forward compiled for a B200: 0.90x the
+  are the same (under Four Over Six, but for a block whose two candidates'
+  errors tie within their last bits: the kernels sum them in their own
+  order). GPT-2 small's forward compiled for a B200: 0.90x the
   modelled time under NVFP4, 0.98x under MXFP8 (``benchmarks/RESULTS.md``).
   """
   del weight_k_major  # only the backward's dw layout depends on it
