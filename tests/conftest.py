@@ -83,6 +83,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import ci_lanes  # noqa: E402  (tests/ci_lanes.py)
+
 if _XLA_CACHE_MADE_HERE is not None:
   jax.config.update("jax_compilation_cache_dir", _XLA_CACHE_MADE_HERE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -229,6 +231,11 @@ def _skip_model_compiles() -> str:
 # ---------------------------------------------------------------------------
 
 
+# The heaviest test functions that are not marked run on the lane that
+# tests/lanes.txt names (tests/ci_lanes.py says why and how it is written).
+_LISTED_LANES = ci_lanes.read_lanes()
+
+
 def _skip_other_lane(item) -> str:
   """Why ``item`` is skipped on this jax's lane ("" where it runs)."""
   if os.environ.get("JMP_LAB_LANES", "") == "all":
@@ -236,11 +243,12 @@ def _skip_other_lane(item) -> str:
   from jmp_lab import _compat  # pylint: disable=import-outside-toplevel
   version = tuple(int(part) for part in _compat.JAX_VERSION.split(".")[:2])
   newest = version >= MODEL_COMPILES_FROM
-  lane = ("floor_lane" if item.get_closest_marker("floor_lane") else
-          "newest_lane" if item.get_closest_marker("newest_lane") else None)
-  if lane is None or (lane == "newest_lane") == newest:
+  lane = ("floor" if item.get_closest_marker("floor_lane") else
+          "newest" if item.get_closest_marker("newest_lane") else
+          _LISTED_LANES.get(ci_lanes.function_key(item.nodeid)))
+  if lane is None or (lane == "newest") == newest:
     return ""
-  where = ("jax < 0.11 (CI's floor lane)" if lane == "floor_lane" else
+  where = ("jax < 0.11 (CI's floor lane)" if lane == "floor" else
            "jax >= 0.11 (CI's newest lane)")
   return (f"CI runs it on {where} only (docs/development.md); "
           f"JMP_LAB_LANES=all runs it on this jax {_compat.JAX_VERSION}")
