@@ -15,17 +15,19 @@ newest_lane, model_compile or eight_devices keeps its own marker).
 
 FLOOR_LOG and NEWEST_LOG are the output of each lane's
 ``pytest -n 2 --durations=0 ...`` (CI's own command with --durations=0).
-Without NEWEST_LOG a newest-lane cost is estimated as --newest-factor times
-the floor's, and the newest lane's own tests (model_compile, newest_lane)
-as --newest-only seconds. docs/development.md says how to refresh it.
+A function one log skipped (it ran on the other lane under the last
+tests/lanes.txt) is estimated from the other lane's time, --newest-factor
+times the floor's on the newest lane. Without NEWEST_LOG every newest-lane
+cost is estimated so, and the newest lane's own tests (model_compile,
+newest_lane) as --newest-only seconds in all. docs/development.md says how to refresh it.
 """
 
 import argparse
 import collections
 import json
-import re
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -57,6 +59,19 @@ def seconds_by_function(log_path: str) -> collections.Counter:
       if match and match.group(2).startswith("tests/"):
         totals[function_key(match.group(2))] += float(match.group(1))
   return totals
+
+
+def fill_in_the_other_lane(floor, newest, newest_factor):
+  """A function that one log did not run (the other lane's, under an
+  earlier tests/lanes.txt: it shows as skipped, under a hundredth of a
+  second) costs its time on the other lane, times ``newest_factor`` from
+  the floor to the newest lane."""
+  for key in set(floor) | set(newest):
+    on_floor, on_newest = floor.get(key, 0.0), newest.get(key, 0.0)
+    if on_newest < 0.01 <= on_floor:
+      newest[key] = on_floor * newest_factor
+    elif on_floor < 0.01 <= on_newest:
+      floor[key] = on_newest / newest_factor
 
 
 def markers_by_function() -> dict:
@@ -118,12 +133,10 @@ def main():
   parser.add_argument("--newest-only", type=float, default=900.0)
   args = parser.parse_args()
   floor = seconds_by_function(args.floor_log)
-  if args.newest_log:
-    newest, newest_only = seconds_by_function(args.newest_log), 0.0
-  else:
-    newest = collections.Counter(
-        {k: v * args.newest_factor for k, v in floor.items()})
-    newest_only = args.newest_only
+  newest = (seconds_by_function(args.newest_log) if args.newest_log
+            else collections.Counter())
+  newest_only = 0.0 if args.newest_log else args.newest_only
+  fill_in_the_other_lane(floor, newest, args.newest_factor)
   chosen, lanes = assign(floor, newest, markers_by_function(), args.threshold,
                          newest_only)
   print("# Test functions that run on one CI lane only (tests/conftest.py reads this;")
