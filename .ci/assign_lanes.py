@@ -15,11 +15,12 @@ newest_lane, model_compile or eight_devices keeps its own marker).
 
 FLOOR_LOG and NEWEST_LOG are the output of each lane's
 ``pytest -n 2 --durations=0 ...`` (CI's own command with --durations=0).
-A function one log skipped (it ran on the other lane under the last
-tests/lanes.txt) is estimated from the other lane's time, --newest-factor
+A function that one log skipped because the tests/lanes.txt in use put it
+on the other lane is estimated from the other lane's time, --newest-factor
 times the floor's on the newest lane. Without NEWEST_LOG every newest-lane
 cost is estimated so, and the newest lane's own tests (model_compile,
-newest_lane) as --newest-only seconds in all. docs/development.md says how to refresh it.
+newest_lane) as --newest-only seconds in all. docs/development.md says
+how and when to refresh the file.
 """
 
 import argparse
@@ -32,16 +33,18 @@ import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from ci_lanes import function_key  # noqa: E402  (tests/ci_lanes.py)
+import ci_lanes  # noqa: E402  (tests/ci_lanes.py)
 
 # Functions that run on both lanes whatever they cost: what the issues ask
-# of both jax versions (the B200 block-scaled GEMMs of a whole step), every
-# docs page's code blocks (a user on either jax follows the same pages), and
-# the Pallas kernels' own lowering and interpretation (jax's Pallas and
-# Mosaic GPU APIs change between versions; jmp_lab._compat bridges them).
+# of both jax versions (the B200 block-scaled GEMMs of a whole step), the
+# code blocks of every docs page and of the README (a user on either jax
+# follows the same pages), and the Pallas kernels' own lowering and
+# interpretation (jax's Pallas and Mosaic GPU APIs change between versions;
+# jmp_lab._compat bridges them).
 PINNED_BOTH = (
     "test_block_scaled.py::test_every_gemm_compiles_to_cudnns_block_scaled_dot_for_a_b200",
     "test_docs_and_examples.py::test_docs_page_python_blocks_run",
+    "test_docs_and_examples.py::test_readme_python_block_runs",
     "test_compiled.py::test_multi_tensor_kernels_compile_for_sm90a_in_place",
     "test_kernels.py::test_mosaic_kernel_quantizes_a_row_a_block_as_the_reference",
 )
@@ -54,30 +57,38 @@ def seconds_by_function(log_path: str) -> collections.Counter:
   its cases) in a --durations=0 log."""
   totals = collections.Counter()
   with open(log_path, encoding="utf-8") as log:
-    for line in log:
-      match = _DURATION.match(line.rstrip("\n"))
-      if match and match.group(2).startswith("tests/"):
-        totals[function_key(match.group(2))] += float(match.group(1))
+    text = log.read()
+  # --durations=30 (CI's own command) names only the slowest 30 tests:
+  # every other function would look free and stay on both lanes.
+  if "= slowest durations =" not in text:
+    raise SystemExit(f"{log_path}: no '--durations=0' table (pytest prints "
+                     "'slowest durations' for it; CI's --durations=30 names "
+                     "30 tests only)")
+  for line in text.splitlines():
+    match = _DURATION.match(line)
+    if match and match.group(2).startswith("tests/"):
+      totals[ci_lanes.function_key(match.group(2))] += float(match.group(1))
   return totals
 
 
-def fill_in_the_other_lane(floor, newest, newest_factor):
-  """A function that one log did not run (the other lane's, under an
-  earlier tests/lanes.txt: it shows as skipped, under a hundredth of a
-  second) costs its time on the other lane, times ``newest_factor`` from
-  the floor to the newest lane."""
+def fill_in_the_other_lane(floor, newest, newest_factor, listed):
+  """A function that one log did not run costs its time on the other lane,
+  times ``newest_factor`` from the floor to the newest lane: with no newest
+  log, every function; with both, those that the tests/lanes.txt in use
+  (``listed``) put on the other lane. A test that skips itself on one jax
+  keeps its (nil) time there, so it is never given to a lane where it
+  would not run."""
+  no_newest_log = not newest
   for key in set(floor) | set(newest):
-    on_floor, on_newest = floor.get(key, 0.0), newest.get(key, 0.0)
-    if on_newest < 0.01 <= on_floor:
-      newest[key] = on_floor * newest_factor
-    elif on_floor < 0.01 <= on_newest:
-      floor[key] = on_newest / newest_factor
+    if no_newest_log or listed.get(key) == "floor":
+      newest[key] = floor.get(key, 0.0) * newest_factor
+    elif listed.get(key) == "newest":
+      floor[key] = newest.get(key, 0.0) / newest_factor
 
 
 def markers_by_function() -> dict:
   """The one-lane markers of each collected test function."""
-  # A fresh process (pytest imports conftest, which starts jax) that sees
-  # every test, whatever lane this jax is: JMP_LAB_LANES=all.
+  # A fresh process: pytest imports tests/conftest.py, which starts jax.
   probe = ("import json, sys, pytest\n"
            "sys.path.insert(0, 'tests')\n"
            "from ci_lanes import function_key\n"
@@ -87,14 +98,14 @@ def markers_by_function() -> dict:
            "    for item in session.items:\n"
            f"      names = [n for n in {ONE_LANE_MARKERS!r} if item.get_closest_marker(n)]\n"
            "      out.setdefault(function_key(item.nodeid), set()).update(names)\n"
-           "pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests'],"
-           " plugins=[Probe()])\n"
-           "print('MARKERS', json.dumps({k: sorted(v) for k, v in out.items()}))\n")
+           "code = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider',"
+           " 'tests'], plugins=[Probe()])\n"
+           "print('MARKERS', json.dumps({k: sorted(v) for k, v in out.items()}))\n"
+           "sys.exit(code)\n")
   result = subprocess.run(
       [sys.executable, "-c", probe], capture_output=True, text=True,
       check=True, cwd=pathlib.Path(__file__).resolve().parents[1],
-      env={**os.environ, "JMP_LAB_LANES": "all",
-           "JMP_LAB_MODEL_COMPILES": "all"})
+      env={**os.environ, "JMP_LAB_MODEL_COMPILES": "all"})
   line = next(l for l in result.stdout.splitlines() if l.startswith("MARKERS "))
   return json.loads(line[len("MARKERS "):])
 
@@ -109,8 +120,7 @@ def assign(floor, newest, markers, threshold, newest_only_seconds):
     if "floor_lane" in marks or "eight_devices" in marks:
       lanes["floor"] += cost["floor"]
     elif "newest_lane" in marks or "model_compile" in marks:
-      if newest:
-        lanes["newest"] += cost["newest"]
+      lanes["newest"] += cost["newest"]
     elif key in PINNED_BOTH or max(cost.values()) < threshold:
       lanes["floor"] += cost["floor"]
       lanes["newest"] += cost["newest"]
@@ -136,7 +146,8 @@ def main():
   newest = (seconds_by_function(args.newest_log) if args.newest_log
             else collections.Counter())
   newest_only = 0.0 if args.newest_log else args.newest_only
-  fill_in_the_other_lane(floor, newest, args.newest_factor)
+  fill_in_the_other_lane(floor, newest, args.newest_factor,
+                         ci_lanes.read_lanes())
   chosen, lanes = assign(floor, newest, markers_by_function(), args.threshold,
                          newest_only)
   print("# Test functions that run on one CI lane only (tests/conftest.py reads this;")

@@ -39,7 +39,8 @@ def function_key(nodeid: str) -> str:
 def read_lanes(path: pathlib.Path = LANES_FILE) -> dict[str, str]:
   """``{function key: lane}`` from a lanes file: one ``LANE KEY`` a line,
   ``#`` comments. A file that is missing lists nothing (every test runs on
-  both lanes); a line with an unknown lane is an error, not a silent skip."""
+  both lanes); a line with an unknown lane, or a function listed twice, is
+  an error, not a silent choice."""
   if not path.exists():
     return {}
   lanes = {}
@@ -51,5 +52,8 @@ def read_lanes(path: pathlib.Path = LANES_FILE) -> dict[str, str]:
     if lane not in LANES or not key.strip():
       raise ValueError(f"{path}:{number}: expected 'LANE file.py::test' with "
                        f"LANE one of {LANES}, got {line!r}")
-    lanes[key.strip()] = lane
+    key = key.strip()
+    if key in lanes:
+      raise ValueError(f"{path}:{number}: {key} is listed twice")
+    lanes[key] = lane
   return lanes

@@ -236,13 +236,24 @@ def _skip_model_compiles() -> str:
 _LISTED_LANES = ci_lanes.read_lanes()
 
 
-def _skip_other_lane(item) -> str:
-  """Why ``item`` is skipped on this jax's lane ("" where it runs)."""
-  if os.environ.get("JMP_LAB_LANES", "") == "all":
-    return ""
+def _every_lane_runs_here() -> bool:
+  """Whether JMP_LAB_LANES=all runs both lanes' tests here."""
+  return os.environ.get("JMP_LAB_LANES", "") == "all"
+
+
+def _this_lane_is_newest() -> bool:
+  """Whether this jax is the newest lane's (jax >= 0.11) or the floor's."""
   from jmp_lab import _compat  # pylint: disable=import-outside-toplevel
   version = tuple(int(part) for part in _compat.JAX_VERSION.split(".")[:2])
-  newest = version >= MODEL_COMPILES_FROM
+  return version >= MODEL_COMPILES_FROM
+
+
+def _skip_other_lane(item) -> str:
+  """Why ``item`` is skipped on this jax's lane ("" where it runs)."""
+  if _every_lane_runs_here():
+    return ""
+  from jmp_lab import _compat  # pylint: disable=import-outside-toplevel
+  newest = _this_lane_is_newest()
   lane = ("floor" if item.get_closest_marker("floor_lane") else
           "newest" if item.get_closest_marker("newest_lane") else
           _LISTED_LANES.get(ci_lanes.function_key(item.nodeid)))
@@ -254,7 +265,27 @@ def _skip_other_lane(item) -> str:
           f"JMP_LAB_LANES=all runs it on this jax {_compat.JAX_VERSION}")
 
 
+ONE_LANE_MARKERS = ("floor_lane", "newest_lane", "model_compile",
+                    "eight_devices")
+
+
+def _refuse_listed_tests_with_markers(items) -> None:
+  """A test in tests/lanes.txt that also carries a lane marker would follow
+  the marker, and a listing that disagreed with it could leave the test on
+  no lane at all: refuse the pair by name."""
+  both = sorted({ci_lanes.function_key(item.nodeid) for item in items
+                 if ci_lanes.function_key(item.nodeid) in _LISTED_LANES
+                 and any(item.get_closest_marker(name)
+                         for name in ONE_LANE_MARKERS)})
+  if both:
+    raise pytest.UsageError(
+        f"tests/lanes.txt lists tests that carry a lane marker "
+        f"({', '.join(ONE_LANE_MARKERS)}) of their own: {both}; take them "
+        f"out of the file (.ci/assign_lanes.py leaves marked tests alone)")
+
+
 def pytest_collection_modifyitems(items):
+  _refuse_listed_tests_with_markers(items)
   reason = _skip_model_compiles()
   for item in items:
     if reason and item.get_closest_marker("model_compile"):
@@ -268,6 +299,41 @@ def pytest_collection_modifyitems(items):
     return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(
         LONGEST_FIRST)
   items.sort(key=rank)  # stable: within a file, the collection order
+
+
+# Whether each function tests/lanes.txt gives to this jax's lane ran a case
+# here: one that skipped every case (say, a backend this jax lacks) would
+# run on no lane at all.
+_LISTED_OUTCOMES: dict = {}
+
+
+def pytest_runtest_logreport(report):
+  key = ci_lanes.function_key(report.nodeid)
+  if key in _LISTED_LANES and (report.when == "call" or report.skipped):
+    _LISTED_OUTCOMES.setdefault(key, set()).add(
+        "skipped" if report.skipped else "ran")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """In CI (``CI`` set), fails a run in which a function listed for this
+  lane skipped every case it collected; elsewhere only says so. An
+  xdist worker's reports reach the controller, which checks them all."""
+  del exitstatus
+  if hasattr(session.config, "workerinput") or _every_lane_runs_here():
+    return
+  here = "newest" if _this_lane_is_newest() else "floor"
+  never = sorted(key for key, outcomes in _LISTED_OUTCOMES.items()
+                 if outcomes == {"skipped"} and _LISTED_LANES[key] == here)
+  if not never:
+    return
+  message = (f"tests/lanes.txt gives these to the {here} lane, where every "
+             f"case skipped, so no lane runs them: {never}")
+  reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+  if reporter is not None:
+    reporter.ensure_newline()
+    reporter.write_line(message, red=True)
+  if os.environ.get("CI"):
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config):
